@@ -1,0 +1,16 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Shared fixtures. Engines are expensive here (5-30 s): share them with module-scoped fixtures."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_disagg.testing import apply_test_env, make_tiny_llama
+
+apply_test_env(in_process=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> str:
+    """A tiny random-weight Llama (config.json only; use load_format="dummy")."""
+    return str(make_tiny_llama(tmp_path_factory.mktemp("tiny-llama")))

@@ -1,0 +1,157 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The plugin's one typed configuration, `additional_config["disagg"]`.
+
+Every entry point (`vllm serve --plugin disagg --disagg-*`, `LLM(additional_config=...)`,
+`vllm-disagg up`) builds a `DisaggConfig`; nothing else reads raw dicts. Unknown keys and bad
+values fail with a message that names the key (or the CLI flag) and the fix.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+Role = Literal["prefill", "decode", "attention", "mixed"]
+TransportKind = Literal["tcp", "shm", "nixl", "rdma", "mscclpp"]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _check_host_port(value: str) -> str:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"expected HOST:PORT, got {value!r}")
+    return value
+
+
+class KVTransferSection(_Section):
+    """Splitwise P/D: how KV moves from prefill to decode."""
+
+    transport: TransportKind = "tcp"
+    """Backend of `vllm_disagg.transport` used for the KV push."""
+    kv_port: int = Field(0, ge=0, lt=65536)
+    """Port of this instance's KV side channel; 0 picks a free port."""
+    layerwise_threshold_tokens: int = Field(256, ge=0)
+    """Prompts with at least this many tokens are pushed layer by layer while prefill runs;
+    shorter ones go in one serialized send at the end, as Splitwise does."""
+    push_timeout_s: float = Field(30.0, gt=0)
+    """A push that has not completed after this long is abandoned and D recomputes the prompt."""
+    num_streams: int = Field(2, ge=1, le=64)
+    """Parallel connections per peer for the tcp backend."""
+
+
+class RemoteAttentionSection(_Section):
+    """Lamina: decode attention on separate attention workers."""
+
+    servers: list[str] = Field(default_factory=list)
+    """HOST:PORT of each attention worker, in shard order."""
+    partition: Literal["head", "request"] = "head"
+    """Head-wise (Lamina default) or request-wise split of the KV across servers."""
+    send_q_early: bool = True
+    """Send Q before K/V and merge the partial softmax exactly (paper section 4.2.2)."""
+    pipeline: int = Field(1, ge=1, le=8)
+    """Batches in flight (rotational staggered pipelining); 2 is ping-pong."""
+    transport: TransportKind = "shm"
+    """Backend of `vllm_disagg.transport` for the per-layer exchange."""
+
+    @field_validator("servers")
+    @classmethod
+    def _servers_are_host_port(cls, v: list[str]) -> list[str]:
+        return [_check_host_port(s) for s in v]
+
+
+class NanoFlowSection(_Section):
+    """NanoFlow: nano-batch execution inside one instance."""
+
+    nano_batches: int | Literal["auto"] = 2
+    """Number of nano-batches per step, or "auto" to load the tuned plan."""
+    plan: str | None = None
+    """Path of a plan JSON written by `vllm-disagg tune`."""
+
+    @field_validator("nano_batches")
+    @classmethod
+    def _positive(cls, v: int | str) -> int | str:
+        if isinstance(v, int) and not 1 <= v <= 64:
+            raise ValueError(f"expected 1..64 or 'auto', got {v}")
+        return v
+
+
+class DisaggConfig(_Section):
+    """All of the plugin's settings. An instance is inert unless `enabled`."""
+
+    role: Role = "mixed"
+    """What this vLLM instance does in the cluster."""
+    peers: list[str] = Field(default_factory=list)
+    """HOST:PORT of peer instances' KV side channels (static membership)."""
+    auth_token: str | None = None
+    """Shared secret that every transport peer must present; default: $VLLM_DISAGG_AUTH_TOKEN."""
+    kv: KVTransferSection | None = None
+    """Set for prefill/decode roles."""
+    remote_attention: RemoteAttentionSection | None = None
+    """Set to offload decode attention."""
+    nanoflow: NanoFlowSection | None = None
+    """Set to enable nano-batching."""
+
+    @field_validator("peers")
+    @classmethod
+    def _peers_are_host_port(cls, v: list[str]) -> list[str]:
+        return [_check_host_port(p) for p in v]
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.kv or self.remote_attention or self.nanoflow or self.role != "mixed")
+
+
+class DisaggConfigError(ValueError):
+    """A bad plugin setting, with the offending key (or flag) in the message."""
+
+
+def format_validation_error(err: ValidationError, names: dict[str, str] | None = None) -> str:
+    """One line per problem, naming the CLI flag when we know it (`names`: dotted key -> flag)."""
+    names = names or {}
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"] if not isinstance(p, int))
+        where = names.get(key) or f'additional_config["disagg"].{key}'
+        got = e.get("input")
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            known = _known_keys(key)
+            msg = f"unknown setting; known keys here: {', '.join(known)}"
+        lines.append(f"{where}: {msg} (got {got!r})")
+    return "; ".join(lines)
+
+
+def _known_keys(dotted: str) -> list[str]:
+    model: type[BaseModel] = DisaggConfig
+    for part in dotted.split(".")[:-1]:
+        ann = model.model_fields.get(part)
+        inner = getattr(ann, "annotation", None)
+        for cand in getattr(inner, "__args__", (inner,)):
+            if isinstance(cand, type) and issubclass(cand, BaseModel):
+                model = cand
+    return sorted(model.model_fields)
+
+
+def parse_disagg_config(raw: Any, names: dict[str, str] | None = None) -> DisaggConfig:
+    """Validate `additional_config["disagg"]` (a dict or a DisaggConfig)."""
+    if isinstance(raw, DisaggConfig):
+        return raw
+    if not isinstance(raw, dict):
+        raise DisaggConfigError(f'additional_config["disagg"] must be a JSON object, got {type(raw).__name__}')
+    try:
+        return DisaggConfig.model_validate(raw)
+    except ValidationError as err:
+        raise DisaggConfigError(format_validation_error(err, names)) from None
+
+
+def disagg_config_from_vllm(vllm_config: Any) -> DisaggConfig | None:
+    """The plugin config of a running engine, or None when the plugin is not configured."""
+    additional = getattr(vllm_config, "additional_config", None) or {}
+    raw = additional.get("disagg") if isinstance(additional, dict) else None
+    if raw is None:
+        return None
+    return parse_disagg_config(raw)
