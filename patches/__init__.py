@@ -16,6 +16,7 @@ logger = logging.getLogger(__name__)
 # One module per upstream symbol; applied in this order by `register()`.
 PATCH_MODULES = [
     "vllm_disagg.patches.cli_plugin_flag",
+    "vllm_disagg.patches.engine_config_wiring",
 ]
 
 

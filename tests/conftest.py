@@ -14,3 +14,11 @@ apply_test_env(in_process=True)
 def tiny_model_dir(tmp_path_factory) -> str:
     """A tiny random-weight Llama (config.json only; use load_format="dummy")."""
     return str(make_tiny_llama(tmp_path_factory.mktemp("tiny-llama")))
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> str:
+    """The embedded SmolLM2-135M-Instruct checkpoint (pulled once into the cache, ~35 s cold)."""
+    from vllm_disagg.models import pull
+
+    return str(pull("smollm2-135m"))

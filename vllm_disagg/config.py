@@ -116,12 +116,12 @@ def format_validation_error(err: ValidationError, names: dict[str, str] | None =
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"] if not isinstance(p, int))
         where = names.get(key) or f'additional_config["disagg"].{key}'
-        got = e.get("input")
-        msg = e["msg"]
+        msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
-            known = _known_keys(key)
-            msg = f"unknown setting; known keys here: {', '.join(known)}"
-        lines.append(f"{where}: {msg} (got {got!r})")
+            msg = f"unknown setting; known keys here: {', '.join(_known_keys(key))}"
+        if e["type"] != "value_error":  # our own validators already quote the value
+            msg = f"{msg} (got {e.get('input')!r})"
+        lines.append(f"{where}: {msg}")
     return "; ".join(lines)
 
 

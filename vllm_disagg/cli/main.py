@@ -16,6 +16,9 @@ import sys
 SUBCOMMAND_MODULES = [
     "vllm_disagg.cli.serve",  # serve: `vllm serve` with --plugin disagg
     "vllm_disagg.cli.model",  # model pull|path|list
+    "vllm_disagg.router.cli",  # router: Splitwise OpenAI front end over P/D pools
+    "vllm_disagg.launch.cli",  # up: local P/D pools + router
+    "vllm_disagg.planner.cli",  # plan nanoflow|lamina|splitwise: analytic models + simulator
 ]
 
 

@@ -1,0 +1,211 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Real prefill and decode vLLM engines in separate processes, pushing KV over the tcp transport.
+
+Each engine runs in its own process (`pd_engine_child.py`, in-process EngineCore, tiny float32
+model, block_size 32, no prefix caching). The test sends the same prompts to P (max_tokens=1,
+do_remote_decode) and D (do_remote_prefill) at the same time with shared transfer ids, exactly as
+the router does (.coord/pd_protocol.md), and compares D's greedy tokens with a plain engine's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from vllm_disagg.testing import TEST_ENV, token_prompts
+
+pytestmark = pytest.mark.slow
+
+CHILD = str(Path(__file__).with_name("pd_engine_child.py"))
+NUM_REQS, PROMPT_LEN, MAX_TOKENS = 16, 1100, 8
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Engine:
+    """A child process hosting one engine; JSON lines on stdin/stdout, logs to a file."""
+
+    def __init__(self, role: str, model_dir: str, log_dir: Path, cpu: str, **opts):
+        env = {**os.environ, **TEST_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+               "VLLM_LOGGING_STREAM": "ext://sys.stderr", "VLLM_CPU_OMP_THREADS_BIND": cpu}
+        self.log_path = log_dir / f"{role}-{uuid.uuid4().hex[:6]}.log"
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, CHILD, role, model_dir, json.dumps(opts)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, env=env,
+        )
+        self.ready = self._read(timeout=180)
+
+    def _read(self, timeout: float) -> dict:
+        import selectors
+
+        sel = selectors.DefaultSelector()
+        sel.register(self.proc.stdout, selectors.EVENT_READ)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not sel.select(timeout=1.0):
+                if self.proc.poll() is not None:
+                    break
+                continue
+            line = self.proc.stdout.readline()
+            if not line:
+                break
+            if line.startswith("{"):
+                return json.loads(line)
+        raise RuntimeError(f"engine child gave no answer; log tail:\n{self.log_text()[-3000:]}")
+
+    def send(self, cmd: dict) -> None:
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+
+    def generate(self, prompts, params, max_tokens: int) -> None:
+        self.send({"cmd": "generate", "prompts": prompts, "params": params, "max_tokens": max_tokens})
+
+    def result(self, timeout: float = 300) -> dict:
+        return self._read(timeout)
+
+    def log_text(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.send({"cmd": "exit"})
+                self.proc.wait(timeout=20)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+def _pd_params(n: int, p_port: int, timeout_s: float = 30.0) -> tuple[list, list]:
+    tids = [uuid.uuid4().hex for _ in range(n)]
+    p_params = [{"do_remote_decode": True, "transfer_id": t} for t in tids]
+    d_params = [{"do_remote_prefill": True, "transfer_id": t, "remote_host": "127.0.0.1",
+                 "remote_port": p_port, "push_timeout_s": timeout_s} for t in tids]
+    return p_params, d_params
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    # lengths 1100..1115: many blocks, a partial last block, different per request
+    return [p["prompt_token_ids"][: PROMPT_LEN + i] for i, p in enumerate(token_prompts(NUM_REQS, PROMPT_LEN + 16))]
+
+
+@pytest.fixture(scope="module")
+def log_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("pd-logs")
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny_model_dir, prompts, log_dir) -> list[list[int]]:
+    plain = Engine("plain", tiny_model_dir, log_dir, "0")
+    try:
+        plain.generate(prompts, [None] * len(prompts), MAX_TOKENS)
+        return plain.result()["outputs"]
+    finally:
+        plain.close()
+
+
+@pytest.fixture(scope="module")
+def decode(tiny_model_dir, log_dir):
+    eng = Engine("decode", tiny_model_dir, log_dir, "1", kv_port=_free_port(), policy="recompute")
+    yield eng
+    eng.close()
+
+
+def _start_prefill(model_dir: str, log_dir: Path, **opts) -> tuple[Engine, int]:
+    port = _free_port()
+    return Engine("prefill", model_dir, log_dir, "0", kv_port=port, **opts), port
+
+
+def _run_pd(prefill: Engine, decode: Engine, port: int, prompts, timeout_s: float = 30.0):
+    p_params, d_params = _pd_params(len(prompts), port, timeout_s)
+    decode.generate(prompts, d_params, MAX_TOKENS)
+    prefill.generate(prompts, p_params, 1)
+    return prefill, decode.result()
+
+
+@pytest.mark.parametrize("mode,threshold", [("layerwise", 256), ("serialized", 4096)])
+def test_decode_output_equals_plain_vllm_and_no_block_leaks(
+    mode, threshold, tiny_model_dir, prompts, baseline, decode, log_dir
+):
+    prefill, port = _start_prefill(tiny_model_dir, log_dir, threshold=threshold)
+    try:
+        _, d_out = _run_pd(prefill, decode, port, prompts)
+        p_out = prefill.result()
+        assert d_out["outputs"] == baseline, f"{mode}: decode tokens differ from plain vLLM"
+        assert p_out["free_blocks"] == prefill.ready["free_blocks"], "prefill leaked KV blocks"
+        assert d_out["free_blocks"] == decode.ready["free_blocks"], "decode leaked KV blocks"
+        pushes = p_out["timeline"]
+        assert len(pushes) == NUM_REQS and all(p["layerwise"] == (mode == "layerwise") for p in pushes)
+        assert "recomputes the prompt" not in decode.log_text(), "a push failed; see the decode log"
+        assert "abandoned" not in prefill.log_text()
+        if mode == "serialized":
+            assert all(p["num_writes"] == 1 for p in pushes)
+        else:
+            # Splitwise's point: some layer writes start before that request's prefill is over.
+            early = [p for p in pushes if p["t_first_issue"] < p["t_prefill_done"]]
+            assert early, f"no layer-wise push started before prefill finished: {pushes[:3]}"
+        exposed = sorted(p["t_done"] - p["t_prefill_done"] for p in pushes)
+        print(f"\n{mode}: {len([p for p in pushes if p['t_first_issue'] < p['t_prefill_done']])}/{len(pushes)} "
+              f"pushes started before their prefill ended; exposed ms median "
+              f"{1e3 * exposed[len(exposed) // 2]:.2f} max {1e3 * exposed[-1]:.2f}")
+    finally:
+        prefill.close()
+
+
+def test_killing_prefill_mid_transfer_falls_back_to_local_prefill(
+    tiny_model_dir, prompts, baseline, decode, log_dir
+):
+    prefill, port = _start_prefill(tiny_model_dir, log_dir, write_delay_s=0.25)
+    try:
+        p_params, d_params = _pd_params(len(prompts), port, timeout_s=20.0)
+        decode.generate(prompts, d_params, MAX_TOKENS)
+        prefill.generate(prompts, p_params, 1)
+        time.sleep(4.0)  # about a dozen of the 32 slowed writes have landed by now
+        prefill.proc.send_signal(signal.SIGKILL)
+        t0 = time.monotonic()
+        d_out = decode.result(timeout=120)
+        assert d_out["outputs"] == baseline
+        assert d_out["free_blocks"] == decode.ready["free_blocks"], "decode leaked KV blocks"
+        assert time.monotonic() - t0 < 60
+        log = decode.log_text()
+        assert "recomputes the prompt" in log
+    finally:
+        prefill.close()
+
+
+def test_handshake_mismatch_fails_fast_with_the_field_named(tiny_model_dir, prompts, log_dir):
+    port = _free_port()
+    prefill = Engine("prefill", tiny_model_dir, log_dir, "0", kv_port=port)
+    decode = Engine("decode", tiny_model_dir, log_dir, "1", kv_port=_free_port(), dtype="bfloat16", policy="fail")
+    try:
+        t0 = time.monotonic()
+        _run_pd(prefill, decode, port, prompts[:2], timeout_s=60.0)
+        d_out = decode.result(timeout=60)
+        p_out = prefill.result(timeout=60)
+        assert time.monotonic() - t0 < 30, "a handshake mismatch must not wait for the push timeout"
+        assert d_out["finish_reasons"] == ["error", "error"]
+        assert all(len(o) == 0 for o in d_out["outputs"]), "no tokens may come from mismatched KV"
+        assert "handshake mismatch" in decode.log_text() and "'dtype'" in decode.log_text()
+        assert "'dtype'" in prefill.log_text()
+        assert p_out["free_blocks"] == prefill.ready["free_blocks"]
+        assert d_out["free_blocks"] == decode.ready["free_blocks"]
+    finally:
+        prefill.close()
+        decode.close()

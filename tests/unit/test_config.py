@@ -1,0 +1,43 @@
+# SPDX-License-Identifier: Apache-2.0
+import pytest
+
+from vllm_disagg.config import DisaggConfig, DisaggConfigError, parse_disagg_config
+
+
+def test_an_empty_config_is_valid_and_not_enabled():
+    cfg = parse_disagg_config({})
+    assert cfg == DisaggConfig()
+    assert not cfg.enabled
+
+
+def test_sections_enable_the_plugin():
+    assert parse_disagg_config({"role": "prefill"}).enabled
+    assert parse_disagg_config({"nanoflow": {"nano_batches": 4}}).enabled
+    assert parse_disagg_config({"remote_attention": {"servers": ["127.0.0.1:7000"]}}).enabled
+
+
+def test_an_unknown_key_is_named_with_the_known_keys():
+    with pytest.raises(DisaggConfigError) as err:
+        parse_disagg_config({"kv": {"layerwise_treshold_tokens": 5}})
+    msg = str(err.value)
+    assert "kv.layerwise_treshold_tokens" in msg
+    assert "layerwise_threshold_tokens" in msg  # the fix is in the message
+
+
+def test_a_bad_value_names_its_key_and_value():
+    with pytest.raises(DisaggConfigError) as err:
+        parse_disagg_config({"remote_attention": {"servers": ["localhost"]}})
+    assert 'additional_config["disagg"].remote_attention.servers' in str(err.value)
+    assert "'localhost'" in str(err.value)
+
+
+def test_nano_batches_accepts_auto_or_a_small_positive_integer():
+    assert parse_disagg_config({"nanoflow": {"nano_batches": "auto"}}).nanoflow.nano_batches == "auto"
+    for bad in (0, 65, "many"):
+        with pytest.raises(DisaggConfigError):
+            parse_disagg_config({"nanoflow": {"nano_batches": bad}})
+
+
+def test_a_non_dict_config_is_rejected_clearly():
+    with pytest.raises(DisaggConfigError, match="must be a JSON object"):
+        parse_disagg_config(["prefill"])

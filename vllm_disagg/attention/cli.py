@@ -1,0 +1,71 @@
+# SPDX-License-Identifier: Apache-2.0
+"""`vllm-disagg attn-server`: run one attention server in the foreground.
+
+On start it prints one line `READY {json}` (the `/health` body: http and data addresses) and,
+with `--ready-file`, writes the same JSON there, so launchers know where it listens. SIGTERM and
+Ctrl-C stop it cleanly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import threading
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("attn-server", help="run a Lamina attention server (owns a KV shard)",
+                              description=__doc__.splitlines()[0])
+    add_server_args(p)
+    p.set_defaults(func=run)
+    return p
+
+
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--transport", default="shm", choices=["shm", "tcp", "nixl"],
+                   help="data path for the per-layer exchange (default: shm, same host)")
+    p.add_argument("--host", default="127.0.0.1", help="interface for HTTP and tcp (default 127.0.0.1)")
+    p.add_argument("--http-port", type=int, default=0, help="port of /health and /metrics (0: pick one)")
+    p.add_argument("--kv-cache-gib", type=float, default=0.25, help="KV memory of this shard in GiB")
+    p.add_argument("--kernel", default="cpu", choices=["cpu", "cuda"],
+                   help="attention kernel: vLLM's CPU kernel, or FlashAttention on a GPU (untested)")
+    p.add_argument("--ready-file", default=None, help="write the READY json here once serving")
+
+
+def run(args: argparse.Namespace) -> int:
+    from vllm_disagg.attention.server import DisaggAttentionServer
+
+    try:
+        server = DisaggAttentionServer(
+            transport=args.transport, kv_cache_bytes=int(args.kv_cache_gib * (1 << 30)),
+            kernel=args.kernel, http_host=args.host, http_port=args.http_port,
+        )
+    except (ValueError, OSError) as err:
+        print(f"vllm-disagg attn-server: {err}", file=sys.stderr)
+        return 2
+    info = server.start()
+    if args.ready_file:
+        with open(args.ready_file + ".tmp", "w") as f:
+            json.dump(info, f)
+        import os
+
+        os.replace(args.ready_file + ".tmp", args.ready_file)
+    print("READY " + json.dumps(info), flush=True)
+    done = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: done.set())
+    done.wait()
+    server.stop()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m vllm_disagg.attention.cli")
+    add_server_args(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,250 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The model worker's side of remote attention: N server connections and the per-layer exchange.
+
+Lifecycle: `connect(geometry)` finds each server through its `/health` (data address), opens a
+`MsgChannel`, sends INIT and learns the capacity (`num_blocks`, the smallest server's). Per layer,
+`submit(...)` sends the step's q/k/v slices and returns a `PendingAttention` at once;
+`PendingAttention.wait(output)` collects the answers and writes vLLM's output tensor. Several
+submissions may be in flight (pipelining); replies come back in order per channel.
+
+Send-Q-early (decode-only steps, server `supports_lse`): QPREV(q) then KV(k, v) go out; the
+server answers attention over the previous tokens with its LSE and only then writes k/v, while
+this side computes the new token's own term; `merge_attn_states` combines them exactly.
+
+A dead or silent server raises `AttentionServerLost` (never a hang: every recv has a timeout).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import urllib.request
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+from vllm.logger import init_logger
+
+from vllm_disagg.attention import wire
+from vllm_disagg.attention.merge import merge_attn_states, partial_attention
+from vllm_disagg.attention.partition import RequestPlacer, head_shards
+from vllm_disagg.errors import DisaggError, PeerLostError, ProtocolError, TransportTimeout
+from vllm_disagg.transport import TransportOptions, get_transport
+
+logger = init_logger(__name__)
+_META_CACHE = 8  # must match the server's
+_meta_ids = itertools.count(1)
+
+
+class AttentionServerLost(DisaggError):
+    """An attention server died, timed out or broke the protocol; its KV is gone."""
+
+    def __init__(self, server: str, cause: Exception):
+        self.server = server
+        super().__init__(f"attention server {server}: {cause}")
+
+
+@dataclass
+class ClientMeta:
+    """One step's batch layout as the backend's builder produced it (CPU tensors)."""
+
+    step: wire.StepMeta
+    max_query_len: int
+    num_actual_tokens: int = 0
+    meta_id: int = field(default_factory=lambda: next(_meta_ids))
+    _splits: list | None = None
+
+    @property
+    def decode_only(self) -> bool:
+        return self.max_query_len == 1
+
+
+class ServerConn:
+    """One attention server: HTTP address, message channel, sequence numbers."""
+
+    def __init__(self, http_addr: str, transport, timeout_s: float):
+        self.http_addr = http_addr
+        self.transport = transport
+        self.timeout_s = timeout_s
+        self.channel = None
+        self.info: dict = {}
+        self._seq = itertools.count(1)
+        self._sent_metas: OrderedDict[int, None] = OrderedDict()
+
+    def connect(self, geometry: wire.Geometry) -> dict:
+        try:
+            with urllib.request.urlopen(f"http://{self.http_addr}/health", timeout=self.timeout_s) as r:
+                health = json.loads(r.read())
+            self.channel = self.transport.connect_msg(health["address"], timeout=self.timeout_s)
+        except (OSError, KeyError, ValueError, DisaggError) as err:
+            raise AttentionServerLost(self.http_addr, err) from err
+        seq = self.send(wire.Header(wire.INIT), [geometry.to_json()])
+        reply = self.recv(seq, wire.INIT_OK)
+        self.info = json.loads(bytes(reply.buffers[0]))
+        return self.info
+
+    def send(self, header: wire.Header, tensors: list, meta: ClientMeta | None = None,
+             step: wire.StepMeta | None = None) -> int:
+        seq = next(self._seq)
+        flags = header.flags
+        if meta is not None and meta.meta_id not in self._sent_metas:
+            flags |= wire.HAS_META
+            tensors = [*tensors, *(step or meta.step).tensors()]
+            self._sent_metas[meta.meta_id] = None
+            while len(self._sent_metas) > _META_CACHE:
+                self._sent_metas.popitem(last=False)
+        st = step or (meta.step if meta else None)
+        h = wire.Header(header.mtype, seq, flags, header.layer, meta.meta_id if meta else 0,
+                        header.num_tokens, st.num_reqs if st else 0,
+                        st.block_table.shape[1] if st else 0, header.scale)
+        try:
+            self.channel.send(h.pack(), tensors, timeout=self.timeout_s)
+        except DisaggError as err:
+            raise AttentionServerLost(self.http_addr, err) from err
+        return seq
+
+    def recv(self, seq: int, mtype: int):
+        try:
+            msg = self.channel.recv(timeout=self.timeout_s)
+            h = wire.unpack_header(msg.header)
+        except (PeerLostError, TransportTimeout, ProtocolError) as err:
+            raise AttentionServerLost(self.http_addr, err) from err
+        if h.mtype == wire.ERROR:
+            self._sent_metas.clear()  # the server may have dropped what we think it holds
+            raise AttentionServerLost(self.http_addr, ProtocolError(wire.error_text(msg.buffers)))
+        if h.mtype != mtype or h.seq != seq:
+            raise AttentionServerLost(self.http_addr, ProtocolError(
+                f"expected {wire.TYPE_NAMES[mtype]} seq {seq}, got {wire.TYPE_NAMES[h.mtype]} seq {h.seq}"))
+        return msg
+
+    def close(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None
+
+
+class DisaggAttentionClient:
+    """Remote attention over `servers` (HTTP addresses), head- or request-partitioned."""
+
+    def __init__(self, servers: list[str], transport: str = "shm", partition: str = "head",
+                 send_q_early: bool = True, timeout_s: float = 30.0, auth_token: str | None = None):
+        from vllm_disagg import envs
+
+        if not servers:
+            raise ValueError('remote_attention.servers is empty: list the attention servers\' HOST:PORT')
+        token = auth_token or envs.auth_token()
+        if not token:
+            raise ValueError("remote attention needs a shared token: set VLLM_DISAGG_AUTH_TOKEN")
+        self.transport = get_transport(transport, TransportOptions(auth_token=token, timeout_s=timeout_s))
+        self.conns = [ServerConn(s, self.transport, timeout_s) for s in servers]
+        self.partition = partition
+        self.send_q_early = send_q_early
+        self.num_blocks = 0
+        self.shards = None
+        self.placer = RequestPlacer(len(servers)) if partition == "request" else None
+
+    def connect(self, num_layers: int, num_heads: int, num_kv_heads: int, head_size: int,
+                block_size: int, dtype: str, max_num_tokens: int) -> int:
+        """Connect and INIT every server; returns the usable number of blocks."""
+        n = len(self.conns)
+        if self.partition == "head":
+            self.shards = head_shards(n, num_heads, num_kv_heads)
+            geoms = [wire.Geometry(num_layers, s.num_heads, s.num_kv_heads, head_size, block_size, dtype,
+                                   max_num_tokens) for s in self.shards]
+        else:
+            geoms = [wire.Geometry(num_layers, num_heads, num_kv_heads, head_size, block_size, dtype,
+                                   max_num_tokens)] * n
+        infos = [c.connect(g) for c, g in zip(self.conns, geoms)]
+        self.num_blocks = min(int(i["num_blocks"]) for i in infos)
+        lse = all(i.get("supports_lse") for i in infos)
+        if self.send_q_early and not lse:
+            logger.warning("attention servers cannot return the LSE; send-Q-early is off")
+        self.send_q_early = self.send_q_early and lse
+        logger.info("remote attention: %d servers (%s), %d blocks, send_q_early=%s",
+                    n, self.partition, self.num_blocks, self.send_q_early)
+        return self.num_blocks
+
+    def close(self) -> None:
+        for c in self.conns:
+            c.close()
+
+    def attend(self, layer: int, q, k, v, meta: ClientMeta, scale: float, output) -> None:
+        self.submit(layer, q, k, v, meta, scale).wait(output)
+
+    def submit(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: ClientMeta,
+               scale: float) -> PendingAttention:
+        """Send one layer's attention; q [T, H, D], k/v [T, Hkv, D] (T = actual tokens)."""
+        early = self.send_q_early and meta.decode_only
+        parts = self._head_parts(q, k, v) if self.placer is None else self._request_parts(q, k, v, meta)
+        pend = PendingAttention(self, layer, q.shape, q.dtype, early)
+        for conn, sel, (qs, ks, vs), step in parts:
+            ntok = qs.shape[0]
+            if ntok == 0:
+                continue
+            if early:
+                h = wire.Header(wire.QPREV, layer=layer, num_tokens=ntok, scale=scale)
+                seq = conn.send(h, [qs], meta, step)
+                conn.send(wire.Header(wire.KV, layer=layer, num_tokens=ntok), [ks, vs], meta, step)
+            else:
+                h = wire.Header(wire.ATTN, layer=layer, num_tokens=ntok, scale=scale)
+                seq = conn.send(h, [qs, ks, vs], meta, step)
+            pend.expect.append((conn, seq, sel))
+        if early:  # the new token's own term, computed while the servers work on the past
+            pend.new = partial_attention(q, k[:, None], v[:, None], scale)
+        return pend
+
+    def _head_parts(self, q, k, v):
+        out = []
+        for conn, s in zip(self.conns, self.shards):
+            qkv = (q[:, s.q_heads].contiguous(), k[:, s.kv_heads].contiguous(), v[:, s.kv_heads].contiguous())
+            out.append((conn, ("heads", s.q_heads), qkv, None))
+        return out
+
+    def _request_parts(self, q, k, v, meta: ClientMeta):
+        if meta._splits is None:
+            meta._splits = self.placer.split(meta.step)
+        out = []
+        for sp in meta._splits:
+            ids = sp.token_ids
+            qkv = (q.index_select(0, ids), k.index_select(0, ids), v.index_select(0, ids))
+            out.append((self.conns[sp.server], ("tokens", ids), qkv, sp.meta))
+        return out
+
+
+class PendingAttention:
+    """One layer's attention in flight; `wait(output)` fills vLLM's output [T, H, D]."""
+
+    def __init__(self, client: DisaggAttentionClient, layer: int, shape, dtype, early: bool):
+        self.client = client
+        self.layer = layer
+        self.shape = shape
+        self.dtype = dtype
+        self.early = early
+        self.expect: list = []
+        self.new = None
+
+    def wait(self, output: torch.Tensor) -> torch.Tensor:
+        t, h, d = self.shape
+        if self.early:
+            prev = torch.zeros(t, h, d, dtype=self.dtype)
+            lse = torch.full((t, h), float("-inf"))
+        for conn, seq, (kind, sel) in self.expect:
+            msg = conn.recv(seq, wire.OUT_LSE if self.early else wire.OUT)
+            n = sel.shape[0] if kind == "tokens" else t
+            hs = h if kind == "tokens" else sel.stop - sel.start
+            part = wire.as_tensor(msg.buffers[0], self.dtype, (n, hs, d), "attention output")
+            target = prev if self.early else output
+            if kind == "tokens":
+                target.index_copy_(0, sel, part)
+            else:
+                target[:, sel].copy_(part)
+            if self.early:
+                part_lse = wire.as_tensor(msg.buffers[1], torch.float32, (n, hs), "lse")
+                if kind == "tokens":
+                    lse.index_copy_(0, sel, part_lse)
+                else:
+                    lse[:, sel].copy_(part_lse)
+        if self.early:
+            merged, _ = merge_attn_states(prev, lse, *self.new)
+            output.copy_(merged)
+        return output

@@ -1,0 +1,230 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Attention over a server's paged KV shard, behind one interface: vLLM's CPU kernel here,
+FlashAttention on GPU.
+
+`AttentionKernel` owns the KV tensors of one shard (all layers x its KV heads) and answers
+three calls per layer: `write_kv` (the scheduler's slot_mapping), `attend` (full attention,
+vLLM's kernel, exactly what a local vLLM would compute) and `attend_prev` (attention over each
+request's tokens *before* its new one, with the LSE, for send-Q-early).
+
+`CpuAttentionKernel` runs `CPUAttentionBackendImpl` (ops.cpu_attn_reshape_and_cache /
+cpu_attention_with_kv_cache) with a stub layer. The CPU kernel returns no LSE, so `attend_prev`
+reads the paged cache back in plain torch; that needs the ISA's block-interior layout, which
+`_probe_layout` verifies at start-up against the real kernel (`supports_lse` is False otherwise).
+"""
+
+from __future__ import annotations
+
+import types
+from abc import ABC, abstractmethod
+
+import torch
+
+from vllm_disagg.attention.merge import partial_attention
+from vllm_disagg.attention.wire import Geometry, StepMeta
+
+
+class AttentionKernel(ABC):
+    """Paged KV for one shard plus the attention that reads it."""
+
+    supports_lse: bool = False
+
+    def __init__(self, geometry: Geometry, num_blocks: int):
+        self.geometry = geometry
+        self.num_blocks = num_blocks
+
+    @abstractmethod
+    def prepare(self, meta: StepMeta) -> object:
+        """Per-step state shared by all layers (e.g. the CPU scheduler metadata)."""
+
+    @abstractmethod
+    def write_kv(self, layer: int, key: torch.Tensor, value: torch.Tensor, meta: StepMeta) -> None: ...
+
+    @abstractmethod
+    def attend(self, layer: int, query: torch.Tensor, meta: StepMeta, state: object, scale: float,
+               out: torch.Tensor) -> None:
+        """Full causal attention of `query` [T, H, D] over the cache (k/v already written)."""
+
+    def attend_prev(self, layer: int, query: torch.Tensor, meta: StepMeta, scale: float
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decode-only: attention of each request's one query over its first seq_len - 1 tokens."""
+        raise NotImplementedError(f"{type(self).__name__} cannot return the LSE")
+
+
+def kv_bytes_per_block(g: Geometry) -> int:
+    """Bytes of one block id across all layers of this shard (K and V)."""
+    elt = torch.empty((), dtype=g.torch_dtype).element_size()
+    return g.num_layers * g.num_kv_heads * g.block_size * 2 * g.head_size * elt
+
+
+class CpuAttentionKernel(AttentionKernel):
+    """vLLM's CPU attention (`CPUAttentionBackendImpl`) on a cache `[L][NB, Hkv, bs, 2D]`."""
+
+    def __init__(self, geometry: Geometry, num_blocks: int):
+        super().__init__(geometry, num_blocks)
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl, _get_attn_isa
+
+        g = geometry
+        self.isa = _get_attn_isa(g.torch_dtype, g.block_size, g.head_size, "auto")
+        self.layer = types.SimpleNamespace(isa=self.isa, _k_scale_float=1.0, _v_scale_float=1.0)
+        self.caches = [
+            torch.zeros(num_blocks, g.num_kv_heads, g.block_size, 2 * g.head_size, dtype=g.torch_dtype)
+            for _ in range(g.num_layers)
+        ]
+        self._impl_cls = CPUAttentionBackendImpl
+        self._impls: dict[float, CPUAttentionBackendImpl] = {}
+        self.supports_lse = _probe_layout(self.isa, g)
+
+    def _impl(self, scale: float):
+        impl = self._impls.get(scale)
+        if impl is None:
+            from vllm.config import set_current_vllm_config
+
+            g = self.geometry
+            # The impl reads two fields of the engine config; the server has no engine.
+            stub = types.SimpleNamespace(
+                model_config=types.SimpleNamespace(dtype=g.torch_dtype),
+                parallel_config=types.SimpleNamespace(decode_context_parallel_size=1),
+            )
+            with set_current_vllm_config(stub):  # type: ignore[arg-type]
+                impl = self._impl_cls(g.num_heads, g.head_size, scale, g.num_kv_heads, None, None, "auto")
+            self._impls[scale] = impl
+        return impl
+
+    def prepare(self, meta: StepMeta):
+        from vllm import _custom_ops as ops
+        from vllm import envs
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadata
+
+        g = self.geometry
+        sched = ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=meta.num_reqs, num_heads=g.num_heads, num_kv_heads=g.num_kv_heads,
+            head_dim=g.head_size, seq_lens=meta.seq_lens, dtype=g.torch_dtype,
+            query_start_loc=meta.query_start_loc, causal=True, sliding_window_size=-1,
+            isa=self.isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
+        )
+        qsl = meta.query_start_loc
+        max_q = int((qsl[1:] - qsl[:-1]).max()) if meta.num_reqs else 0
+        return CPUAttentionMetadata(
+            num_actual_tokens=int(qsl[-1]), max_query_len=max_q, query_start_loc=qsl,
+            max_seq_len=int(meta.seq_lens.max()) if meta.num_reqs else 0, seq_lens=meta.seq_lens,
+            block_table=meta.block_table, slot_mapping=meta.slot_mapping,
+            scheduler_metadata=sched, causal=True,
+        )
+
+    def write_kv(self, layer, key, value, meta):
+        self._impl(1.0).do_kv_cache_update(self.layer, key, value, self.caches[layer], meta.slot_mapping)
+
+    def attend(self, layer, query, meta, state, scale, out):
+        self._impl(scale).forward(self.layer, query, None, None, self.caches[layer], state, out)
+
+    def attend_prev(self, layer, query, meta, scale):
+        if not self.supports_lse:
+            raise NotImplementedError(f"block layout of ISA {self.isa!r} unknown; no send-Q-early")
+        ctx = meta.seq_lens.long() - 1
+        k, v = read_blocks(self.caches[layer], meta.block_table, int(ctx.max()), self.geometry)
+        mask = torch.arange(k.shape[1])[None, :] < ctx[:, None]
+        return partial_attention(query, k, v, scale, mask)
+
+
+def read_blocks(cache: torch.Tensor, block_table: torch.Tensor, length: int, g: Geometry
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """K, V [R, n*bs, Hkv, D] of the first ceil(length/bs) blocks of each row ("vec" layout:
+    a K block is stored [D, bs] per head, a V block [bs, D])."""
+    num_reqs = block_table.shape[0]
+    n = max(1, -(-length // g.block_size))
+    raw = cache.view(cache.shape[0], g.num_kv_heads, 2, g.block_size * g.head_size)
+    blocks = raw[block_table[:, :n].long()]  # [R, n, Hkv, 2, bs*D]
+    k = blocks[:, :, :, 0].view(num_reqs, n, g.num_kv_heads, g.head_size, g.block_size)
+    v = blocks[:, :, :, 1].view(num_reqs, n, g.num_kv_heads, g.block_size, g.head_size)
+    k = k.permute(0, 1, 4, 2, 3).reshape(num_reqs, n * g.block_size, g.num_kv_heads, g.head_size)
+    v = v.permute(0, 1, 3, 2, 4).reshape(num_reqs, n * g.block_size, g.num_kv_heads, g.head_size)
+    return k, v
+
+
+def _probe_layout(isa: str, g: Geometry) -> bool:
+    """Write random k/v with the real kernel and check `read_blocks` reads them back."""
+    from vllm import _custom_ops as ops
+
+    if isa != "vec":
+        return False
+    cache = torch.zeros(3, g.num_kv_heads, g.block_size, 2 * g.head_size, dtype=g.torch_dtype)
+    n = g.block_size + 3
+    key = torch.randn(n, g.num_kv_heads, g.head_size).to(g.torch_dtype)
+    value = torch.randn(n, g.num_kv_heads, g.head_size).to(g.torch_dtype)
+    kv = cache.view(3, g.num_kv_heads, 2 * g.block_size, g.head_size).chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(key, value, kv[0], kv[1], torch.arange(n) + g.block_size, isa)
+    k, v = read_blocks(cache, torch.tensor([[1, 2]], dtype=torch.int32), n, g)
+    return bool(torch.equal(k[0, :n], key) and torch.equal(v[0, :n], value))
+
+
+class FlashAttentionKernel(AttentionKernel):
+    """GPU path: vLLM's FlashAttention on a `[L][2, NB, bs, Hkv, D]` cache.
+
+    UNTESTED HERE (no GPU on the build box); it is import-safe and shares the interface and the
+    server with the CPU path, which the tests exercise.
+    """
+
+    supports_lse = True
+
+    def __init__(self, geometry: Geometry, num_blocks: int, device: str = "cuda"):
+        super().__init__(geometry, num_blocks)
+        from vllm.vllm_flash_attn import flash_attn_varlen_func  # noqa: F401  (fail early)
+
+        g = geometry
+        self.device = torch.device(device)
+        self.caches = [
+            torch.zeros(2, num_blocks, g.block_size, g.num_kv_heads, g.head_size,
+                        dtype=g.torch_dtype, device=self.device)
+            for _ in range(g.num_layers)
+        ]
+
+    def prepare(self, meta):
+        qsl = meta.query_start_loc.to(self.device)
+        return types.SimpleNamespace(
+            qsl=qsl, seq_lens=meta.seq_lens.to(self.device), bt=meta.block_table.to(self.device),
+            slots=meta.slot_mapping.to(self.device), max_q=int((meta.query_start_loc.diff()).max()),
+            max_k=int(meta.seq_lens.max()),
+        )
+
+    def write_kv(self, layer, key, value, meta):
+        from vllm import _custom_ops as ops
+
+        c = self.caches[layer]
+        one = torch.ones((), device=self.device)
+        ops.reshape_and_cache_flash(key.to(self.device), value.to(self.device), c[0], c[1],
+                                    meta.slot_mapping.to(self.device), "auto", one, one)
+
+    def attend(self, layer, query, meta, state, scale, out):
+        from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+        c = self.caches[layer]
+        res = flash_attn_varlen_func(
+            q=query.to(self.device), k=c[0], v=c[1], cu_seqlens_q=state.qsl, max_seqlen_q=state.max_q,
+            seqused_k=state.seq_lens, max_seqlen_k=state.max_k, softmax_scale=scale, causal=True,
+            block_table=state.bt,
+        )
+        out.copy_(res)
+
+    def attend_prev(self, layer, query, meta, scale):
+        from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+        c = self.caches[layer]
+        r = meta.num_reqs
+        qsl = torch.arange(r + 1, dtype=torch.int32, device=self.device)
+        ctx = (meta.seq_lens - 1).to(self.device)
+        res, lse = flash_attn_varlen_func(
+            q=query.to(self.device), k=c[0], v=c[1], cu_seqlens_q=qsl, max_seqlen_q=1, seqused_k=ctx,
+            max_seqlen_k=max(1, int(ctx.max())), softmax_scale=scale, causal=False,
+            block_table=meta.block_table.to(self.device), return_softmax_lse=True,
+        )
+        lse = torch.where(ctx[None, :] > 0, lse, torch.full_like(lse, float("-inf")))
+        return res.cpu(), lse.transpose(0, 1).float().cpu()
+
+
+def make_kernel(kind: str, geometry: Geometry, num_blocks: int) -> AttentionKernel:
+    if kind == "cpu":
+        return CpuAttentionKernel(geometry, num_blocks)
+    if kind == "cuda":
+        return FlashAttentionKernel(geometry, num_blocks)
+    raise ValueError(f"unknown attention kernel {kind!r}; expected 'cpu' or 'cuda'")

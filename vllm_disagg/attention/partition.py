@@ -1,0 +1,108 @@
+# SPDX-License-Identifier: Apache-2.0
+"""How one step's attention is split across N attention servers.
+
+* Head-wise (Lamina's default): server s owns KV heads [s*Hkv/N, (s+1)*Hkv/N) and the query
+  heads that read them (GQA groups are contiguous in vLLM: query head h reads KV head h // G), so
+  N must divide the KV heads, not necessarily the query heads' count... which it then divides too.
+  Every server sees every token; its output is a head slice of vLLM's output.
+* Request-wise: each request lives on one server, chosen when it starts (query_len == seq_len)
+  as the server with the least KV among the requests of the current step. A request is
+  identified by the first block of its block-table row, which is stable for its lifetime here
+  (no prefix caching) and changes when a preempted request starts over, which then re-places it.
+
+Block ids are the scheduler's own on every server (capacity = the smallest server's).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vllm_disagg.attention.wire import StepMeta
+
+
+@dataclass(frozen=True)
+class HeadShard:
+    q_heads: slice
+    kv_heads: slice
+
+    @property
+    def num_heads(self) -> int:
+        return self.q_heads.stop - self.q_heads.start
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.kv_heads.stop - self.kv_heads.start
+
+
+def head_shards(num_servers: int, num_heads: int, num_kv_heads: int) -> list[HeadShard]:
+    """Contiguous KV-head slices with their GQA query groups."""
+    if num_kv_heads % num_servers:
+        raise ValueError(
+            f"head-wise partitioning needs the number of attention servers ({num_servers}) to divide "
+            f"the model's KV heads ({num_kv_heads}); use partition='request' or {num_kv_heads} servers"
+        )
+    group = num_heads // num_kv_heads
+    per = num_kv_heads // num_servers
+    return [HeadShard(slice(s * per * group, (s + 1) * per * group), slice(s * per, (s + 1) * per))
+            for s in range(num_servers)]
+
+
+@dataclass
+class RequestSplit:
+    """The part of a step that goes to one server under request-wise partitioning."""
+
+    server: int
+    token_ids: torch.Tensor  # indices into the step's tokens (int64)
+    meta: StepMeta
+
+
+class RequestPlacer:
+    """Keeps request -> server; places new requests by KV load (sum of seq_lens per server)."""
+
+    def __init__(self, num_servers: int, forget_after_steps: int = 256):
+        self.num_servers = num_servers
+        self._where: dict[int, tuple[int, int]] = {}  # first block id -> (server, last step seen)
+        self._step = 0
+        self._forget = forget_after_steps
+
+    def split(self, meta: StepMeta) -> list[RequestSplit]:
+        self._step += 1
+        qsl = meta.query_start_loc.tolist()
+        seq = meta.seq_lens.tolist()
+        first = meta.block_table[:, 0].tolist() if meta.num_reqs else []
+        owner = [-1] * meta.num_reqs
+        load = [0] * self.num_servers
+        for r in range(meta.num_reqs):  # continuing requests first: they fix the load
+            if qsl[r + 1] - qsl[r] < seq[r] and first[r] in self._where:
+                owner[r] = self._where[first[r]][0]
+                load[owner[r]] += seq[r]
+        for r in range(meta.num_reqs):
+            if owner[r] < 0:
+                if qsl[r + 1] - qsl[r] < seq[r]:
+                    raise ValueError(f"request with first block {first[r]} continues but was never placed")
+                owner[r] = min(range(self.num_servers), key=lambda s: (load[s], s))
+                load[owner[r]] += seq[r]
+            self._where[first[r]] = (owner[r], self._step)
+        self._gc()
+        return [self._sub(meta, s, [r for r in range(meta.num_reqs) if owner[r] == s], qsl)
+                for s in range(self.num_servers)]
+
+    def _gc(self) -> None:
+        if len(self._where) > 4096:
+            cutoff = self._step - self._forget
+            self._where = {b: v for b, v in self._where.items() if v[1] >= cutoff}
+
+    @staticmethod
+    def _sub(meta: StepMeta, server: int, reqs: list[int], qsl: list[int]) -> RequestSplit:
+        tokens = [t for r in reqs for t in range(qsl[r], qsl[r + 1])]
+        token_ids = torch.tensor(tokens, dtype=torch.int64)
+        lens = torch.tensor([qsl[r + 1] - qsl[r] for r in reqs], dtype=torch.int32)
+        sub_qsl = torch.zeros(len(reqs) + 1, dtype=torch.int32)
+        if reqs:
+            sub_qsl[1:] = lens.cumsum(0)
+        idx = torch.tensor(reqs, dtype=torch.int64)
+        sub = StepMeta(sub_qsl, meta.seq_lens[idx].contiguous(), meta.block_table[idx].contiguous(),
+                       meta.slot_mapping[token_ids].contiguous())
+        return RequestSplit(server, token_ids, sub)

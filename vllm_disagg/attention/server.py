@@ -1,0 +1,305 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The attention server: its own process (not a vLLM engine) that owns one shard of the paged KV
+(all layers x its KV heads) and computes attention for it, layer by layer.
+
+Lifecycle: `start()` opens a `MsgListener` on the chosen transport and an HTTP port (`/health`,
+`/metrics`); each accepted channel is served by one thread (`wire.py` documents the
+conversation). The KV survives a client reconnect with the same geometry, so a restarted model
+worker loses nothing. `stop()` closes everything. A bad frame gets an ERROR reply and the
+server keeps serving; a lost peer ends only that session.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import OrderedDict
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import torch
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from vllm.logger import init_logger
+
+from vllm_disagg.attention import wire
+from vllm_disagg.attention.kernels import AttentionKernel, kv_bytes_per_block, make_kernel
+from vllm_disagg.errors import DisaggError, PeerLostError, ProtocolError, TransportTimeout
+from vllm_disagg.transport import TransportOptions, get_transport
+
+logger = init_logger(__name__)
+_META_CACHE = 8  # steps whose metadata we keep (pipelining keeps a few in flight)
+
+
+class _Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.layer_seconds = Histogram(
+            "vllm:disagg_attention_layer_seconds", "Server compute time per layer call", ["layer"],
+            registry=r, buckets=(5e-6, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 5e-2, 0.2, 1.0),
+        )
+        self.bytes_in = Counter("vllm:disagg_attention_bytes_in", "Payload bytes received", registry=r)
+        self.bytes_out = Counter("vllm:disagg_attention_bytes_out", "Payload bytes sent", registry=r)
+        self.messages = Counter("vllm:disagg_attention_messages", "Messages handled", ["type"], registry=r)
+        self.errors = Counter("vllm:disagg_attention_errors", "Frames answered with ERROR", registry=r)
+        self.queue = Gauge("vllm:disagg_attention_queue_depth", "Messages received, not yet answered",
+                           registry=r)
+        self.sessions = Gauge("vllm:disagg_attention_sessions", "Connected model workers", registry=r)
+
+
+class DisaggAttentionServer:
+    """One attention worker. `kv_cache_bytes` bounds its KV; capacity in blocks follows from the
+    geometry the first client sends."""
+
+    def __init__(self, transport: str = "shm", kv_cache_bytes: int = 256 << 20, kernel: str = "cpu",
+                 http_host: str = "127.0.0.1", http_port: int = 0, auth_token: str | None = None,
+                 recv_timeout_s: float = 1.0):
+        from vllm_disagg import envs
+
+        token = auth_token or envs.auth_token()
+        if not token:
+            raise ValueError("attention server needs a shared token: set VLLM_DISAGG_AUTH_TOKEN")
+        self.transport_kind = transport
+        self.transport = get_transport(transport, TransportOptions(auth_token=token, host=http_host))
+        self.kv_cache_bytes = kv_cache_bytes
+        self.kernel_kind = kernel
+        self.kernel: AttentionKernel | None = None
+        self.metrics = _Metrics()
+        self._http_addr = (http_host, http_port)
+        self._recv_timeout = recv_timeout_s
+        self._lock = threading.Lock()  # one kernel call at a time (sessions share the KV)
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self.listener = None
+        self.httpd: ThreadingHTTPServer | None = None
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    def start(self) -> dict:
+        self.listener = self.transport.listen_msg()
+        self.httpd = ThreadingHTTPServer(self._http_addr, _handler_for(self))
+        self._spawn(self.httpd.serve_forever, "attn-http")
+        self._spawn(self._accept_loop, "attn-accept")
+        info = self.info()
+        logger.info("attention server ready: %s", info)
+        return info
+
+    def info(self) -> dict:
+        host, port = self.httpd.server_address[:2] if self.httpd else self._http_addr
+        return {
+            "status": "ok", "http": f"{host}:{port}", "address": self.listener.address if self.listener else None,
+            "transport": self.transport_kind, "kernel": self.kernel_kind,
+            "num_blocks": self.kernel.num_blocks if self.kernel else None,
+            "protocol": wire.PROTOCOL_VERSION,
+        }
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self.httpd:
+            self.httpd.shutdown()
+            self.httpd.server_close()
+        if self.listener:
+            self.listener.close()
+        for t in self._threads:
+            t.join(timeout=5)
+
+    def _spawn(self, fn, name, *args) -> None:
+        t = threading.Thread(target=fn, args=args, name=name, daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    def _accept_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                ch = self.listener.accept(timeout=0.5)
+            except TransportTimeout:
+                continue
+            except DisaggError as err:
+                if self._stop.is_set():
+                    return
+                logger.warning("attention server: accept failed: %s", err)
+                continue
+            self._spawn(self._serve_channel, "attn-session", ch)
+
+    # ---- one session -----------------------------------------------------------------------
+    def _serve_channel(self, ch) -> None:
+        session = _Session()
+        self.metrics.sessions.inc()
+        try:
+            while not self._stop.is_set():
+                try:
+                    msg = ch.recv(timeout=self._recv_timeout)
+                except TransportTimeout:
+                    continue
+                self.metrics.queue.inc()
+                try:
+                    self._handle(ch, session, msg)
+                finally:
+                    self.metrics.queue.dec()
+        except (PeerLostError, ProtocolError) as err:
+            logger.info("attention session ended: %s", err)
+        finally:
+            self.metrics.sessions.dec()
+            ch.close()
+
+    def _handle(self, ch, session: _Session, msg) -> None:
+        try:
+            h = wire.unpack_header(msg.header)
+        except ProtocolError as err:
+            self._reply_error(ch, 0, str(err))
+            return
+        self.metrics.bytes_in.inc(sum(msg.lengths))
+        self.metrics.messages.labels(wire.TYPE_NAMES[h.mtype]).inc()
+        try:
+            reply = self._dispatch(session, h, msg.buffers)
+        except (ProtocolError, ValueError, RuntimeError, NotImplementedError) as err:
+            self._reply_error(ch, h.seq, f"{wire.TYPE_NAMES[h.mtype]} seq {h.seq}: {err}")
+            return
+        if reply is not None:
+            header, tensors = reply
+            ch.send(header.pack(), tensors)
+            self.metrics.bytes_out.inc(sum(t.numel() * t.element_size() for t in tensors))
+
+    def _reply_error(self, ch, seq: int, text: str) -> None:
+        self.metrics.errors.inc()
+        logger.warning("attention server: rejected frame: %s", text)
+        ch.send(wire.Header(wire.ERROR, seq=seq).pack(), [memoryview(text.encode()[:4096])])
+
+    def _dispatch(self, session: _Session, h: wire.Header, bufs: list[memoryview]):
+        if h.mtype == wire.INIT:
+            return self._init(session, h, bufs)
+        if h.mtype == wire.PING:
+            return wire.Header(wire.PONG, seq=h.seq), []
+        if session.geometry is None or self.kernel is None:
+            raise ProtocolError("no INIT on this channel yet")
+        if h.mtype == wire.ATTN:
+            return self._attn(session, h, bufs)
+        if h.mtype == wire.QPREV:
+            return self._qprev(session, h, bufs)
+        if h.mtype == wire.KV:
+            self._kv(session, h, bufs)
+            return None
+        raise ProtocolError(f"unexpected {wire.TYPE_NAMES[h.mtype]} from a client")
+
+    def _init(self, session: _Session, h: wire.Header, bufs):
+        if len(bufs) != 1:
+            raise ProtocolError(f"INIT carries 1 payload, got {len(bufs)}")
+        g = wire.Geometry.from_json(bufs[0])
+        with self._lock:
+            if self.kernel is None or self.kernel.geometry != g:
+                num_blocks = self.kv_cache_bytes // kv_bytes_per_block(g)
+                if num_blocks < 1:
+                    raise ValueError(f"kv_cache_bytes={self.kv_cache_bytes} holds no block of {g}")
+                self.kernel = make_kernel(self.kernel_kind, g, num_blocks)
+                logger.info("attention server: %d blocks for %s", num_blocks, g)
+        session.geometry = g
+        reply = {"num_blocks": self.kernel.num_blocks, "supports_lse": self.kernel.supports_lse,
+                 "kernel": self.kernel_kind}
+        return wire.Header(wire.INIT_OK, seq=h.seq), [torch.frombuffer(bytearray(json.dumps(reply).encode()),
+                                                                       dtype=torch.uint8)]
+
+    def _tensors(self, session: _Session, h: wire.Header, bufs, names: list[str]):
+        """Split payloads into the named activations and the step metadata (cached by meta_id)."""
+        g = session.geometry
+        n = len(names)
+        expect = n + (4 if h.has_meta else 0)
+        if len(bufs) != expect:
+            raise ProtocolError(f"expected {expect} payloads, got {len(bufs)}")
+        if not 0 <= h.layer < g.num_layers or h.num_tokens > g.max_num_tokens:
+            raise ProtocolError(f"layer {h.layer} / {h.num_tokens} tokens outside the INIT geometry")
+        if h.has_meta:
+            meta = wire.decode_meta(h, bufs[n:], self.kernel.num_blocks, g.block_size)
+            meta = wire.StepMeta(*(t.clone() for t in meta.tensors()))  # own it: buffers get reused
+            session.remember(h.meta_id, meta)
+        meta, state = session.lookup(h.meta_id)
+        heads = {"q": g.num_heads, "k": g.num_kv_heads, "v": g.num_kv_heads}
+        acts = [wire.as_tensor(bufs[i], g.torch_dtype, (h.num_tokens, heads[x], g.head_size), x)
+                for i, x in enumerate(names)]
+        if meta.slot_mapping.shape[0] != h.num_tokens:
+            raise ProtocolError(f"{h.num_tokens} tokens but the step metadata has {meta.slot_mapping.shape[0]}")
+        return acts, meta, state
+
+    def _attn(self, session: _Session, h: wire.Header, bufs):
+        (q, k, v), meta, _ = self._tensors(session, h, bufs, ["q", "k", "v"])
+        out = torch.empty_like(q)
+        with self._lock, self._timed(h.layer):
+            state = session.state_for(h.meta_id, self.kernel)
+            self.kernel.write_kv(h.layer, k, v, meta)
+            self.kernel.attend(h.layer, q, meta, state, h.scale, out)
+        return wire.Header(wire.OUT, seq=h.seq, layer=h.layer, num_tokens=h.num_tokens), [out]
+
+    def _qprev(self, session: _Session, h: wire.Header, bufs):
+        (q,), meta, _ = self._tensors(session, h, bufs, ["q"])
+        if meta.num_reqs != h.num_tokens:
+            raise ProtocolError("QPREV needs a decode-only step (one token per request)")
+        with self._lock, self._timed(h.layer):
+            out, lse = self.kernel.attend_prev(h.layer, q, meta, h.scale)
+        return (wire.Header(wire.OUT_LSE, seq=h.seq, layer=h.layer, num_tokens=h.num_tokens),
+                [out.contiguous(), lse.contiguous()])
+
+    def _kv(self, session: _Session, h: wire.Header, bufs):
+        (k, v), meta, _ = self._tensors(session, h, bufs, ["k", "v"])
+        with self._lock:
+            self.kernel.write_kv(h.layer, k, v, meta)
+
+    def _timed(self, layer: int):
+        return _Timer(self.metrics.layer_seconds.labels(str(layer)))
+
+
+class _Session:
+    """Per-channel state: the client's geometry and recent step metadata."""
+
+    def __init__(self) -> None:
+        self.geometry: wire.Geometry | None = None
+        self._metas: OrderedDict[int, list] = OrderedDict()
+
+    def remember(self, meta_id: int, meta: wire.StepMeta) -> None:
+        self._metas[meta_id] = [meta, None]
+        self._metas.move_to_end(meta_id)
+        while len(self._metas) > _META_CACHE:
+            self._metas.popitem(last=False)
+
+    def lookup(self, meta_id: int):
+        entry = self._metas.get(meta_id)
+        if entry is None:
+            raise ProtocolError(f"unknown meta_id {meta_id}: send the step metadata with HAS_META first")
+        return entry
+
+    def state_for(self, meta_id: int, kernel: AttentionKernel):
+        entry = self.lookup(meta_id)
+        if entry[1] is None:
+            entry[1] = kernel.prepare(entry[0])
+        return entry[1]
+
+
+class _Timer:
+    def __init__(self, hist) -> None:
+        self.hist = hist
+
+    def __enter__(self):
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.hist.observe(time.perf_counter() - self.t0)
+
+
+def _handler_for(server: DisaggAttentionServer):
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+            if self.path in ("/health", "/info"):
+                body, ctype = json.dumps(server.info()).encode(), "application/json"
+            elif self.path == "/metrics":
+                body, ctype = generate_latest(server.metrics.registry), "text/plain; version=0.0.4"
+            else:
+                self.send_error(404, "try /health or /metrics")
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, fmt, *args) -> None:
+            logger.debug("attention http: " + fmt, *args)
+
+    return Handler

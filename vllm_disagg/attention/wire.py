@@ -1,0 +1,177 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The per-layer attention RPC between a model worker and one attention server.
+
+Carried as `MsgChannel` messages (`vllm_disagg.transport`): a fixed struct header plus raw tensor
+payloads (zero-copy on send). Nothing is pickled; the only structured payload is the JSON of the
+INIT handshake. Every received frame is checked (magic, version, type, sizes) before use.
+
+Conversation (FIFO per channel; the server answers in order):
+  INIT(json geometry)                   -> INIT_OK(json {num_blocks, supports_lse, ...}) | ERROR
+  ATTN(q, k, v [, meta])                -> OUT(out)               write k/v, run the kernel
+  QPREV(q [, meta]) then KV(k, v)       -> OUT_LSE(out, lse)      send-Q-early: attention over the
+                                           previous tokens is answered first, k/v land after it
+  PING                                  -> PONG
+Any bad frame -> ERROR(utf-8 text); the server keeps serving.
+
+`meta` = (query_start_loc int32[R+1], seq_lens int32[R], block_table int32[R, C],
+slot_mapping int64[T]) travels with the first frame of a step (flag HAS_META) and is cached
+by the server under `meta_id` for the other layers of that step.
+
+Protocol versions:
+  1: initial.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+
+import torch
+
+from vllm_disagg.errors import ProtocolError
+
+PROTOCOL_VERSION = 1
+MAGIC = b"LAMA"
+
+INIT, INIT_OK, ATTN, QPREV, KV, OUT, OUT_LSE, PING, PONG, ERROR = range(1, 11)
+TYPE_NAMES = {
+    INIT: "INIT", INIT_OK: "INIT_OK", ATTN: "ATTN", QPREV: "QPREV", KV: "KV", OUT: "OUT",
+    OUT_LSE: "OUT_LSE", PING: "PING", PONG: "PONG", ERROR: "ERROR",
+}
+HAS_META = 1
+
+# magic, version, type, flags, seq, layer, meta_id, num_tokens, num_reqs, num_cols, scale
+_HEADER = struct.Struct("<4sHHIQiIIIIf")
+HEADER_SIZE = _HEADER.size
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class Header:
+    mtype: int
+    seq: int = 0
+    flags: int = 0
+    layer: int = 0
+    meta_id: int = 0
+    num_tokens: int = 0
+    num_reqs: int = 0
+    num_cols: int = 0
+    scale: float = 0.0
+
+    def pack(self) -> bytes:
+        return _HEADER.pack(
+            MAGIC, PROTOCOL_VERSION, self.mtype, self.flags, self.seq, self.layer, self.meta_id,
+            self.num_tokens, self.num_reqs, self.num_cols, self.scale,
+        )
+
+    @property
+    def has_meta(self) -> bool:
+        return bool(self.flags & HAS_META)
+
+
+def unpack_header(raw: bytes) -> Header:
+    if len(raw) != HEADER_SIZE:
+        raise ProtocolError(f"attention header is {len(raw)} bytes, expected {HEADER_SIZE}")
+    magic, version, mtype, flags, seq, layer, meta_id, ntok, nreq, ncol, scale = _HEADER.unpack(raw)
+    if magic != MAGIC:
+        raise ProtocolError(f"bad magic {magic!r}, expected {MAGIC!r}")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(f"attention protocol version {version}, this side speaks {PROTOCOL_VERSION}")
+    if mtype not in TYPE_NAMES:
+        raise ProtocolError(f"unknown message type {mtype}")
+    return Header(mtype, seq, flags, layer, meta_id, ntok, nreq, ncol, scale)
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """What one server's shard looks like; sent in INIT, fixed for the session."""
+
+    num_layers: int
+    num_heads: int  # query heads of this shard
+    num_kv_heads: int  # KV heads of this shard
+    head_size: int
+    block_size: int
+    dtype: str
+    max_num_tokens: int
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ProtocolError(f"dtype {self.dtype!r} not one of {sorted(DTYPES)}")
+        for name in ("num_layers", "num_heads", "num_kv_heads", "head_size", "block_size", "max_num_tokens"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
+                raise ProtocolError(f"geometry.{name} must be a positive int, got {getattr(self, name)!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ProtocolError(f"{self.num_heads} query heads not a multiple of {self.num_kv_heads} KV heads")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def to_json(self) -> bytes:
+        return json.dumps(self.__dict__).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes | memoryview) -> Geometry:
+        try:
+            fields = json.loads(bytes(raw))
+            return cls(**fields)
+        except (ValueError, TypeError) as err:
+            raise ProtocolError(f"bad INIT geometry: {err}") from None
+
+
+@dataclass
+class StepMeta:
+    """Batch layout of one forward step (the scheduler's block ids, not remapped)."""
+
+    query_start_loc: torch.Tensor  # int32 [R+1]
+    seq_lens: torch.Tensor  # int32 [R]
+    block_table: torch.Tensor  # int32 [R, C]
+    slot_mapping: torch.Tensor  # int64 [T]
+
+    @property
+    def num_reqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.query_start_loc, self.seq_lens, self.block_table, self.slot_mapping]
+
+
+def as_tensor(buf: memoryview, dtype: torch.dtype, shape: tuple[int, ...], what: str) -> torch.Tensor:
+    """View a received payload as a tensor after checking its size exactly."""
+    numel = 1
+    for s in shape:
+        numel *= s
+    expect = numel * torch.empty((), dtype=dtype).element_size()
+    if buf.nbytes != expect:
+        raise ProtocolError(f"{what}: payload is {buf.nbytes} bytes, expected {expect} for {shape}")
+    if numel == 0:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(buf, dtype=dtype).view(shape)
+
+
+def decode_meta(h: Header, bufs: list[memoryview], num_blocks: int, block_size: int) -> StepMeta:
+    """Rebuild and range-check the step metadata carried in the last four payloads."""
+    if len(bufs) != 4:
+        raise ProtocolError(f"step metadata needs 4 payloads, got {len(bufs)}")
+    r, c, t = h.num_reqs, h.num_cols, h.num_tokens
+    meta = StepMeta(
+        as_tensor(bufs[0], torch.int32, (r + 1,), "query_start_loc"),
+        as_tensor(bufs[1], torch.int32, (r,), "seq_lens"),
+        as_tensor(bufs[2], torch.int32, (r, c), "block_table"),
+        as_tensor(bufs[3], torch.int64, (t,), "slot_mapping"),
+    )
+    qsl = meta.query_start_loc
+    if int(qsl[0]) != 0 or int(qsl[-1]) != t or bool((qsl[1:] < qsl[:-1]).any()):
+        raise ProtocolError(f"query_start_loc {qsl.tolist()[:8]} does not cover {t} tokens")
+    if r and (int(meta.seq_lens.min()) < 1 or int(meta.seq_lens.max()) > c * block_size):
+        raise ProtocolError(f"seq_lens outside [1, {c * block_size}] for a {c}-column block table")
+    if meta.block_table.numel() and (int(meta.block_table.min()) < 0 or int(meta.block_table.max()) >= num_blocks):
+        raise ProtocolError(f"block id out of range [0, {num_blocks})")
+    if t and (int(meta.slot_mapping.min()) < -1 or int(meta.slot_mapping.max()) >= num_blocks * block_size):
+        raise ProtocolError(f"slot id out of range [-1, {num_blocks * block_size})")
+    return meta
+
+
+def error_text(bufs: list[memoryview]) -> str:
+    return bytes(bufs[0]).decode("utf-8", "replace") if bufs else "unknown error"

@@ -1,0 +1,104 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Model-worker side of Lamina: a CPU worker and runner that hold no KV cache.
+
+`DisaggAttentionWorker(CPUWorker)` connects the process-wide attention client in `init_device`
+(after the model runner exists), reports the servers' capacity as its "available memory" (so the
+scheduler's number of blocks is what the servers hold, not local RAM) and swaps in
+`DisaggAttentionRunner`, which binds zero-byte placeholders (`meta` device) instead of allocating
+the cache and never zeroes blocks locally.
+
+If a server dies mid-step, the runner rebuilds: it reconnects (a restarted or replacement server
+at the same address), then recomputes the KV of every running request from its prompt and the
+tokens generated so far (one prefill pass per request, written to the new server through the same
+backend) and retries the step. See `recovery.py`.
+
+Use: `LLM(..., worker_cls="vllm_disagg.attention.worker.DisaggAttentionWorker",
+additional_config={"disagg": {"remote_attention": {"servers": ["127.0.0.1:PORT"]}}})`.
+"""
+
+from __future__ import annotations
+
+import torch
+from vllm.logger import init_logger
+from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+from vllm.v1.worker.cpu_worker import CPUWorker
+
+from vllm_disagg.attention import backend, register
+from vllm_disagg.attention.client import AttentionServerLost, DisaggAttentionClient
+from vllm_disagg.config import disagg_config_from_vllm
+
+logger = init_logger(__name__)
+register()  # the worker process imports this module before it builds the model
+
+
+def client_from_config(vllm_config) -> DisaggAttentionClient | None:
+    cfg = disagg_config_from_vllm(vllm_config)
+    ra = cfg.remote_attention if cfg else None
+    if ra is None or not ra.servers:
+        return None
+    return DisaggAttentionClient(ra.servers, transport=ra.transport, partition=ra.partition,
+                                 send_q_early=ra.send_q_early, auth_token=cfg.auth_token)
+
+
+def connect_client(client: DisaggAttentionClient, vllm_config) -> int:
+    mc, pc = vllm_config.model_config, vllm_config.parallel_config
+    return client.connect(
+        num_layers=mc.get_num_layers(pc), num_heads=mc.get_num_attention_heads(pc),
+        num_kv_heads=mc.get_num_kv_heads(pc), head_size=mc.get_head_size(),
+        block_size=vllm_config.cache_config.block_size, dtype=str(mc.dtype).removeprefix("torch."),
+        max_num_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
+    )
+
+
+class DisaggAttentionWorker(CPUWorker):
+    """CPUWorker whose KV lives on attention servers (inert if remote attention is not set)."""
+
+    def init_device(self) -> None:
+        super().init_device()
+        client = client_from_config(self.vllm_config)
+        if client is None:
+            return
+        connect_client(client, self.vllm_config)
+        backend.set_client(client)
+        self.model_runner.__class__ = DisaggAttentionRunner
+
+    def determine_available_memory(self) -> int:
+        client = backend._CLIENT
+        if client is None:
+            return super().determine_available_memory()
+        if self._should_warm_up_model():
+            self.model_runner.warming_up_model()
+        specs = self.model_runner.get_kv_cache_spec()
+        per_block = sum(spec.page_size_bytes for spec in specs.values())
+        logger.info("remote attention: %d blocks on the attention servers", client.num_blocks)
+        return client.num_blocks * per_block
+
+    def shutdown(self) -> None:
+        if backend._CLIENT is not None:
+            backend._CLIENT.close()
+            backend.set_client(None)
+        super().shutdown()
+
+
+class DisaggAttentionRunner(CPUModelRunner):
+    """No local KV: placeholders only; recovery when an attention server is lost."""
+
+    def initialize_kv_cache_tensors(self, kv_cache_config, kernel_block_sizes, kv_cache_allocation_context=None):
+        device, self.device = self.device, torch.device("meta")
+        try:  # same shapes and bindings as vLLM's, zero bytes
+            return super().initialize_kv_cache_tensors(kv_cache_config, kernel_block_sizes, None)
+        finally:
+            self.device = device
+
+    def _zero_block_ids(self, block_ids: list[int]) -> None:
+        pass  # the servers own the blocks; attention never reads past seq_len
+
+    def execute_model(self, scheduler_output, intermediate_tensors=None):
+        try:
+            return super().execute_model(scheduler_output, intermediate_tensors)
+        except AttentionServerLost as err:
+            from vllm_disagg.attention.recovery import recover
+
+            logger.warning("remote attention: %s; rebuilding KV by recompute", err)
+            recover(self, backend.get_client())
+            return super().execute_model(scheduler_output, intermediate_tensors)

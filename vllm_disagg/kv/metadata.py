@@ -1,0 +1,62 @@
+# SPDX-License-Identifier: Apache-2.0
+"""What the scheduler half tells the worker half each step (in-process, never on the network).
+
+`DisaggConnectorMetadata` is built once per engine step by `DisaggConnectorScheduler` and bound to
+the worker before the forward pass:
+
+* `recv_specs` (decode side): requests whose blocks were just allocated and must be registered with
+  the prefill instance named in their `kv_transfer_params`.
+* `save_specs` (prefill side): for every `do_remote_decode` request still in prefill this step, the
+  blocks it owns and how many prompt tokens will have KV once this step's forward is done.
+* `release_req_ids` (prefill side): requests whose `request_finished` returned delay_free=True;
+  the worker reports them in `finished_sending` once their push is over (done, failed or timed out).
+* `preempted_req_ids` (prefill side): pushes to abandon before their blocks are rewritten.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+__all__ = ["RecvSpec", "SaveSpec", "DisaggConnectorMetadata"]
+
+
+@dataclass(frozen=True)
+class RecvSpec:
+    """Decode side: register these local blocks with the prefill side channel at `remote`."""
+
+    req_id: str
+    transfer_id: str
+    remote: str
+    """HOST:PORT of the prefill instance's KV side channel."""
+    block_ids: tuple[int, ...]
+    """Local block ids for prompt blocks `start_block ..`, in order."""
+    start_block: int
+    """Index (in the request's block table) of `block_ids[0]`; earlier blocks are cached locally."""
+    num_prompt_tokens: int
+    push_timeout_s: float
+
+
+@dataclass(frozen=True)
+class SaveSpec:
+    """Prefill side: one request's state for this step."""
+
+    req_id: str
+    new_block_ids: tuple[int, ...]
+    """Blocks allocated this step (all blocks for a new request)."""
+    num_computed_tokens: int
+    """Prompt tokens whose KV is written after this step's forward pass."""
+    num_prompt_tokens: int
+    transfer_id: str | None = None
+    """Set the first time the worker sees the request."""
+    replace_blocks: bool = False
+    """True when `new_block_ids` replaces the block table (resumed after preemption)."""
+
+
+@dataclass
+class DisaggConnectorMetadata(KVConnectorMetadata):
+    recv_specs: list[RecvSpec] = field(default_factory=list)
+    save_specs: list[SaveSpec] = field(default_factory=list)
+    release_req_ids: list[str] = field(default_factory=list)
+    preempted_req_ids: list[str] = field(default_factory=list)

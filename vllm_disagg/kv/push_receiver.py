@@ -1,0 +1,201 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Decode side of the KV push (runs in the decode worker): registration and landing.
+
+Lifecycle of one receive (`_Recv`, keyed by transfer_id):
+
+    registering  a RecvSpec arrived in the step metadata; a pool thread sends REGISTER (handshake
+                 fields + this worker's receiver address + local block ids) to the prefill side
+    registered   ACCEPT came back and the prefill side's handshake fields match ours too
+    landing      the transport notifies each write once its bytes are in our KV blocks; we count
+                 bytes until every block of every layer has landed -> done (finished_recving)
+    failed       REJECT (handshake mismatch, error names the field), prefill unreachable or lost,
+                 or push_timeout_s passed (then CANCEL first, so no late write can land in blocks
+                 the scheduler will reuse) -> finished_recving + failed_recving; the scheduler's
+                 kv_load_failure_policy recomputes the prompt locally ("recompute") or fails it
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.logger import init_logger
+
+from vllm_disagg.errors import DisaggError, HandshakeMismatch
+from vllm_disagg.kv.handshake import (
+    MsgType,
+    SideMsg,
+    check_compatible,
+    decode_msg,
+    encode_msg,
+    handshake_body,
+)
+from vllm_disagg.kv.metadata import RecvSpec
+from vllm_disagg.kv.side_channel import SideChannelClient
+
+__all__ = ["PushReceiver"]
+
+logger = init_logger(__name__)
+_CANCEL_TIMEOUT_S = 5.0
+
+
+@dataclass
+class _Recv:
+    spec: RecvSpec
+    expected_bytes: int
+    deadline: float
+    landed_bytes: int = 0
+    state: str = "registering"
+    error: str | None = None
+
+
+class PushReceiver:
+    """Owns the decode worker's KV receiver (registered regions) and side-channel client."""
+
+    def __init__(self, transport: Any, handshake: Any, token: str, layers: list[Any], stats: Any):
+        self.handshake, self.token = handshake, token
+        self._stats, self._stats_lock = stats
+        self._receiver = transport.kv_receiver(name="decode")
+        for layer_idx, tensor in enumerate(layers):
+            self._receiver.register_region(str(layer_idx), tensor)
+        self.address = self._receiver.start()
+        self._client = SideChannelClient(lambda addr, timeout: transport.connect_msg(addr, timeout=timeout))
+        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="disagg-kv-register")
+        self._lock = threading.Lock()
+        self._recvs: dict[str, _Recv] = {}
+        self._late: dict[str, float] = {}  # transfer ids given up on; their notifications are dropped
+        logger.info("KV push receiver listening on %s", self.address)
+
+    # ------------------------------------------------------------ engine thread
+    def start(self, specs: list[RecvSpec]) -> None:
+        for spec in specs:
+            expected = len(spec.block_ids) * self.handshake.num_layers * self.handshake.block_nbytes
+            recv = _Recv(spec, expected, time.monotonic() + spec.push_timeout_s)
+            with self._lock:
+                self._recvs[spec.transfer_id] = recv
+            self._pool.submit(self._register, recv)
+
+    def poll(self) -> tuple[set[str], set[str]]:
+        """(finished_recving, failed_recving) since the last call; failed ones are in both."""
+        self._drain_notifications()
+        self._fail_lost_peers()
+        self._expire(time.monotonic())
+        done, failed = set(), set()
+        with self._lock:
+            for tid, recv in list(self._recvs.items()):
+                if recv.state in ("done", "failed"):
+                    del self._recvs[tid]
+                    (done if recv.state == "done" else failed).add(recv.spec.req_id)
+                    if recv.state == "failed":
+                        self._late[tid] = time.monotonic()
+        if failed:
+            self._record(lambda s: [s.record_fallback() for _ in failed])
+        return done | failed, failed
+
+    def has_pending(self) -> bool:
+        with self._lock:
+            return bool(self._recvs)
+
+    def _drain_notifications(self) -> None:
+        for note in self._receiver.poll_notifications():
+            with self._lock:
+                recv = self._recvs.get(note.transfer_id)
+                if recv is None or recv.state in ("failed", "cancelling"):
+                    if note.transfer_id not in self._late:
+                        logger.warning("KV push: notification for unknown transfer %s", note.transfer_id)
+                    continue
+                recv.landed_bytes += note.nbytes
+                if recv.landed_bytes >= recv.expected_bytes:
+                    recv.state = "done"
+
+    def _fail_lost_peers(self) -> None:
+        lost = set(self._receiver.lost_peers())
+        if not lost:
+            return
+        with self._lock:
+            for recv in self._recvs.values():
+                if recv.spec.remote in lost and recv.state not in ("done", "failed"):
+                    self._set_failed(recv, f"prefill instance {recv.spec.remote} lost mid-transfer")
+
+    def _expire(self, now: float) -> None:
+        with self._lock:
+            expired = [r for r in self._recvs.values() if now > r.deadline and r.state in ("registering", "registered")]
+            for recv in expired:
+                recv.state = "cancelling"
+        for recv in expired:
+            logger.warning("KV push %s (request %s): nothing complete after %.1fs; cancelling",
+                           recv.spec.transfer_id, recv.spec.req_id, recv.spec.push_timeout_s)
+            self._pool.submit(self._cancel, recv)
+        for tid, t in list(self._late.items()):
+            if now - t > 600:
+                del self._late[tid]
+
+    # ------------------------------------------------------------ registration threads
+    def _register(self, recv: _Recv) -> None:
+        spec = recv.spec
+        body = handshake_body(self.handshake, self.token, spec.transfer_id)
+        body.update(address=self.address, start_block=spec.start_block, push_timeout_s=spec.push_timeout_s)
+        try:
+            reply = decode_msg(
+                self._client.call(spec.remote, encode_msg(SideMsg(MsgType.REGISTER, body, spec.block_ids)),
+                                  timeout=min(spec.push_timeout_s, 10.0)),
+                spec.remote,
+            )
+            self._on_reply(recv, reply)
+        except HandshakeMismatch as err:  # our check of the prefill side's ACCEPT
+            self._log_refused(recv, str(err))
+            self._cancel(recv, reason=str(err))
+        except (DisaggError, OSError) as err:
+            with self._lock:
+                self._set_failed(recv, f"cannot register with prefill instance {spec.remote}: {err}")
+
+    def _on_reply(self, recv: _Recv, reply: SideMsg) -> None:
+        if reply.transfer_id != recv.spec.transfer_id:
+            raise HandshakeMismatch("transfer_id", recv.spec.transfer_id, reply.transfer_id, recv.spec.remote)
+        if reply.type is MsgType.REJECT:
+            message = str(reply.body.get("message", "refused by the prefill instance"))
+            self._log_refused(recv, message)
+            with self._lock:
+                self._set_failed(recv, message)
+            return
+        if reply.type is not MsgType.ACCEPT:
+            raise HandshakeMismatch("reply type", "ACCEPT", reply.type.name, recv.spec.remote)
+        check_compatible(self.handshake, reply.body, self.token, recv.spec.transfer_id, recv.spec.remote)
+        with self._lock:
+            if recv.state == "registering":
+                recv.state = "registered"
+
+    def _log_refused(self, recv: _Recv, message: str) -> None:
+        logger.error("KV push %s (request %s) refused by the handshake: %s",
+                     recv.spec.transfer_id, recv.spec.req_id, message)
+        self._record(lambda s: s.record_handshake_failure())
+
+    def _cancel(self, recv: _Recv, reason: str | None = None) -> None:
+        """Ask the prefill side to stop; it answers once none of its writes is in flight."""
+        tid = recv.spec.transfer_id
+        try:
+            self._client.call(recv.spec.remote, encode_msg(SideMsg(MsgType.CANCEL, {"transfer_id": tid})),
+                              timeout=_CANCEL_TIMEOUT_S)
+        except (DisaggError, OSError) as err:
+            logger.info("KV push %s: cancel not acknowledged (%s); treating the prefill side as gone", tid, err)
+        with self._lock:
+            self._set_failed(recv, reason or f"push did not complete within {recv.spec.push_timeout_s}s")
+
+    def _set_failed(self, recv: _Recv, reason: str) -> None:
+        if recv.state in ("done", "failed"):
+            return
+        recv.state, recv.error = "failed", reason
+        logger.warning("KV push %s (request %s) failed: %s; the decode instance recomputes the prompt",
+                       recv.spec.transfer_id, recv.spec.req_id, reason)
+
+    def _record(self, fn: Any) -> None:
+        with self._stats_lock:
+            fn(self._stats)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._client.close()
+        self._receiver.close()

@@ -1,0 +1,350 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Prefill side of the KV push (runs in the prefill worker): side channel + sender thread.
+
+Lifecycle of one push (`_Push`, keyed by req_id; the decode side knows it by transfer_id):
+
+    created    first SaveSpec seen (step that schedules the request)
+    ready      after each layer's attention, `layer_saved(L)` marks the tokens whose KV is written;
+               `step_done()` marks all layers (the forward is over)
+    registered the decode worker's REGISTER arrived on the side channel and passed the handshake
+    issuing    sender thread: layer-wise -> one write per layer as soon as whole blocks are ready;
+               serialized (prompt < layerwise_threshold_tokens) -> one write of all layers at the end
+    over       every block of every layer landed (done) or the push failed (handshake, timeout,
+               peer lost, cancelled, preempted) and no write is still in flight
+    released   scheduler finished the request (delay_free); once over -> finished_sending
+
+Blocks are read by the sender thread while the engine keeps running: safe because the scheduler
+keeps them allocated until finished_sending, and CPU_ATTN has written a layer's KV when
+save_kv_layer runs. (On GPU a stream event must be recorded per layer before queueing; not done.)
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.logger import init_logger
+
+from vllm_disagg.errors import DisaggError, HandshakeMismatch
+from vllm_disagg.kv.handshake import (
+    MsgType,
+    SideMsg,
+    check_compatible,
+    decode_msg,
+    encode_msg,
+    handshake_body,
+)
+from vllm_disagg.kv.metadata import DisaggConnectorMetadata, SaveSpec
+from vllm_disagg.kv.side_channel import SideChannelServer
+from vllm_disagg.transport import BlockWrite, XferState
+
+__all__ = ["PushSender"]
+
+logger = init_logger(__name__)
+
+
+@dataclass
+class _Registration:
+    address: str
+    block_ids: tuple[int, ...]
+    start_block: int
+    timeout_s: float
+    t_arrival: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class _Push:
+    req_id: str
+    transfer_id: str
+    num_prompt_tokens: int
+    layerwise: bool
+    block_ids: list[int]
+    ready_tokens: list[int]
+    sent_blocks: list[int]
+    deadline: float
+    reg: _Registration | None = None
+    handles: list = field(default_factory=list)  # (XferHandle, layer, t_issue, nbytes)
+    error: str | None = None
+    done: bool = False
+    released: bool = False
+    t_first_issue: float | None = None
+    t_prefill_done: float | None = None
+
+    @property
+    def pending(self) -> bool:
+        return any(h.state() is XferState.PENDING for h, *_ in self.handles)
+
+    @property
+    def over(self) -> bool:
+        return (self.done or self.error is not None) and not self.pending
+
+
+class PushSender:
+    """Owns the prefill worker's side channel, KV sender and sender thread."""
+
+    def __init__(self, transport: Any, handshake: Any, token: str, layers: list[Any], cfg: Any, stats: Any):
+        self.handshake, self.token, self.layers, self.cfg = handshake, token, layers, cfg
+        self.block_size = handshake.block_size
+        self._stats, self._stats_lock = stats
+        self._cond = threading.Condition()
+        self._pushes: dict[str, _Push] = {}
+        self._by_tid: dict[str, str] = {}
+        self._registry: dict[str, _Registration] = {}
+        self._rejected: dict[str, str] = {}
+        self._step_reqs: list[SaveSpec] = []
+        self._stop = threading.Event()
+        self.server = SideChannelServer(transport.listen_msg(), self._on_message)
+        self.address = self.server.address
+        self._sender = transport.kv_sender(name=self.address)
+        self._peers: dict[str, Any] = {}
+        self.timeline: deque[dict[str, Any]] = deque(maxlen=1024)
+        """Recent completed pushes with monotonic timestamps (first write issued, prefill done,
+        last write landed): the evidence that layer-wise pushes overlap prefill."""
+        self._thread = threading.Thread(target=self._run, name="disagg-kv-sender", daemon=True)
+        self._thread.start()
+        logger.info("KV push side channel listening on %s", self.address)
+
+    # ------------------------------------------------------------ engine thread
+    def bind(self, meta: DisaggConnectorMetadata) -> None:
+        with self._cond:
+            self._step_reqs = meta.save_specs
+            for spec in meta.save_specs:
+                self._apply_spec(spec)
+            for req_id in meta.preempted_req_ids:
+                self._fail(self._pushes.get(req_id), "request preempted on the prefill instance")
+            for req_id in meta.release_req_ids:
+                push = self._pushes.get(req_id)
+                if push is not None:
+                    push.released = True
+            self._cond.notify()
+        self._wait_quiet(meta.preempted_req_ids)
+
+    def _apply_spec(self, spec: SaveSpec) -> None:
+        push = self._pushes.get(spec.req_id)
+        if push is None:
+            tid = spec.transfer_id or ""
+            layerwise = spec.num_prompt_tokens >= self.cfg.layerwise_threshold_tokens
+            push = _Push(spec.req_id, tid, spec.num_prompt_tokens, layerwise, [], [0] * len(self.layers),
+                         [0] * len(self.layers), time.monotonic() + self.cfg.push_timeout_s)
+            self._pushes[spec.req_id] = push
+            self._by_tid[tid] = spec.req_id
+            if not tid:
+                self._fail(push, "request has no kv_transfer_params.transfer_id")
+            elif tid in self._rejected:
+                self._fail(push, self._rejected.pop(tid))
+        if spec.replace_blocks:
+            push.block_ids = list(spec.new_block_ids)
+        else:
+            push.block_ids.extend(spec.new_block_ids)
+
+    def layer_saved(self, layer_idx: int) -> None:
+        with self._cond:
+            for spec in self._step_reqs:
+                push = self._pushes.get(spec.req_id)
+                if push is not None:
+                    push.ready_tokens[layer_idx] = max(push.ready_tokens[layer_idx], spec.num_computed_tokens)
+                    if layer_idx == len(self.layers) - 1 and spec.num_computed_tokens >= push.num_prompt_tokens:
+                        push.t_prefill_done = push.t_prefill_done or time.monotonic()
+            self._cond.notify()
+
+    def step_done(self) -> None:
+        """The forward pass is over: every layer of this step's requests is written."""
+        for layer_idx in range(len(self.layers)):
+            self.layer_saved(layer_idx)
+        with self._cond:
+            self._step_reqs = []
+
+    def finished_sending(self) -> set[str]:
+        with self._cond:
+            over = {r for r, p in self._pushes.items() if p.released and p.over}
+            for req_id in over:
+                self._by_tid.pop(self._pushes.pop(req_id).transfer_id, None)
+        return over
+
+    def has_pending(self) -> bool:
+        with self._cond:
+            return bool(self._pushes)
+
+    def _wait_quiet(self, req_ids: list[str]) -> None:
+        """Block (bounded) until no write of `req_ids` still reads blocks that are being reused."""
+        for req_id in req_ids:
+            push = self._pushes.get(req_id)
+            for handle, *_ in list(push.handles) if push else ():
+                try:
+                    handle.wait(self.cfg.push_timeout_s)
+                except DisaggError:
+                    pass
+
+    # ------------------------------------------------------------ side channel thread
+    def _on_message(self, raw: bytes, peer: str) -> bytes | None:
+        msg = decode_msg(raw, peer)
+        if msg.type is MsgType.REGISTER:
+            return encode_msg(self._on_register(msg, peer))
+        if msg.type is MsgType.CANCEL:
+            self._on_cancel(msg.transfer_id)
+            return encode_msg(SideMsg(MsgType.CANCEL_ACK, {"transfer_id": msg.transfer_id}))
+        logger.warning("KV side channel: unexpected %s from %s; ignored", msg.type.name, peer)
+        return None
+
+    def _on_register(self, msg: SideMsg, peer: str) -> SideMsg:
+        tid = msg.transfer_id
+        try:
+            check_compatible(self.handshake, msg.body, self.token, tid, peer)
+            reg = _Registration(str(msg.body["address"]), msg.block_ids, int(msg.body["start_block"]),
+                                float(msg.body.get("push_timeout_s") or self.cfg.push_timeout_s))
+        except HandshakeMismatch as err:
+            logger.error("KV push %s refused: %s", tid, err)
+            self._record(lambda s: s.record_handshake_failure())
+            with self._cond:
+                self._rejected[tid] = str(err)
+                self._fail(self._pushes.get(self._by_tid.get(tid, "")), str(err))
+            body = {"transfer_id": tid, "field": err.field, "message": str(err)}
+            return SideMsg(MsgType.REJECT, body)
+        except (KeyError, TypeError, ValueError) as err:
+            return SideMsg(MsgType.REJECT, {"transfer_id": tid, "field": "register", "message": repr(err)})
+        with self._cond:
+            self._registry[tid] = reg
+            self._cond.notify()
+        logger.debug("KV push %s: decode registered %d blocks from %s", tid, len(reg.block_ids), peer)
+        return SideMsg(MsgType.ACCEPT, handshake_body(self.handshake, self.token, tid))
+
+    def _on_cancel(self, tid: str) -> None:
+        with self._cond:
+            push = self._pushes.get(self._by_tid.get(tid, ""))
+            self._registry.pop(tid, None)
+            self._fail(push, "cancelled by the decode instance (push timeout)")
+        if push is not None:
+            self._wait_quiet([push.req_id])
+
+    # ------------------------------------------------------------ sender thread
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            with self._cond:
+                busy = any(p.pending for p in self._pushes.values())
+                self._cond.wait(0.002 if busy else 0.05)
+                work = self._plan()
+            for push, writes, layer in work:
+                self._issue(push, writes, layer)
+            with self._cond:
+                self._reap()
+
+    def _plan(self) -> list[tuple[_Push, list[BlockWrite], int]]:
+        now, work = time.monotonic(), []
+        for push in self._pushes.values():
+            if push.error or push.done:
+                continue
+            if push.reg is None:
+                push.reg = self._registry.pop(push.transfer_id, None)
+                if push.reg is None:
+                    if now > push.deadline:
+                        self._fail(push, f"no decode registration within {self.cfg.push_timeout_s}s")
+                    continue
+                push.deadline = now + max(push.reg.timeout_s, self.cfg.push_timeout_s)
+            work.extend(self._plan_push(push))
+        self._gc_registry(now)
+        return work
+
+    def _plan_push(self, push: _Push) -> list[tuple[_Push, list[BlockWrite], int]]:
+        reg, num_blocks = push.reg, math.ceil(push.num_prompt_tokens / self.block_size)
+        first, end = reg.start_block, min(num_blocks, reg.start_block + len(reg.block_ids))
+        spans = []
+        for layer, ready in enumerate(push.ready_tokens):
+            ready_blocks = num_blocks if ready >= push.num_prompt_tokens else ready // self.block_size
+            lo, hi = max(push.sent_blocks[layer], first), min(ready_blocks, end, len(push.block_ids))
+            spans.append((layer, lo, hi))
+        if not push.layerwise:
+            if any(hi < end for _, _, hi in spans):
+                return []
+            spans = [(layer, lo, hi) for layer, lo, hi in spans if hi > lo]
+            return [(push, [self._write(push, *s) for s in spans], -1)] if spans else []
+        return [(push, [self._write(push, *s)], s[0]) for s in spans if s[2] > s[1]]
+
+    def _write(self, push: _Push, layer: int, lo: int, hi: int) -> BlockWrite:
+        first = push.reg.start_block
+        push.sent_blocks[layer] = hi
+        return BlockWrite(str(layer), self.layers[layer], push.block_ids[lo:hi],
+                          push.reg.block_ids[lo - first : hi - first])
+
+    def _issue(self, push: _Push, writes: list[BlockWrite], layer: int) -> None:
+        nbytes = sum(len(w.src_block_ids) for w in writes) * self.handshake.block_nbytes
+        try:
+            peer = self._peer(push.reg.address)
+            handle = peer.write_blocks(writes, push.transfer_id, layer)
+        except (DisaggError, OSError, ValueError) as err:
+            self._peers.pop(push.reg.address, None)
+            with self._cond:
+                self._fail(push, f"write to {push.reg.address} failed: {err}")
+            return
+        with self._cond:
+            push.t_first_issue = push.t_first_issue or time.monotonic()
+            push.handles.append((handle, layer, time.monotonic(), nbytes))
+
+    def _peer(self, address: str) -> Any:
+        peer = self._peers.get(address)
+        if peer is None:
+            peer = self._peers[address] = self._sender.connect(address, timeout=self.cfg.push_timeout_s)
+        return peer
+
+    def _reap(self) -> None:
+        now = time.monotonic()
+        for push in self._pushes.values():
+            for handle, layer, *_ in push.handles:
+                if handle.state() is XferState.FAILED and push.error is None:
+                    self._peers.pop(push.reg.address, None)
+                    self._fail(push, f"write of layer {layer} failed: {handle.error}")
+            if push.error or push.done or push.reg is None or push.pending:
+                if push.pending and now > push.deadline and push.error is None:
+                    self._fail(push, "push still in flight at its deadline")
+                continue
+            end = min(push.reg.start_block + len(push.reg.block_ids), math.ceil(push.num_prompt_tokens / self.block_size))
+            if all(s >= end for s in push.sent_blocks):
+                self._complete(push, now)
+
+    def _complete(self, push: _Push, now: float) -> None:
+        push.done = True
+        t0 = push.t_first_issue or now
+        exposed = now - (push.t_prefill_done or now)
+
+        def record(stats: Any) -> None:
+            for _, _, t_issue, nbytes in push.handles:
+                stats.record_layer(nbytes, now - t_issue)  # upper bound: reaped on a 2 ms tick
+            stats.record_request(now - t0, exposed)
+
+        self._record(record)
+        self.timeline.append({
+            "transfer_id": push.transfer_id, "layerwise": push.layerwise, "num_writes": len(push.handles),
+            "t_first_issue": t0, "t_prefill_done": push.t_prefill_done, "t_done": now,
+        })
+        logger.debug("KV push %s done: %d writes, %.1f ms, exposed %.1f ms", push.transfer_id,
+                     len(push.handles), 1e3 * (now - t0), 1e3 * exposed)
+
+    def _fail(self, push: _Push | None, reason: str) -> None:
+        if push is not None and push.error is None and not push.done:
+            push.error = reason
+            logger.warning("KV push %s (request %s) abandoned: %s", push.transfer_id, push.req_id, reason)
+
+    def _gc_registry(self, now: float) -> None:
+        for tid, reg in list(self._registry.items()):
+            if now - reg.t_arrival > max(reg.timeout_s, self.cfg.push_timeout_s):
+                del self._registry[tid]
+                logger.warning("KV push %s: registration expired, no prefill request with that id", tid)
+        if len(self._rejected) > 4096:
+            self._rejected.clear()
+
+    def _record(self, fn: Any) -> None:
+        with self._stats_lock:
+            fn(self._stats)
+
+    def close(self) -> None:
+        self._stop.set()
+        self.server.close()
+        self._thread.join(timeout=2)
+        try:
+            self._sender.close()
+        except (DisaggError, OSError) as err:
+            logger.debug("KV sender close: %s", err)
+

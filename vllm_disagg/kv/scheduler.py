@@ -1,0 +1,184 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Scheduler half of `DisaggConnector` (runs in EngineCore): pure bookkeeping, no network.
+
+Decode side (`kv_transfer_params.do_remote_prefill`):
+    get_num_new_matched_tokens -> (prompt tokens not cached locally, load_async=True)
+    update_state_after_alloc   -> remember the allocated blocks as a `RecvSpec`
+    build_connector_meta       -> hand the spec to the worker, which registers it with the prefill
+                                  side channel; the request waits in WAITING_FOR_REMOTE_KVS until
+                                  the worker reports it in finished_recving (or failed_recving: the
+                                  scheduler's kv_load_failure_policy then recomputes or fails it)
+    a request seen once is never loaded again, so a failed push falls back to local prefill.
+
+Prefill side (`kv_transfer_params.do_remote_decode`):
+    update_state_after_alloc   -> remember transfer id and prompt length
+    build_connector_meta       -> per step, each prefilling request's blocks and computed tokens
+                                  (`SaveSpec`), so the worker can push every layer as it is written
+    request_finished           -> delay_free=True; blocks stay until the worker's finished_sending
+    has_pending_push_work      -> keep the engine stepping until every push is over
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from vllm.logger import init_logger
+
+from vllm_disagg.kv.metadata import DisaggConnectorMetadata, RecvSpec, SaveSpec
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+__all__ = ["DisaggConnectorScheduler", "RemotePrefillParams"]
+
+logger = init_logger(__name__)
+
+
+@dataclass(frozen=True)
+class RemotePrefillParams:
+    """The decode-side keys of `kv_transfer_params` (see .coord/pd_protocol.md), validated."""
+
+    transfer_id: str
+    remote: str
+    push_timeout_s: float
+
+    @classmethod
+    def parse(cls, params: dict[str, Any], default_timeout_s: float) -> RemotePrefillParams:
+        tid, host, port = params.get("transfer_id"), params.get("remote_host"), params.get("remote_port")
+        if not isinstance(tid, str) or not tid:
+            raise ValueError(f"kv_transfer_params.transfer_id must be a non-empty string, got {tid!r}")
+        if not isinstance(host, str) or not host:
+            raise ValueError(f"kv_transfer_params.remote_host must be a host name, got {host!r}")
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+            raise ValueError(f"kv_transfer_params.remote_port must be a port number, got {port!r}")
+        timeout = params.get("push_timeout_s") or default_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+            raise ValueError(f"kv_transfer_params.push_timeout_s must be a positive number, got {timeout!r}")
+        return cls(tid, f"{host}:{port}", float(timeout))
+
+
+class DisaggConnectorScheduler:
+    def __init__(self, block_size: int, push_timeout_s: float):
+        self.block_size = block_size
+        self.push_timeout_s = push_timeout_s
+        # decode side
+        self._recv_seen: set[str] = set()  # requests that got one load attempt (never retried)
+        self._recv_inflight: set[str] = set()
+        self._pending_recv: list[RecvSpec] = []
+        # prefill side
+        self._send_reqs: dict[str, tuple[str, int]] = {}  # req_id -> (transfer_id, num_prompt_tokens)
+        self._send_announced: set[str] = set()
+        self._pending_release: list[str] = []
+        self._awaiting_send: set[str] = set()
+
+    # ---------------------------------------------------------------- decode side
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        if request.request_id in self._recv_seen or self._remote_prefill(request) is None:
+            return 0, False
+        count = request.num_prompt_tokens - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def _remote_prefill(self, request: Request) -> RemotePrefillParams | None:
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill"):
+            return None
+        try:
+            return RemotePrefillParams.parse(params, self.push_timeout_s)
+        except ValueError as err:
+            logger.warning("request %s: %s; computing the prompt locally", request.request_id, err)
+            return None
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        params = request.kv_transfer_params or {}
+        if params.get("do_remote_decode") and request.request_id not in self._send_reqs:
+            self._send_reqs[request.request_id] = (str(params.get("transfer_id", "")), request.num_prompt_tokens)
+            return
+        remote = self._remote_prefill(request)
+        if remote is None or num_external_tokens <= 0 or request.request_id in self._recv_seen:
+            return
+        self._recv_seen.add(request.request_id)
+        self._recv_inflight.add(request.request_id)
+        (block_ids,) = blocks.get_block_ids()
+        start_block = (request.num_prompt_tokens - num_external_tokens) // self.block_size
+        end_block = math.ceil(request.num_prompt_tokens / self.block_size)
+        self._pending_recv.append(
+            RecvSpec(
+                req_id=request.request_id,
+                transfer_id=remote.transfer_id,
+                remote=remote.remote,
+                block_ids=tuple(block_ids[start_block:end_block]),
+                start_block=start_block,
+                num_prompt_tokens=request.num_prompt_tokens,
+                push_timeout_s=remote.push_timeout_s,
+            )
+        )
+
+    # ---------------------------------------------------------------- both sides
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> DisaggConnectorMetadata:
+        meta = DisaggConnectorMetadata(
+            recv_specs=self._pending_recv,
+            save_specs=self._save_specs(scheduler_output),
+            release_req_ids=self._pending_release,
+            preempted_req_ids=sorted(set(scheduler_output.preempted_req_ids or ()) & self._send_announced),
+        )
+        self._pending_recv, self._pending_release = [], []
+        return meta
+
+    def _save_specs(self, out: SchedulerOutput) -> list[SaveSpec]:
+        specs = []
+        for new in out.scheduled_new_reqs:
+            if new.req_id in self._send_reqs:
+                specs.append(self._save_spec(new.req_id, new.block_ids, new.num_computed_tokens, out, True))
+        cached = out.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            if req_id in self._send_reqs:
+                resumed = req_id in cached.resumed_req_ids
+                new_ids = cached.new_block_ids[i] or ((),)
+                specs.append(self._save_spec(req_id, new_ids, cached.num_computed_tokens[i], out, resumed))
+        return [s for s in specs if s is not None]
+
+    def _save_spec(
+        self, req_id: str, block_ids: tuple, num_computed: int, out: SchedulerOutput, first: bool
+    ) -> SaveSpec | None:
+        transfer_id, num_prompt = self._send_reqs[req_id]
+        if num_computed >= num_prompt:
+            return None  # decode steps of a prefill request carry nothing new to push
+        announce = req_id not in self._send_announced
+        self._send_announced.add(req_id)
+        done = min(num_prompt, num_computed + out.num_scheduled_tokens.get(req_id, 0))
+        return SaveSpec(
+            req_id=req_id,
+            new_block_ids=tuple(block_ids[0]),
+            num_computed_tokens=done,
+            num_prompt_tokens=num_prompt,
+            transfer_id=transfer_id if announce else None,
+            replace_blocks=first,
+        )
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        req_id = request.request_id
+        self._recv_seen.discard(req_id)
+        self._recv_inflight.discard(req_id)
+        if req_id not in self._send_reqs:
+            return False, None
+        transfer_id, _ = self._send_reqs.pop(req_id)
+        if req_id not in self._send_announced:
+            return False, {"transfer_id": transfer_id, "pushed": False}
+        self._send_announced.discard(req_id)
+        self._pending_release.append(req_id)
+        self._awaiting_send.add(req_id)
+        return True, {"transfer_id": transfer_id, "pushed": True}
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        for req_id in connector_output.finished_sending or ():
+            self._awaiting_send.discard(req_id)
+        for req_id in connector_output.finished_recving or ():
+            self._recv_inflight.discard(req_id)
+
+    def has_pending_push_work(self) -> bool:
+        return bool(self._awaiting_send or self._pending_release or self._pending_recv)

@@ -1,0 +1,140 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Worker half of `DisaggConnector` (runs in each vLLM worker process).
+
+On `register_kv_caches` it builds this worker's `HandshakeInfo`, opens the transport named by
+`kv.transport`, and starts the role's side: `PushSender` (kv_producer: side channel on
+`kv.kv_port`, sender thread) and/or `PushReceiver` (kv_consumer: KV receiver with one region per
+layer). Per step: `bind` hands the metadata to them, `save_kv_layer` marks a layer written (the
+sender thread pushes its whole blocks at once), `wait_for_save` marks the step's forward done,
+`get_transfer_results` reports pushes that are over and receives that landed or failed.
+Nothing here blocks the forward pass except `bind` after a preemption (bounded).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+from vllm.logger import init_logger
+
+from vllm_disagg import envs
+from vllm_disagg.config import DisaggConfigError, KVTransferSection, disagg_config_from_vllm
+from vllm_disagg.kv.handshake import local_handshake_info
+from vllm_disagg.kv.metadata import DisaggConnectorMetadata
+from vllm_disagg.kv.stats import DisaggKVConnectorStats
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["DisaggConnectorWorker", "kv_settings"]
+
+logger = init_logger(__name__)
+
+
+def kv_settings(vllm_config: Any) -> tuple[KVTransferSection, str | None]:
+    """The `kv` section (defaults when absent) and the shared auth token."""
+    cfg = disagg_config_from_vllm(vllm_config)
+    kv = (cfg.kv if cfg else None) or KVTransferSection()
+    return kv, (cfg.auth_token if cfg else None) or envs.auth_token()
+
+
+def _layer_index(name: str) -> int:
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    return extract_layer_index(name)
+
+
+class DisaggConnectorWorker:
+    def __init__(self, vllm_config: Any, make_transport: Any = None):
+        self.vllm_config = vllm_config
+        self.kv, self.token = kv_settings(vllm_config)
+        kv_transfer = vllm_config.kv_transfer_config
+        self.is_producer = kv_transfer.kv_role in ("kv_producer", "kv_both")
+        self.is_consumer = kv_transfer.kv_role in ("kv_consumer", "kv_both")
+        self._make_transport = make_transport or _default_transport
+        self._stats = DisaggKVConnectorStats()
+        self._stats_lock = threading.Lock()
+        self.layer_ids: dict[str, int] = {}
+        self.sender: Any = None
+        self.receiver: Any = None
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if not self.token:
+            raise DisaggConfigError(
+                'DisaggConnector needs a shared auth token: set additional_config["disagg"].auth_token '
+                f"or ${envs.VLLM_DISAGG_AUTH_TOKEN} to the same secret on prefill and decode instances"
+            )
+        names = sorted(kv_caches, key=_layer_index)
+        self.layer_ids = {name: i for i, name in enumerate(names)}
+        layers = [kv_caches[n] for n in names]
+        for name, tensor in zip(names, layers, strict=True):
+            if not tensor.is_contiguous():
+                raise ValueError(f"DisaggConnector ships whole blocks and needs contiguous KV; {name} is not")
+        info = local_handshake_info(self.vllm_config, layers)
+        stats = (self._stats, self._stats_lock)
+        port = self._port()
+        if self.is_producer:
+            from vllm_disagg.kv.push_sender import PushSender
+
+            self.sender = PushSender(self._make_transport(self.kv, self.token, port), info, self.token,
+                                     layers, self.kv, stats)
+        if self.is_consumer:
+            from vllm_disagg.kv.push_receiver import PushReceiver
+
+            rx_port = 0 if self.is_producer else port
+            self.receiver = PushReceiver(self._make_transport(self.kv, self.token, rx_port), info, self.token,
+                                         layers, stats)
+
+    def _port(self) -> int:
+        """kv_port + this worker's TP rank (each rank serves its own shard); 0 stays 0 (any port)."""
+        if not self.kv.kv_port:
+            return 0
+        rank = int(getattr(self.vllm_config.parallel_config, "rank", 0) or 0)
+        return self.kv.kv_port + rank
+
+    # ------------------------------------------------------------ per step
+    def bind(self, meta: DisaggConnectorMetadata) -> None:
+        if self.sender is not None and (meta.save_specs or meta.release_req_ids or meta.preempted_req_ids):
+            self.sender.bind(meta)
+        if self.receiver is not None and meta.recv_specs:
+            self.receiver.start(meta.recv_specs)
+
+    def save_kv_layer(self, layer_name: str) -> None:
+        if self.sender is not None:
+            layer_idx = self.layer_ids.get(layer_name)
+            if layer_idx is not None:
+                self.sender.layer_saved(layer_idx)
+
+    def wait_for_save(self) -> None:
+        if self.sender is not None:
+            self.sender.step_done()
+
+    def get_transfer_results(self) -> KVConnectorTransferResults:
+        results = KVConnectorTransferResults()
+        if self.sender is not None:
+            results.finished_sending = self.sender.finished_sending()
+        if self.receiver is not None:
+            results.finished_recving, results.failed_recving = self.receiver.poll()
+        return results
+
+    def get_kv_connector_stats(self) -> DisaggKVConnectorStats | None:
+        with self._stats_lock:
+            if self._stats.is_empty():
+                return None
+            return self._stats.clone_and_reset()
+
+    def shutdown(self) -> None:
+        for side in (self.sender, self.receiver):
+            if side is not None:
+                side.close()
+
+
+def _default_transport(kv: KVTransferSection, token: str, port: int) -> Any:
+    from vllm_disagg.transport import TransportOptions, get_transport
+
+    host = os.environ.get("VLLM_HOST_IP") or "127.0.0.1"
+    options = TransportOptions(auth_token=token, host=host, port=port, num_streams=kv.num_streams,
+                               timeout_s=kv.push_timeout_s)
+    return get_transport(kv.transport, options)

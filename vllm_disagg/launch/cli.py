@@ -1,0 +1,148 @@
+# SPDX-License-Identifier: Apache-2.0
+"""`vllm-disagg up`: start a local Splitwise deployment (P/D pools + router) and serve until Ctrl-C.
+
+    vllm-disagg up --prefill 1 --decode 1 --model smollm2-135m --port 8000 --dtype float32
+
+Arguments this command does not know (`--dtype`, `--max-model-len`, ...) go to every vLLM instance.
+`--prefill 0 --decode 0` (or `--mixed N` alone) runs plain instances behind the router.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+import tempfile
+from pathlib import Path
+
+logger = logging.getLogger("vllm_disagg.launch")
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "up", help="start P/D vLLM pools and the router on 127.0.0.1",
+        description=__doc__.splitlines()[0], allow_abbrev=False,
+        epilog="Unknown arguments are passed to every `vllm serve` instance.")
+    parser.add_argument("--prefill", type=int, default=1, help="prefill (P) instances")
+    parser.add_argument("--decode", type=int, default=1, help="decode (D) instances")
+    parser.add_argument("--mixed", type=int, default=0, help="plain instances serving whole requests")
+    parser.add_argument("--model", default="smollm2-135m", help="embedded model name or a local path")
+    parser.add_argument("--port", type=int, default=8000, help="router port")
+    parser.add_argument("--transport", choices=("tcp", "shm"), default="tcp", help="KV push backend")
+    parser.add_argument("--cores-per-instance", type=int, default=1,
+                        help="CPU cores per instance (VLLM_CPU_OMP_THREADS_BIND)")
+    parser.add_argument("--kv-cache-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE per instance")
+    parser.add_argument("--push-timeout-s", type=float, default=None,
+                        help="D recomputes the prompt when a push stalls this long")
+    parser.add_argument("--health-timeout-s", type=float, default=900.0,
+                        help="how long to wait for the instances to become healthy")
+    parser.add_argument("--log-dir", default=None, help="instance logs (default: a new temp dir)")
+    parser.add_argument("--state-file", default=None,
+                        help="write endpoint, instance URLs and pids here as JSON once healthy")
+    _keep_unknown_args(parser)
+    parser.set_defaults(func=run)
+    return parser
+
+
+def _keep_unknown_args(parser: argparse.ArgumentParser) -> None:
+    """Collect unknown arguments into `args.vllm_args` instead of failing (they belong to vLLM).
+
+    The top-level parser rejects leftovers a subparser reports, so this subparser reports none."""
+    original = parser.parse_known_args
+
+    def parse_known_args(args=None, namespace=None):
+        ns, extra = original(args, namespace)
+        ns.vllm_args = [a for a in extra if a != "--"]
+        return ns, []
+
+    parser.parse_known_args = parse_known_args
+
+
+def resolve_model(name_or_path: str) -> str:
+    if Path(name_or_path).exists():
+        return str(Path(name_or_path).resolve())
+    from vllm_disagg.models import resolve_model as resolve  # lazy: pulls may take a minute
+
+    return resolve(name_or_path)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return asyncio.run(_up(args))
+    except KeyboardInterrupt:
+        return 130
+
+
+async def _up(args: argparse.Namespace) -> int:
+    from vllm_disagg.launch.local import LaunchError, LocalCluster, plan_instances
+    from vllm_disagg.router.server import Router, RouterServer
+
+    specs = plan_instances(args.prefill, args.decode, args.mixed, args.cores_per_instance)
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="vllm-disagg-up-"))
+    cluster = LocalCluster(specs, resolve_model(args.model), args.transport, getattr(args, "vllm_args", []),
+                           served_name=args.model, kv_cache_gib=args.kv_cache_gib, log_dir=log_dir)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    server = None
+    try:
+        cluster.start()
+        print(f"vllm-disagg up: starting {len(specs)} instance(s), logs in {log_dir}", flush=True)
+        if not await _until(cluster.wait_healthy(args.health_timeout_s), stop):
+            return 130
+        router = Router(cluster.router_config(push_timeout_s=args.push_timeout_s))
+        server = RouterServer(router, "127.0.0.1", args.port)
+        await server.start()
+        _announce(cluster, server.url, args.state_file)
+        await _watch(cluster, stop)
+        return 0
+    except LaunchError as err:
+        print(f"vllm-disagg up: {err}", flush=True)
+        return 1
+    finally:
+        if server is not None:
+            await server.stop()
+        await asyncio.to_thread(cluster.stop)
+        print("vllm-disagg up: stopped", flush=True)
+
+
+async def _until(coro, stop: asyncio.Event) -> bool:
+    """Run `coro` unless `stop` fires first; True when it finished."""
+    task = asyncio.ensure_future(coro)
+    stopper = asyncio.ensure_future(stop.wait())
+    done, _ = await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    stopper.cancel()
+    if task not in done:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return False
+    task.result()
+    return True
+
+
+def _announce(cluster, url: str, state_file: str | None) -> None:
+    state = cluster.state(url)
+    if state_file:
+        Path(state_file).write_text(json.dumps(state, indent=1))
+    for inst in state["instances"]:
+        print(f"  {inst['name']:<9} {inst['url']}  kv={inst['kv']}  cores={inst['cores']}", flush=True)
+    print(f"vllm-disagg up: ready. OpenAI endpoint: {url}/v1  (model {state['model']!r}; Ctrl-C stops)",
+          flush=True)
+
+
+async def _watch(cluster, stop: asyncio.Event) -> None:
+    """Serve until a signal; say once when an instance dies (the router's health checks drop it)."""
+    reported: set[str] = set()
+    while not stop.is_set():
+        for name in cluster.dead_instances():
+            if name not in reported:
+                reported.add(name)
+                logger.warning("instance %s exited; the router drops it from its pool", name)
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(stop.wait(), timeout=1.0)

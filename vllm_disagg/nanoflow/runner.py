@@ -1,0 +1,255 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The nano-batch model runner: a mixin over vLLM's V1 runner (CPU and GPU).
+
+Lifecycle per step (inert unless `additional_config["disagg"]["nanoflow"]` is set):
+1. `_determine_batch_execution_and_padding` asks vLLM's ubatch path to split the step
+   (`should_ubatch=True`) when the batch has at least as many tokens as fine nano-batches; vLLM then
+   builds the slices (`maybe_create_ubatch_slices`) and per-slice attention metadata and slot
+   mappings (`split_attn_metadata`) exactly as for DBO.
+2. `_model_forward` finds those in the forward context, builds one forward context per slice, and
+   runs the op graph (`LlamaPipeline` + `OpGraphExecutor`) or, for other models, the sequential
+   fallback.
+Achieved throughput is logged as a fraction of the cost model's optimum (`throughput.py`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from vllm_disagg.nanoflow.executor import OpGraphExecutor
+from vllm_disagg.nanoflow.graph import ATTN, DENSE, NET, list_schedule
+from vllm_disagg.nanoflow.pipeline import LlamaPipeline, sequential_forward
+from vllm_disagg.nanoflow.plan import NanoFlowPlan
+from vllm_disagg.nanoflow.throughput import ThroughputLog
+from vllm_disagg.nanoflow.units import make_units, set_num_threads
+
+logger = logging.getLogger(__name__)
+
+
+def nanoflow_plan_of(vllm_config: Any) -> NanoFlowPlan | None:
+    """The resolved plan when nanoflow is configured, else None (inert)."""
+    from vllm_disagg.config import disagg_config_from_vllm
+    from vllm_disagg.nanoflow.plan import resolve_plan
+
+    cfg = disagg_config_from_vllm(vllm_config)
+    if cfg is None or cfg.nanoflow is None:
+        return None
+    nf = cfg.nanoflow
+    return resolve_plan(nf.nano_batches, nf.plan, vllm_config.model_config.model)
+
+
+class NanoFlowRunnerMixin:
+    """Put first in the bases: `class R(NanoFlowRunnerMixin, CPUModelRunner)`."""
+
+    def __init__(self, vllm_config: Any, device: torch.device, *args: Any, **kwargs: Any) -> None:
+        super().__init__(vllm_config, device, *args, **kwargs)
+        self.nano_plan = nanoflow_plan_of(vllm_config)
+        self.nano_pipeline: LlamaPipeline | None = None
+        self.nano_executor: OpGraphExecutor | None = None
+        self.nano_stats = dict.fromkeys(
+            ("steps", "nano_steps", "pipeline_steps", "fallback_steps", "prefill_steps", "decode_steps", "mixed_steps"),
+            0,
+        )
+        self._nano_schedules: dict[Any, Any] = {}
+        self._nano_tput: ThroughputLog | None = None
+
+    # --------------------------------------------------------------- setup
+    def load_model(self, *args: Any, **kwargs: Any) -> None:
+        super().load_model(*args, **kwargs)
+        if self.nano_plan is None:
+            return
+        self.model = _unwrap_ubatch_wrapper(self.model)
+        self.nano_pipeline = LlamaPipeline.try_bind(self.model)
+        if self.nano_pipeline is None:
+            logger.warning(
+                "nanoflow: %s is not on the Llama op path; nano-batches run sequentially (no overlap)",
+                type(self.model).__name__,
+            )
+        shares = self._nano_unit_shares()
+        self.nano_executor = OpGraphExecutor(make_units(shares, self.device), inline=len(shares) <= 1)
+        self._nano_tput = ThroughputLog(self.vllm_config, self.nano_plan)
+        logger.info(
+            "nanoflow: nano-batches attn=%d dense=%d, units %s%s",
+            self.nano_plan.nano_batches.attn,
+            self.nano_plan.nano_batches.dense,
+            shares,
+            " (inline)" if self.nano_executor.inline else "",
+        )
+
+    def _nano_unit_shares(self) -> dict[str, int]:
+        plan, pipe = self.nano_plan, self.nano_pipeline
+        assert plan is not None
+        needs_net = pipe is not None and (pipe.tp_size > 1 or pipe.network_bound)
+        if not plan.threaded or pipe is None:
+            return {DENSE: 0}
+        shares = dict(plan.units) or {DENSE: 0}
+        if needs_net:
+            shares.setdefault(NET, 0)
+        return shares
+
+    def nano_spec(self):
+        plan, pipe = self.nano_plan, self.nano_pipeline
+        spec = pipe.spec(plan.nano_batches.attn, plan.nano_batches.dense)
+        if spec.attn_unit == ATTN and ATTN not in self.nano_executor.units:
+            spec = type(spec)(**{**spec.__dict__, "attn_unit": DENSE})
+        return spec
+
+    def _build_attention_metadata(self, *args: Any, **kwargs: Any):
+        """CPU attention bakes the builder thread's OpenMP width into its metadata: build it with
+        the width of the unit that will run attention."""
+        width = self._nano_attn_threads() if kwargs.get("ubatch_slices") is not None else None
+        if width is None:
+            return super()._build_attention_metadata(*args, **kwargs)
+        before = torch.get_num_threads()
+        set_num_threads(width)
+        try:
+            return super()._build_attention_metadata(*args, **kwargs)
+        finally:
+            set_num_threads(before)
+
+    def _nano_attn_threads(self) -> int | None:
+        ex = self.nano_executor
+        if ex is None or ex.inline or self.device.type != "cpu":
+            return None
+        unit = ex.units.get(self.nano_spec().attn_unit)
+        cores = getattr(unit, "cores", None)
+        return len(cores) if cores and len(cores) != torch.get_num_threads() else None
+
+    # ------------------------------------------------------ step decisions
+    def _determine_batch_execution_and_padding(self, *args: Any, **kwargs: Any):
+        mode, desc, should_ubatch, across_dp, stats = super()._determine_batch_execution_and_padding(*args, **kwargs)
+        plan = self.nano_plan
+        if plan is not None and plan.nano_batches.attn >= 2 and self.vllm_config.parallel_config.data_parallel_size == 1:
+            num_tokens = kwargs.get("num_tokens", args[0] if args else 0)
+            num_reqs = kwargs.get("num_reqs", args[1] if len(args) > 1 else 0)
+            allowed = kwargs.get("allow_microbatching", True)
+            should_ubatch = bool(
+                allowed and num_reqs >= 1 and min(num_tokens, desc.num_tokens) >= plan.min_tokens()
+            )
+            if should_ubatch:
+                self._count_step_kind(kwargs.get("num_scheduled_tokens_np"), num_reqs)
+        return mode, desc, should_ubatch, across_dp, stats
+
+    def _count_step_kind(self, scheduled: Any, num_reqs: int) -> None:
+        if scheduled is None:
+            return
+        lens = scheduled[:num_reqs]
+        has_prefill, has_decode = bool((lens > 1).any()), bool((lens == 1).any())
+        kind = "mixed_steps" if has_prefill and has_decode else "prefill_steps" if has_prefill else "decode_steps"
+        self.nano_stats[kind] += 1
+
+    # -------------------------------------------------------------- forward
+    def _model_forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        intermediate_tensors: Any = None,
+        inputs_embeds: torch.Tensor | None = None,
+        **model_kwargs: Any,
+    ):
+        from vllm.forward_context import get_forward_context, is_forward_context_available
+
+        ctx = get_forward_context() if is_forward_context_available() else None
+        if self.nano_plan is None or ctx is None or ctx.ubatch_slices is None:
+            if self.nano_plan is not None:
+                self.nano_stats["steps"] += 1
+            return super()._model_forward(input_ids, positions, intermediate_tensors, inputs_embeds, **model_kwargs)
+        start = time.perf_counter()
+        fine = [s.token_slice for s in ctx.ubatch_slices]
+        contexts = _slice_contexts(ctx, self.vllm_config)
+        if self.nano_pipeline is None or intermediate_tensors is not None or model_kwargs:
+            out = sequential_forward(self.model, contexts, fine, input_ids, positions, inputs_embeds)
+            self.nano_stats["fallback_steps"] += 1
+        else:
+            out = self._run_pipeline(fine, contexts, input_ids, positions, inputs_embeds)
+            self.nano_stats["pipeline_steps"] += 1
+        self.nano_stats["steps"] += 1
+        self.nano_stats["nano_steps"] += 1
+        if self._nano_tput is not None and ctx.attn_metadata is not None:
+            self._nano_tput.record(int(fine[-1].stop), time.perf_counter() - start)
+        return out
+
+    def _run_pipeline(self, fine, contexts, input_ids, positions, inputs_embeds) -> torch.Tensor:
+        spec = self.nano_spec()
+        k = spec.ratio
+        coarse = [slice(fine[b * k].start, fine[b * k + k - 1].stop) for b in range(spec.n_dense)]
+        pipe = self.nano_pipeline
+        st = pipe.begin(input_ids, positions, inputs_embeds, fine, coarse, contexts)
+        nodes, schedule = self._nano_schedule(spec, int(fine[-1].stop))
+        fns = pipe.op_fns(st, spec)
+        n_batches = {"kqv": spec.n_attn, "attn": spec.n_attn}
+        self.nano_executor.run(nodes, schedule, fns, n_batches)
+        return pipe.finish(st)
+
+    def _nano_schedule(self, spec, num_tokens: int):
+        """Schedules depend only on the pipeline shape; cached per spec."""
+        from vllm_disagg.nanoflow.graph import build_graph
+
+        if spec not in self._nano_schedules:
+            nodes = build_graph(spec)
+            costs = self.nano_plan.op_cost_s
+            n_of = {"kqv": spec.n_attn, "attn": spec.n_attn}
+
+            def cost(node) -> float:
+                tokens = max(1, num_tokens // n_of.get(node.name, spec.n_dense))
+                if node.name in costs and costs[node.name]:
+                    return _interp(costs[node.name], tokens)
+                return self.nano_pipeline.relative_cost(node.name, tokens)
+
+            self._nano_schedules[spec] = (nodes, list_schedule(nodes, cost))
+        return self._nano_schedules[spec]
+
+
+def _interp(table: dict[str, float], tokens: int) -> float:
+    pts = sorted((int(k), v) for k, v in table.items())
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+        if tokens <= x1:
+            return y0 + (y1 - y0) * (max(tokens, x0) - x0) / max(1, x1 - x0)
+    return pts[-1][1] * tokens / max(1, pts[-1][0])
+
+
+def _slice_contexts(ctx: Any, vllm_config: Any) -> list[Any]:
+    """One forward context per nano-batch, as vLLM's UBatchWrapper builds them."""
+    from vllm.config import CUDAGraphMode
+    from vllm.forward_context import create_forward_context
+
+    n = len(ctx.ubatch_slices)
+    slot_mapping = ctx.slot_mapping if isinstance(ctx.slot_mapping, list) else None
+    return [
+        create_forward_context(
+            ctx.attn_metadata[i] if ctx.attn_metadata is not None else None,
+            vllm_config,
+            batch_descriptor=ctx.batch_descriptor,
+            cudagraph_runtime_mode=CUDAGraphMode.NONE,
+            slot_mapping=slot_mapping[i] if slot_mapping else None,
+            skip_compiled=ctx.skip_compiled,
+        )
+        for i in range(n)
+    ]
+
+
+def _unwrap_ubatch_wrapper(model: Any) -> Any:
+    """The GPU runner wraps the model in UBatchWrapper when ubatching is on (needs DP); undo it."""
+    try:
+        from vllm.v1.worker.gpu_ubatch_wrapper import UBatchWrapper
+    except ImportError:
+        return model
+    return model.unwrap() if isinstance(model, UBatchWrapper) else model
+
+
+def nanoflow_runner_cls(base: type) -> type:
+    """`(NanoFlowRunnerMixin, base)`, cached, so workers can nano-batch any V1 runner."""
+    if issubclass(base, NanoFlowRunnerMixin):
+        return base
+    cls = _RUNNER_CLASSES.get(base)
+    if cls is None:
+        cls = type(f"NanoFlow{base.__name__}", (NanoFlowRunnerMixin, base), {"__module__": __name__})
+        _RUNNER_CLASSES[base] = cls
+    return cls
+
+
+_RUNNER_CLASSES: dict[type, type] = {}

@@ -1,0 +1,95 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Achieved forward throughput as a fraction of NanoFlow's optimum (Eq. 9).
+
+The analytic model is the planner's (`vllm_disagg.planner.nanoflow.optimal_throughput`); this
+module only supplies the device's measured peak dense FLOP/s (from the plan, or a short GEMM probe)
+and aggregates per-step timings into a periodic log line.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+LOG_EVERY_S = 10.0
+
+
+def measure_peak_flops(dim: int = 1024, tokens: int = 512, reps: int = 5) -> float:
+    """FLOP/s of a square-ish float32 GEMM on this thread's cores (the cost model's `Compute`)."""
+    a = torch.randn(tokens, dim)
+    w = torch.randn(dim, dim)
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        torch.nn.functional.linear(a, w)
+        best = min(best, time.perf_counter() - t0)
+    return 2.0 * tokens * dim * dim / best
+
+
+def model_spec_from_hf(hf_config: Any, dtype_bytes: int):
+    from vllm_disagg.planner.catalog import ModelSpec
+
+    heads = hf_config.num_attention_heads
+    return ModelSpec(
+        name=str(getattr(hf_config, "_name_or_path", "") or "model"),
+        hidden_size=hf_config.hidden_size,
+        num_layers=hf_config.num_hidden_layers,
+        num_heads=heads,
+        num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
+        intermediate_size=getattr(hf_config, "intermediate_size", 4 * hf_config.hidden_size),
+        vocab_size=getattr(hf_config, "vocab_size", 32000),
+        dtype_bytes=dtype_bytes,
+        head_dim=getattr(hf_config, "head_dim", None),
+    )
+
+
+def optimal_tokens_per_s(hf_config: Any, dtype_bytes: int, peak_flops: float, tp: int = 1) -> float | None:
+    """Eq. 9 via the planner's cost model; None when the planner is unavailable."""
+    try:
+        from vllm_disagg.planner.catalog import HardwareSpec
+        from vllm_disagg.planner.nanoflow import optimal_throughput
+    except ImportError as err:
+        logger.warning("nanoflow: planner cost model unavailable (%s); not reporting %% of optimal", err)
+        return None
+    cpu = HardwareSpec(name="this-device", fp16_tflops=peak_flops / 1e12, mem_bw_gbs=0.0, mem_gb=0.0)
+    return optimal_throughput(model_spec_from_hf(hf_config, dtype_bytes), cpu, num_gpus=tp)
+
+
+class ThroughputLog:
+    """Aggregates forward tokens/s and logs it against the optimum every LOG_EVERY_S."""
+
+    def __init__(self, vllm_config: Any, plan: Any) -> None:
+        self.tokens = 0
+        self.seconds = 0.0
+        self.last_log = time.monotonic()
+        self.optimal: float | None = None
+        try:
+            mc = vllm_config.model_config
+            peak = plan.peak_flops or measure_peak_flops()
+            dtype_bytes = torch.tensor([], dtype=mc.dtype).element_size()
+            tp = vllm_config.parallel_config.tensor_parallel_size
+            self.optimal = optimal_tokens_per_s(mc.hf_config, dtype_bytes, peak, tp)
+        except (AttributeError, TypeError, ValueError) as err:
+            logger.warning("nanoflow: cannot compute optimal throughput: %s", err)
+
+    def record(self, num_tokens: int, seconds: float) -> None:
+        self.tokens += num_tokens
+        self.seconds += seconds
+        now = time.monotonic()
+        if now - self.last_log >= LOG_EVERY_S and self.seconds > 0:
+            self.last_log = now
+            logger.info("nanoflow: %s", self.summary())
+
+    def summary(self) -> dict:
+        achieved = self.tokens / self.seconds if self.seconds else 0.0
+        frac = achieved / self.optimal if self.optimal else None
+        return {
+            "forward_tokens_per_s": round(achieved, 1),
+            "optimal_tokens_per_s": None if self.optimal is None else round(self.optimal, 1),
+            "fraction_of_optimal": None if frac is None else round(frac, 4),
+        }

@@ -1,0 +1,161 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Splitwise's machine-level scheduler (MLS, §IV-B) for the simulator.
+
+One class serves every pool; what it batches depends on what it was given:
+* prompts FCFS, batched up to `prompt_token_cap` tokens (2048; a longer
+  prompt runs alone);
+* decodes FCFS with continuous batching, admitted only while their KV fits
+  (memory-aware: the rest wait in `decode_waiting`);
+* a machine running both (mixed pool, or a baseline) does mixed continuous
+  batching: prompts first, and when a prompt does not fit in memory it
+  preempts the youngest decodes, each at most `max_preemptions` times.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from vllm_disagg.planner.perf_model import PROMPT_TOKEN_CAP, PerfModel
+from vllm_disagg.planner.traces import TraceRequest
+
+
+@dataclass(eq=False)
+class SimRequest:
+    """A trace request plus the times the simulator records for it."""
+
+    trace: TraceRequest
+    prefill_id: str = ""
+    decode_id: str = ""
+    num_generated: int = 0
+    num_preemptions: int = 0
+    first_token_s: float | None = None
+    done_s: float | None = None
+    kv_on_decode: bool = False
+
+    @property
+    def req_id(self) -> str:
+        return self.trace.req_id
+
+    @property
+    def num_kv_tokens(self) -> int:
+        return self.trace.num_prompt_tokens + self.trace.num_output_tokens
+
+    @property
+    def num_context_tokens(self) -> int:
+        return self.trace.num_prompt_tokens + self.num_generated
+
+    @property
+    def finished(self) -> bool:
+        return self.num_generated >= self.trace.num_output_tokens
+
+
+@dataclass
+class Batch:
+    """One iteration: prompts to prefill and decodes to advance one token."""
+
+    prompts: list[SimRequest]
+    decodes: list[SimRequest]
+    duration_s: float
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(r.trace.num_prompt_tokens for r in self.prompts)
+
+
+@dataclass(eq=False)
+class SimMachine:
+    machine_id: str
+    perf: PerfModel
+    kv_capacity_tokens: int
+    prompt_token_cap: int = PROMPT_TOKEN_CAP
+    max_preemptions: int = 1
+    prefill_queue: deque = field(default_factory=deque)
+    decode_waiting: deque = field(default_factory=deque)
+    running: list = field(default_factory=list)
+    num_kv_tokens: int = 0
+    busy_until_s: float | None = None
+    busy_time_s: float = 0.0
+    num_iterations: int = 0
+    num_mixed_iterations: int = 0
+
+    @property
+    def busy(self) -> bool:
+        return self.busy_until_s is not None
+
+    def has_work(self) -> bool:
+        return bool(self.prefill_queue or self.decode_waiting or self.running)
+
+    # ------------------------------------------------------------ batching
+    def next_batch(self) -> Batch | None:
+        """Pick the next iteration's batch (None if idle)."""
+        self._admit_decodes()
+        prompts = self._take_prompts()
+        decodes = list(self.running)
+        if not prompts and not decodes:
+            return None
+        ctx = sum(r.num_context_tokens for r in decodes)
+        n_prompt = sum(r.trace.num_prompt_tokens for r in prompts)
+        ms = self.perf.mixed_ms(n_prompt, len(decodes), ctx)
+        if prompts and decodes:
+            self.num_mixed_iterations += 1
+        self.num_iterations += 1
+        return Batch(prompts, decodes, ms / 1e3)
+
+    def _admit_decodes(self) -> None:
+        while self.decode_waiting:
+            req = self.decode_waiting[0]
+            need = 0 if req.kv_on_decode else req.num_kv_tokens
+            if self.running and self.num_kv_tokens + need > self.kv_capacity_tokens:
+                return  # queue tokens while memory is short (§IV-B)
+            self.decode_waiting.popleft()
+            self.num_kv_tokens += need
+            req.kv_on_decode = True
+            self.running.append(req)
+
+    def _take_prompts(self) -> list[SimRequest]:
+        taken: list[SimRequest] = []
+        total = 0
+        while self.prefill_queue:
+            req = self.prefill_queue[0]
+            n = req.trace.num_prompt_tokens
+            if taken and total + n > self.prompt_token_cap:
+                break
+            need = self._prompt_kv(req)
+            if self.num_kv_tokens + need > self.kv_capacity_tokens and not self._preempt_for(need):
+                if taken or self.running:
+                    break
+            self.prefill_queue.popleft()
+            self.num_kv_tokens += need
+            taken.append(req)
+            total += n
+        return taken
+
+    def _prompt_kv(self, req: SimRequest) -> int:
+        """Colocated requests keep their KV here for the whole request."""
+        if req.decode_id == self.machine_id:
+            req.kv_on_decode = True
+            return req.num_kv_tokens
+        return req.trace.num_prompt_tokens
+
+    def _preempt_for(self, need: int) -> bool:
+        """Free memory by pushing the youngest decodes back to the wait queue."""
+        victims = [r for r in reversed(self.running) if r.num_preemptions < self.max_preemptions]
+        for req in victims:
+            if self.num_kv_tokens + need <= self.kv_capacity_tokens:
+                break
+            self.running.remove(req)
+            req.num_preemptions += 1
+            req.kv_on_decode = False
+            self.num_kv_tokens -= req.num_kv_tokens
+            self.decode_waiting.appendleft(req)
+        return self.num_kv_tokens + need <= self.kv_capacity_tokens
+
+    # ------------------------------------------------------------ bookkeeping
+    def release_prompt_kv(self, req: SimRequest) -> None:
+        """The prompt's KV left for the token machine."""
+        self.num_kv_tokens -= req.trace.num_prompt_tokens
+
+    def finish_decode(self, req: SimRequest) -> None:
+        self.running.remove(req)
+        self.num_kv_tokens -= req.num_kv_tokens

@@ -1,0 +1,78 @@
+# SPDX-License-Identifier: Apache-2.0
+"""`vllm-disagg router`: the Splitwise cluster front end as a command.
+
+    vllm-disagg router --prefill http://127.0.0.1:8100 --prefill-kv 127.0.0.1:9100 \\
+                       --decode http://127.0.0.1:8200 --port 8000
+
+`add_router_args` / `config_from_args` are shared with `vllm launch disagg-proxy` and the launcher.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from vllm_disagg.router.config import RouterConfig
+
+
+def add_router_args(parser: argparse.ArgumentParser) -> None:
+    """Pool membership, timeouts and policy thresholds (no --host/--port: callers own those)."""
+    g = parser.add_argument_group("disagg router")
+    g.add_argument("--prefill", action="append", default=[], metavar="URL",
+                   help="prefill (P) instance base URL; repeat per instance")
+    g.add_argument("--prefill-kv", action="append", default=[], metavar="HOST:PORT",
+                   help="KV side channel of each --prefill instance, same order")
+    g.add_argument("--decode", action="append", default=[], metavar="URL",
+                   help="decode (D) instance base URL; repeat per instance")
+    g.add_argument("--mixed", action="append", default=[], metavar="URL",
+                   help="plain instance that serves whole requests (mixed pool)")
+    g.add_argument("--push-timeout-s", type=float, default=None,
+                   help="tell D to recompute when the KV push stalls this long (default: D's config)")
+    g.add_argument("--read-timeout-s", type=float, default=300.0,
+                   help="longest silence from an instance before the request fails cleanly")
+    g.add_argument("--health-interval-s", type=float, default=2.0, help="period of /health polls")
+    g.add_argument("--prefill-queue-threshold", type=int, default=8192,
+                   help="pending prefill tokens above which prompts overflow to the mixed pool")
+    g.add_argument("--decode-queue-threshold", type=int, default=65536,
+                   help="pending decode tokens above which requests overflow to the mixed pool")
+
+
+def config_from_args(args: argparse.Namespace) -> RouterConfig:
+    return RouterConfig(
+        prefill_urls=args.prefill, prefill_kv=args.prefill_kv, decode_urls=args.decode,
+        mixed_urls=args.mixed, push_timeout_s=args.push_timeout_s, read_timeout_s=args.read_timeout_s,
+        health_interval_s=args.health_interval_s,
+    )
+
+
+def scheduler_config_from_args(args: argparse.Namespace):
+    from vllm_disagg.router.policy import SchedulerConfig
+
+    return SchedulerConfig(prefill_queue_threshold=args.prefill_queue_threshold,
+                           decode_queue_threshold=args.decode_queue_threshold)
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "router", help="OpenAI-compatible Splitwise router in front of P/D pools",
+        description=__doc__.splitlines()[0], allow_abbrev=False,
+    )
+    add_router_args(parser)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.set_defaults(func=run)
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
+    from vllm_disagg.router.server import run_router
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = config_from_args(args)
+    except ValidationError as err:
+        msgs = "; ".join(e["msg"] for e in err.errors())
+        raise SystemExit(f"vllm-disagg router: {msgs}") from None
+    return run_router(config, args.host, args.port, scheduler_config_from_args(args))

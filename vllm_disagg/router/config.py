@@ -1,0 +1,61 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The router's typed settings: pool membership (static flags) and every timeout it waits on.
+
+Membership is static, as in pd_protocol.md: `--prefill URL --prefill-kv HOST:PORT` (paired by order),
+`--decode URL`, `--mixed URL`. Timeouts exist so that no client request can hang on a dead instance.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from vllm_disagg.config import _check_host_port
+
+
+class RouterConfig(BaseModel):
+    """Everything `vllm-disagg router` / `vllm launch disagg-proxy` needs."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    prefill_urls: list[str] = Field(default_factory=list)
+    """HTTP base URL of each prefill (P) instance, e.g. http://127.0.0.1:8100."""
+    prefill_kv: list[str] = Field(default_factory=list)
+    """HOST:PORT of each P instance's KV side channel, in the order of `prefill_urls`."""
+    decode_urls: list[str] = Field(default_factory=list)
+    """HTTP base URL of each decode (D) instance."""
+    mixed_urls: list[str] = Field(default_factory=list)
+    """Plain instances that serve whole requests (Splitwise's mixed pool, or a single-instance demo)."""
+    connect_timeout_s: float = Field(5.0, gt=0)
+    """Opening a connection to an instance; a refused or silent instance fails fast."""
+    read_timeout_s: float = Field(300.0, gt=0)
+    """Longest silence between two chunks from an instance before the request fails cleanly."""
+    prefill_timeout_s: float = Field(300.0, gt=0)
+    """Whole P request (prefill + push); past it the router gives up on P (D recomputes)."""
+    push_timeout_s: float | None = Field(None, gt=0)
+    """Sent to D as `kv_transfer_params.push_timeout_s`; None leaves D's own `kv.push_timeout_s`."""
+    health_interval_s: float = Field(2.0, gt=0)
+    """Period of the /health poll of every instance."""
+    health_timeout_s: float = Field(5.0, gt=0)
+    """A /health answer slower than this counts as a failure."""
+    health_failures_to_drop: int = Field(2, ge=1)
+    """Consecutive failed polls before an instance is dropped from its pool (one success restores it)."""
+    retry_on_connect_error: bool = True
+    """Re-route once when an instance refuses the connection before any byte reached the client."""
+
+    @model_validator(mode="after")
+    def _check_membership(self) -> RouterConfig:
+        if len(self.prefill_kv) != len(self.prefill_urls):
+            raise ValueError(
+                f"--prefill-kv given {len(self.prefill_kv)} times for {len(self.prefill_urls)} --prefill; "
+                "give one HOST:PORT per prefill instance, in the same order"
+            )
+        for addr in self.prefill_kv:
+            _check_host_port(addr)
+        if self.prefill_urls and not self.decode_urls and not self.mixed_urls:
+            raise ValueError("prefill instances need at least one --decode (or --mixed) instance")
+        if not (self.decode_urls or self.mixed_urls):
+            raise ValueError("no instances: give --decode/--prefill pairs or --mixed URL")
+        for url in [*self.prefill_urls, *self.decode_urls, *self.mixed_urls]:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"instance URL must start with http:// or https://, got {url!r}")
+        return self

@@ -1,0 +1,273 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Splitwise's cluster-level scheduler (CLS) as pure logic, no I/O.
+
+Splitwise §IV-A: every request gets a *pair* of instances (prefill, decode),
+chosen at the same time so the KV transfer can overlap the prompt phase.
+Routing is Join-the-Shortest-Queue where queue length = pending tokens.
+When the best instance of a pool has more pending tokens than a threshold,
+the request goes to the *mixed pool*; if the mixed pool is also full, an
+instance of the opposite pool is moved into it. A mixed instance keeps its
+identity and goes home once it has no work of the opposite kind left.
+
+The HTTP router (`vllm_disagg.router`) and the planner's simulator
+(`vllm_disagg.planner.splitwise_sim`) both drive this one class, through
+`pick` / `on_prefill_done` / `on_decode_progress` / `on_request_done` /
+`mark_unhealthy`. Nothing here reads a clock, a socket or a file.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class Pool(str, enum.Enum):
+    """Home pool of an instance. MIXED instances serve both phases always
+    (Splitwise's baselines: every machine runs mixed continuous batching)."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+    MIXED = "mixed"
+
+
+class NoHealthyInstanceError(RuntimeError):
+    """No healthy instance can take the request (both pools empty or dead)."""
+
+
+@dataclass
+class InstanceState:
+    """What the CLS knows about one instance (machine or vLLM server)."""
+
+    instance_id: str
+    pool: Pool
+    healthy: bool = True
+    in_mixed_pool: bool = False
+    num_pending_prefill_tokens: int = 0
+    """Prompt tokens routed here whose prefill has not finished."""
+    num_pending_decode_tokens: int = 0
+    """Output tokens still to generate for requests decoding here."""
+    kv_capacity_tokens: int | None = None
+    """KV slots (tokens) of this instance; None = unbounded (not memory-aware)."""
+    num_kv_tokens: int = 0
+    """KV tokens reserved by requests assigned here (prompt + output)."""
+    num_prefill_reqs: int = 0
+    """Requests whose prefill is queued or running here."""
+    num_decode_reqs: int = 0
+    """Requests that will decode (or are decoding) here."""
+
+    @property
+    def num_pending_tokens(self) -> int:
+        return self.num_pending_prefill_tokens + self.num_pending_decode_tokens
+
+    def kv_fits(self, num_tokens: int) -> bool:
+        cap = self.kv_capacity_tokens
+        return cap is None or self.num_kv_tokens + num_tokens <= cap
+
+
+@dataclass(frozen=True)
+class RoutingDecision:
+    """The (prefill, decode) pair for one request."""
+
+    req_id: str
+    prefill: str
+    decode: str
+    prefill_via_mixed: bool = False
+    decode_via_mixed: bool = False
+
+    @property
+    def colocated(self) -> bool:
+        """Both phases on one instance: no KV transfer needed."""
+        return self.prefill == self.decode
+
+
+@dataclass
+class _Assignment:
+    decision: RoutingDecision
+    num_prompt_tokens: int
+    num_decode_tokens: int
+    num_kv_tokens: int
+    prefill_done: bool = False
+
+
+@dataclass
+class SchedulerConfig:
+    """Knobs of the CLS (Splitwise §IV-A)."""
+
+    prefill_queue_threshold: int | None = 8192
+    """Pending prefill tokens above which a prompt goes to the mixed pool.
+    None disables the mixed pool for prompts."""
+    decode_queue_threshold: int | None = 65536
+    """Pending decode tokens above which a request decodes in the mixed pool.
+    None disables the mixed pool for decode."""
+
+
+@dataclass
+class ClusterScheduler:
+    """JSQ-by-pending-tokens routing over prefill / decode / mixed pools."""
+
+    config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    instances: dict[str, InstanceState] = field(default_factory=dict)
+    _assignments: dict[str, _Assignment] = field(default_factory=dict)
+
+    # ------------------------------------------------------------ membership
+    def add_instance(self, instance_id: str, pool: Pool | str,
+                     kv_capacity_tokens: int | None = None) -> InstanceState:
+        if instance_id in self.instances:
+            raise ValueError(f"instance {instance_id!r} already registered")
+        inst = InstanceState(instance_id, Pool(pool), kv_capacity_tokens=kv_capacity_tokens)
+        inst.in_mixed_pool = inst.pool is Pool.MIXED
+        self.instances[instance_id] = inst
+        return inst
+
+    def mark_unhealthy(self, instance_id: str) -> list[str]:
+        """Drop an instance from routing. Returns the req_ids that were on it;
+        Splitwise §IV-E restarts them from scratch (caller calls `pick` again)."""
+        inst = self.instances[instance_id]
+        inst.healthy = False
+        lost = [rid for rid, a in self._assignments.items()
+                if instance_id in (a.decision.prefill, a.decision.decode)]
+        for rid in lost:
+            self.on_request_done(rid)
+        inst.in_mixed_pool = inst.pool is Pool.MIXED
+        return lost
+
+    def mark_healthy(self, instance_id: str) -> None:
+        self.instances[instance_id].healthy = True
+
+    def report_capacity(self, instance_id: str, kv_capacity_tokens: int | None) -> None:
+        """Instances report memory capacity periodically (Splitwise §IV-A)."""
+        self.instances[instance_id].kv_capacity_tokens = kv_capacity_tokens
+
+    # --------------------------------------------------------------- routing
+    def pick(self, req_id: str, num_prompt_tokens: int,
+             num_decode_tokens: int = 1) -> RoutingDecision:
+        """Assign (prefill, decode) instances to a request and book its load.
+
+        `num_decode_tokens` is the expected output length (the simulator
+        knows it; the HTTP router passes max_tokens or an estimate)."""
+        if req_id in self._assignments:
+            raise ValueError(f"request {req_id!r} already routed")
+        prefill, p_mixed = self._choose_prefill(num_prompt_tokens)
+        decode, d_mixed = self._choose_decode(prefill, num_prompt_tokens + num_decode_tokens)
+        decision = RoutingDecision(req_id, prefill.instance_id, decode.instance_id,
+                                   p_mixed, d_mixed)
+        num_kv = num_prompt_tokens + num_decode_tokens
+        prefill.num_pending_prefill_tokens += num_prompt_tokens
+        prefill.num_prefill_reqs += 1
+        decode.num_pending_decode_tokens += num_decode_tokens
+        decode.num_decode_reqs += 1
+        decode.num_kv_tokens += num_kv
+        self._assignments[req_id] = _Assignment(decision, num_prompt_tokens,
+                                                num_decode_tokens, num_kv)
+        return decision
+
+    def on_prefill_done(self, req_id: str) -> None:
+        """The prompt phase finished (first token out, KV shipped)."""
+        a = self._assignments.get(req_id)
+        if a is None or a.prefill_done:
+            return
+        a.prefill_done = True
+        inst = self.instances[a.decision.prefill]
+        inst.num_pending_prefill_tokens -= a.num_prompt_tokens
+        inst.num_prefill_reqs -= 1
+        self._maybe_go_home(inst)
+
+    def on_decode_progress(self, req_id: str, num_tokens: int = 1) -> None:
+        """`num_tokens` more output tokens were generated (optional updates)."""
+        a = self._assignments.get(req_id)
+        if a is None:
+            return
+        step = min(num_tokens, a.num_decode_tokens)
+        a.num_decode_tokens -= step
+        self.instances[a.decision.decode].num_pending_decode_tokens -= step
+
+    def on_request_done(self, req_id: str) -> None:
+        """Finished, aborted or failed: release everything booked for it."""
+        a = self._assignments.pop(req_id, None)
+        if a is None:
+            return
+        if not a.prefill_done:
+            pre = self.instances[a.decision.prefill]
+            pre.num_pending_prefill_tokens -= a.num_prompt_tokens
+            pre.num_prefill_reqs -= 1
+        dec = self.instances[a.decision.decode]
+        dec.num_pending_decode_tokens -= a.num_decode_tokens
+        dec.num_decode_reqs -= 1
+        dec.num_kv_tokens -= a.num_kv_tokens
+        for iid in {a.decision.prefill, a.decision.decode}:
+            self._maybe_go_home(self.instances[iid])
+
+    def assignment(self, req_id: str) -> RoutingDecision | None:
+        a = self._assignments.get(req_id)
+        return None if a is None else a.decision
+
+    @property
+    def num_active_requests(self) -> int:
+        return len(self._assignments)
+
+    # -------------------------------------------------------------- internals
+    def _healthy(self, pool: Pool) -> list[InstanceState]:
+        return [i for i in self.instances.values() if i.healthy and i.pool is pool]
+
+    def _mixed_pool(self) -> list[InstanceState]:
+        return [i for i in self.instances.values() if i.healthy and i.in_mixed_pool]
+
+    @staticmethod
+    def _jsq(cands: list[InstanceState]) -> InstanceState | None:
+        # min() keeps registration order on ties: deterministic routing.
+        return min(cands, key=lambda i: i.num_pending_tokens, default=None)
+
+    def _choose_prefill(self, num_tokens: int) -> tuple[InstanceState, bool]:
+        limit = self.config.prefill_queue_threshold
+        home = [i for i in self._healthy(Pool.PREFILL) if not i.in_mixed_pool]
+        home += self._healthy(Pool.MIXED)  # baseline machines take prompts directly
+        best = self._jsq(home)
+        if best is not None and (limit is None or best.pool is Pool.MIXED
+                                 or best.num_pending_prefill_tokens < limit):
+            return best, False
+        return self._overflow(best, Pool.DECODE, limit, lambda i: i.num_pending_prefill_tokens,
+                              lambda i: True)
+
+    def _choose_decode(self, prefill: InstanceState,
+                       num_kv_tokens: int) -> tuple[InstanceState, bool]:
+        if prefill.pool is Pool.MIXED:
+            return prefill, False  # baseline machines keep the whole request
+        limit = self.config.decode_queue_threshold
+        fits = lambda i: i.kv_fits(num_kv_tokens)  # noqa: E731
+        home = [i for i in self._healthy(Pool.DECODE) if not i.in_mixed_pool and fits(i)]
+        best = self._jsq(home)
+        if best is not None and (limit is None or best.num_pending_decode_tokens < limit):
+            return best, False
+        return self._overflow(best, Pool.PREFILL, limit, lambda i: i.num_pending_decode_tokens,
+                              fits)
+
+    def _overflow(self, best, opposite: Pool, limit, load, fits) -> tuple[InstanceState, bool]:
+        """Splitwise §IV-A overflow: mixed pool first, then borrow from the
+        opposite pool; fall back to the (overloaded) home best if neither."""
+        if limit is not None:
+            mixed = [i for i in self._mixed_pool() if load(i) < limit and fits(i)]
+            cand = self._jsq(mixed)
+            if cand is not None:
+                return cand, True
+            borrow = self._jsq([i for i in self._healthy(opposite)
+                                if not i.in_mixed_pool and fits(i)])
+            if borrow is not None:
+                borrow.in_mixed_pool = True
+                return borrow, True
+        if best is not None:
+            return best, False
+        cand = self._jsq([i for i in self._mixed_pool() if fits(i)])
+        if cand is None:
+            cand = self._jsq([i for i in self._healthy(opposite) if fits(i)])
+            if cand is None:
+                raise NoHealthyInstanceError("no healthy instance can serve this request")
+            cand.in_mixed_pool = True
+        return cand, True
+
+    def _maybe_go_home(self, inst: InstanceState) -> None:
+        """A borrowed instance returns once no opposite-kind work is pending."""
+        if not inst.in_mixed_pool or inst.pool is Pool.MIXED:
+            return
+        opposite = inst.num_decode_reqs if inst.pool is Pool.PREFILL else inst.num_prefill_reqs
+        if opposite <= 0:
+            inst.in_mixed_pool = False

@@ -1,0 +1,152 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Pool membership of the router: which instances exist, where their KV side channels are, which are up.
+
+The routing *decision* is `vllm_disagg.router.policy.ClusterScheduler` (Splitwise's CLS, shared with the
+planner's simulator). This module only maps its instance ids to HTTP/KV addresses, turns a decision
+into a `Route` the proxy can execute, and keeps the Prometheus gauges in step.
+
+Lifecycle per request: `route()` -> (`prefill_done()`) -> `done()`; health: `set_healthy()`.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+from vllm_disagg.router.config import RouterConfig
+from vllm_disagg.router.metrics import RouterMetrics
+from vllm_disagg.router.policy import ClusterScheduler, Pool, SchedulerConfig
+
+
+@dataclass
+class Instance:
+    """One vLLM server as the router sees it."""
+
+    instance_id: str
+    pool: Pool
+    url: str
+    kv_host: str | None = None
+    kv_port: int | None = None
+    num_failed_checks: int = 0
+
+
+@dataclass(frozen=True)
+class Route:
+    """What the proxy does with one request.
+
+    `prefill` is set for the P/D push path; None means `target` serves the whole request.
+    `reason` says why a request did not take the push path (for the fallback counter)."""
+
+    req_id: str
+    target: Instance
+    prefill: Instance | None = None
+    reason: str | None = None
+
+    @property
+    def kind(self) -> str:
+        return "pd" if self.prefill is not None else "plain"
+
+
+class InstancePools:
+    """Instances by id (their URL) plus the shared CLS that picks among them."""
+
+    def __init__(self, config: RouterConfig, metrics: RouterMetrics,
+                 scheduler_config: SchedulerConfig | None = None) -> None:
+        self.metrics = metrics
+        self.scheduler = ClusterScheduler(scheduler_config or SchedulerConfig())
+        self.instances: dict[str, Instance] = {}
+        for url, kv in zip(config.prefill_urls, config.prefill_kv, strict=True):
+            host, _, port = kv.rpartition(":")
+            self._add(Instance(_norm(url), Pool.PREFILL, _norm(url), host, int(port)))
+        for url in config.decode_urls:
+            self._add(Instance(_norm(url), Pool.DECODE, _norm(url)))
+        for url in config.mixed_urls:
+            self._add(Instance(_norm(url), Pool.MIXED, _norm(url)))
+        self.update_gauges()
+
+    def _add(self, inst: Instance) -> None:
+        if inst.instance_id in self.instances:
+            raise ValueError(f"instance {inst.url} given twice")
+        self.instances[inst.instance_id] = inst
+        self.scheduler.add_instance(inst.instance_id, inst.pool)
+
+    # ------------------------------------------------------------ routing
+    def route(self, num_prompt_tokens: int, num_decode_tokens: int, allow_pd: bool = True) -> Route:
+        """Ask the CLS for a (prefill, decode) pair; raises NoHealthyInstanceError when none is up."""
+        req_id = uuid.uuid4().hex
+        decision = self.scheduler.pick(req_id, num_prompt_tokens, num_decode_tokens)
+        pre = self.instances[decision.prefill]
+        dec = self.instances[decision.decode]
+        if decision.colocated:
+            reason = None if pre.pool is Pool.MIXED else "mixed_pool"
+            route = Route(req_id, dec, reason=reason)
+        elif pre.pool is Pool.PREFILL and dec.pool is Pool.DECODE and allow_pd:
+            route = Route(req_id, dec, prefill=pre)
+        else:
+            # Only P->D pairs can push KV (connector roles); the decode side serves it whole.
+            self.scheduler.on_prefill_done(req_id)
+            route = Route(req_id, dec, reason="pair_cannot_push" if allow_pd else "not_pushable")
+        self.update_gauges()
+        return route
+
+    def prefill_done(self, req_id: str) -> None:
+        self.scheduler.on_prefill_done(req_id)
+        self.update_gauges()
+
+    def decode_progress(self, req_id: str, num_tokens: int = 1) -> None:
+        self.scheduler.on_decode_progress(req_id, num_tokens)
+
+    def done(self, req_id: str) -> None:
+        self.scheduler.on_request_done(req_id)
+        self.update_gauges()
+
+    # ------------------------------------------------------------- health
+    def set_healthy(self, instance_id: str, healthy: bool) -> bool:
+        """Record a health verdict; True when it changed the instance's membership."""
+        state = self.scheduler.instances[instance_id]
+        if state.healthy == healthy:
+            return False
+        if healthy:
+            self.scheduler.mark_healthy(instance_id)
+        else:
+            self.scheduler.mark_unhealthy(instance_id)
+        self.update_gauges()
+        return True
+
+    def is_healthy(self, instance_id: str) -> bool:
+        return self.scheduler.instances[instance_id].healthy
+
+    def healthy_instances(self) -> list[Instance]:
+        return [i for i in self.instances.values() if self.is_healthy(i.instance_id)]
+
+    def any_healthy(self) -> Instance | None:
+        """For endpoints any instance can answer (/v1/models): decode/mixed first."""
+        order = {Pool.DECODE: 0, Pool.MIXED: 1, Pool.PREFILL: 2}
+        live = sorted(self.healthy_instances(), key=lambda i: order[i.pool])
+        return live[0] if live else None
+
+    def snapshot(self) -> list[dict]:
+        """Per-instance state for /health and logs."""
+        out = []
+        for inst in self.instances.values():
+            s = self.scheduler.instances[inst.instance_id]
+            out.append({"url": inst.url, "pool": inst.pool.value, "healthy": s.healthy,
+                        "in_mixed_pool": s.in_mixed_pool, "pending_tokens": s.num_pending_tokens,
+                        "kv": f"{inst.kv_host}:{inst.kv_port}" if inst.kv_host else None})
+        return out
+
+    def update_gauges(self) -> None:
+        m = self.metrics
+        for pool in Pool:
+            states = [s for s in self.scheduler.instances.values() if s.pool is pool]
+            reqs = sum(s.num_prefill_reqs if pool is Pool.PREFILL else s.num_decode_reqs for s in states)
+            m.queue_requests.labels(pool.value).set(reqs)
+            m.queue_tokens.labels(pool.value).set(sum(s.num_pending_tokens for s in states))
+        for inst in self.instances.values():
+            s = self.scheduler.instances[inst.instance_id]
+            m.instance_pending_tokens.labels(inst.pool.value, inst.url).set(s.num_pending_tokens)
+            m.instance_healthy.labels(inst.pool.value, inst.url).set(1 if s.healthy else 0)
+
+
+def _norm(url: str) -> str:
+    return url.rstrip("/")

@@ -1,0 +1,41 @@
+# SPDX-License-Identifier: Apache-2.0
+"""`vllm launch disagg-proxy`: the router as a `vllm launch` component.
+
+vLLM discovers `vllm launch` components through `LaunchSubcommandBase.__subclasses__()` (hooks notes
+§1.2, undocumented behaviour pinned by a test): importing this module in the CLI process is all it takes.
+`vllm_disagg.router.register()` does that, and only when vLLM's CLI has loaded `launch`.
+The serve arguments come along (vLLM validates them); only --host/--port are used from them.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from vllm.entrypoints.cli.launch import LaunchSubcommandBase
+
+from vllm_disagg.router.cli import add_router_args, config_from_args, scheduler_config_from_args
+
+
+class DisaggProxySubcommand(LaunchSubcommandBase):
+    """`vllm launch disagg-proxy` starts the vllm-disagg Splitwise router (P/D pools, one endpoint).
+
+    ```bash
+    vllm launch disagg-proxy --prefill http://127.0.0.1:8100 --prefill-kv 127.0.0.1:9100 \\
+        --decode http://127.0.0.1:8200 --port 8000
+    ```
+    """
+
+    name = "disagg-proxy"
+    help = "Launch the vllm-disagg Splitwise router in front of prefill/decode pools."
+
+    @classmethod
+    def add_cli_args(cls, parser) -> None:
+        super().add_cli_args(parser)
+        add_router_args(parser)
+
+    @staticmethod
+    def cmd(args: argparse.Namespace) -> None:
+        from vllm_disagg.router.server import run_router
+
+        run_router(config_from_args(args), args.host or "127.0.0.1", args.port,
+                   scheduler_config_from_args(args))

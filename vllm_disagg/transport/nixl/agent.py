@@ -1,0 +1,120 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Thin helpers over NIXL 1.5.1's Python agent: creation with the settings this project needs,
+descriptor arrays, region tables with addresses, notification encoding, bounded polling.
+
+Settings (see /work/shared/notes/transports-on-this-box.md §4): no progress thread (on small
+boxes it spins 4 threads and turns 50 µs into 24 ms), so the initiator must poll
+`check_xfer_state` and the target must poll `get_new_notifs` to make progress; every poll loop
+here is bounded by a deadline.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import time
+from typing import Any
+
+import numpy as np
+
+from vllm_disagg.errors import ProtocolError
+from vllm_disagg.transport.base import RegionInfo
+from vllm_disagg.transport.kv_common import pack_region_table, parse_region_table
+from vllm_disagg.transport.wire import MAX_TID_BYTES
+
+_ADDR = struct.Struct("<QI")  # base address, device id
+_NOTIF = struct.Struct("<QiQH")  # seq, layer, nbytes, tid_len; then tid
+_LEN = struct.Struct("<I")
+
+
+def import_reason() -> str | None:
+    """None if nixl (with its UCX plugin) imports here, else what is missing."""
+    try:
+        from nixl._api import nixl_agent  # noqa: F401
+    except Exception as err:  # ImportError, or a broken native library
+        return f"nixl is not importable ({type(err).__name__}: {err}); pip install nixl==1.5.1"
+    return None
+
+
+def make_agent(role: str) -> tuple[Any, str]:
+    """A fresh agent with a unique name, UCX backend, no progress thread."""
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    name = f"vd-{role}-{os.getpid()}-{os.urandom(4).hex()}"
+    config = nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False, backends=["UCX"])
+    return nixl_agent(name, config), name
+
+
+def mem_type(tensor: Any) -> str:
+    return "VRAM" if tensor.device.type == "cuda" else "DRAM"
+
+
+def tensor_region(name: str, tensor: Any) -> tuple[RegionInfo, int, int]:
+    """(info, base address, device id) of a contiguous `[num_blocks, ...]` tensor (CPU or GPU)."""
+    if not tensor.is_contiguous() or tensor.dim() < 1 or tensor.shape[0] < 1:
+        raise ValueError(f"region {name!r} must be a contiguous [num_blocks, ...] tensor, got {tuple(tensor.shape)}")
+    nbytes = tensor.numel() * tensor.element_size()
+    num_blocks = int(tensor.shape[0])
+    dev = tensor.get_device() if tensor.device.type == "cuda" else 0
+    return RegionInfo(name, num_blocks, nbytes // num_blocks), tensor.data_ptr(), dev
+
+
+def pack_regions(infos: list[RegionInfo], addrs: list[tuple[int, int]], metadata: bytes) -> bytes:
+    table = pack_region_table(infos)
+    return table + b"".join(_ADDR.pack(*a) for a in addrs) + _LEN.pack(len(metadata)) + metadata
+
+
+def parse_regions(raw: bytes, peer: str) -> tuple[list[RegionInfo], list[tuple[int, int]], bytes]:
+    infos, pos = parse_region_table(raw, peer)
+    try:
+        addrs = [_ADDR.unpack_from(raw, pos + i * _ADDR.size) for i in range(len(infos))]
+        pos += len(infos) * _ADDR.size
+        (meta_len,) = _LEN.unpack_from(raw, pos)
+        metadata = raw[pos + _LEN.size : pos + _LEN.size + meta_len]
+    except struct.error as err:
+        raise ProtocolError(f"malformed nixl region table from {peer}: {err}") from None
+    if len(metadata) != meta_len:
+        raise ProtocolError(f"truncated nixl agent metadata from {peer}")
+    return infos, addrs, metadata
+
+
+def pack_notif(seq: int, layer: int, nbytes: int, tid: bytes) -> bytes:
+    return _NOTIF.pack(seq, layer, nbytes, len(tid)) + tid
+
+
+def parse_notif(raw: bytes, peer: str) -> tuple[int, int, int, str]:
+    if len(raw) < _NOTIF.size:
+        raise ProtocolError(f"short nixl notification from {peer}")
+    seq, layer, nbytes, tid_len = _NOTIF.unpack_from(raw)
+    if tid_len > MAX_TID_BYTES or len(raw) != _NOTIF.size + tid_len:
+        raise ProtocolError(f"malformed nixl notification from {peer}")
+    try:
+        return seq, layer, nbytes, raw[_NOTIF.size :].decode()
+    except UnicodeDecodeError:
+        raise ProtocolError(f"nixl notification from {peer}: transfer_id is not UTF-8") from None
+
+
+def block_descs(base: int, block_nbytes: int, first_ids: list[int], lengths: list[int], dev: int) -> np.ndarray:
+    """Nx3 (addr, len, dev) descriptors, one per run of consecutive blocks."""
+    out = np.empty((len(first_ids), 3), dtype=np.uint64)
+    out[:, 0] = base + np.asarray(first_ids, dtype=np.uint64) * np.uint64(block_nbytes)
+    out[:, 1] = np.asarray(lengths, dtype=np.uint64) * np.uint64(block_nbytes)
+    out[:, 2] = dev
+    return out
+
+
+class Backoff:
+    """Poll pacing: spin while busy, then yield, then sleep up to 1 ms when idle (2-core boxes)."""
+
+    def __init__(self, spin_s: float):
+        self.spin_s = spin_s
+        self.last_active = time.perf_counter()
+
+    def active(self) -> None:
+        self.last_active = time.perf_counter()
+
+    def pause(self) -> None:
+        idle = time.perf_counter() - self.last_active
+        if idle < self.spin_s:
+            return
+        time.sleep(0 if idle < 0.002 else min(0.001, idle / 10))

@@ -1,0 +1,222 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Message channel over NIXL: each side registers `NUM_SLOTS` receive slots; a send WRITEs the
+framed message (the same MSG frame as tcp/shm) into the peer's next slot with a notif
+("D", seq, slot, size); the receiver validates the frame in place, copies the payloads into the
+caller's buffers and returns a credit notif ("C", slot). Setup and liveness use an authenticated
+TCP control socket (service "nixl-msg") that stays open: EOF there means the peer is gone.
+
+Limit: one message (frame + payloads) must fit a slot (`SLOT_BYTES`), else ValueError.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from vllm_disagg.errors import PeerLostError, ProtocolError, TransportTimeout
+from vllm_disagg.transport.base import Message, MsgChannel, TransportOptions, TransportStats
+from vllm_disagg.transport.msg import pack_msg, parse_msg_meta
+from vllm_disagg.transport.nixl.agent import Backoff, make_agent
+from vllm_disagg.transport.wire import (
+    FRAME_HDR,
+    T_MSG,
+    SockStream,
+    as_byte_view,
+    parse_frame_header,
+)
+
+logger = logging.getLogger(__name__)
+SERVICE = b"nixl-msg"
+NUM_SLOTS = 2
+SLOT_BYTES = 16 << 20
+_ENDPOINT = struct.Struct("<QII")  # recv buffer address, slot bytes, num slots; then agent metadata
+_DATA = struct.Struct("<cQII")  # b"D", seq, slot, size
+_CREDIT = struct.Struct("<cI")  # b"C", slot
+_LIVENESS_EVERY_S = 0.01
+_DRIVE_AFTER_SEND_S = 0.005
+
+
+class NixlEndpoint:
+    """This side's agent and registered buffers, created before the handshake."""
+
+    def __init__(self):
+        import torch
+
+        self.agent, self.name = make_agent("msg")
+        self.recv_buf = torch.zeros(NUM_SLOTS * SLOT_BYTES, dtype=torch.uint8)
+        self.send_buf = torch.zeros(NUM_SLOTS * SLOT_BYTES, dtype=torch.uint8)
+        self.agent.register_memory([self.recv_buf, self.send_buf])
+
+    def describe(self) -> bytes:
+        return _ENDPOINT.pack(self.recv_buf.data_ptr(), SLOT_BYTES, NUM_SLOTS) + self.agent.get_agent_metadata()
+
+
+def parse_endpoint(raw: bytes, peer: str) -> tuple[int, bytes]:
+    if len(raw) <= _ENDPOINT.size:
+        raise ProtocolError(f"nixl-msg endpoint info from {peer} too short")
+    addr, slot_bytes, slots = _ENDPOINT.unpack_from(raw)
+    if slot_bytes != SLOT_BYTES or slots != NUM_SLOTS:
+        raise ProtocolError(f"nixl-msg peer {peer} uses {slots}x{slot_bytes} slots, we use {NUM_SLOTS}x{SLOT_BYTES}")
+    return addr, raw[_ENDPOINT.size :]
+
+
+class NixlMsgChannel(MsgChannel):
+    def __init__(self, ep: NixlEndpoint, stream: SockStream, peer_info: bytes, options: TransportOptions):
+        self.options, self.stats = options, TransportStats()
+        self._ep, self._stream = ep, stream
+        self._remote_addr, metadata = parse_endpoint(peer_info, stream.peer)
+        self._remote = ep.agent.add_remote_agent(metadata)
+        if isinstance(self._remote, bytes):
+            self._remote = self._remote.decode()
+        self._lock = threading.RLock()  # the agent is driven by one thread at a time
+        self._credits = NUM_SLOTS
+        self._tx_seq = self._rx_seq = 0
+        self._inbox: dict[int, tuple[int, int]] = {}
+        self._pending: list = []  # posted WRITEs not yet seen DONE
+        self._send_view = memoryview(ep.send_buf.numpy())
+        self._recv_view = memoryview(ep.recv_buf.numpy())
+        self._backoff = Backoff(options.spin_us * 1e-6)
+        self._next_liveness = 0.0
+        self._closed = False
+
+    # Sending
+
+    def send(self, header: bytes, tensors: Sequence[Any] = (), timeout: float | None = None) -> None:
+        views = [as_byte_view(t) for t in tensors]
+        frame, nbytes = pack_msg(header, views)
+        total = len(frame) + nbytes
+        if total > SLOT_BYTES:
+            raise ValueError(f"nixl message of {total} bytes exceeds the {SLOT_BYTES}-byte slot")
+        deadline = time.monotonic() + (self.options.timeout_s if timeout is None else timeout)
+        with self._lock:
+            self._wait(lambda: self._credits > 0, deadline, "a free slot at the peer")
+            slot = self._tx_seq % NUM_SLOTS
+            off = base = slot * SLOT_BYTES
+            for part in (memoryview(frame), *views):
+                self._send_view[off : off + part.nbytes] = part
+                off += part.nbytes
+            self._write(base, total, _DATA.pack(b"D", self._tx_seq, slot, total), deadline)
+            self._credits -= 1
+            self._tx_seq += 1
+        self.stats.record_op(nbytes, 0.0)
+
+    def _write(self, offset: int, size: int, notif: bytes, deadline: float) -> None:
+        """Post the WRITE and return; completion is polled by `_pump` (the staging slot is not
+        reused before the peer's credit, which it sends only after the data landed)."""
+        agent = self._ep.agent
+        local = agent.get_xfer_descs([(self._ep.send_buf.data_ptr() + offset, size, 0)], "DRAM")
+        remote = agent.get_xfer_descs([(self._remote_addr + offset, size, 0)], "DRAM")
+        xh = agent.initialize_xfer("WRITE", local, remote, self._remote, notif)
+        self._pending.append(xh)
+        if agent.transfer(xh) == "ERR":
+            raise PeerLostError(f"nixl WRITE to {self._stream.peer} failed to start")
+        # Without a progress thread only our polling moves the WRITE: drive it briefly here so a
+        # caller that goes off computing after send() does not stall the peer.
+        until = time.perf_counter() + _DRIVE_AFTER_SEND_S
+        while self._pending and time.perf_counter() < until:
+            self._poll_pending()
+
+    def _poll_pending(self) -> None:
+        agent, still = self._ep.agent, []
+        for xh in self._pending:
+            state = agent.check_xfer_state(xh)
+            if state == "PROC":
+                still.append(xh)
+                continue
+            agent.release_xfer_handle(xh)
+            if state != "DONE":
+                self._pending = still
+                raise PeerLostError(f"nixl WRITE to {self._stream.peer} ended in state {state}")
+        self._pending = still
+
+    # Receiving
+
+    def recv(self, out: Sequence[Any] | None = None, timeout: float | None = None) -> Message:
+        deadline = time.monotonic() + (self.options.timeout_s if timeout is None else timeout)
+        with self._lock:
+            self._wait(lambda: self._rx_seq in self._inbox, deadline, "a message")
+            slot, size = self._inbox.pop(self._rx_seq)
+            self._rx_seq += 1
+            try:
+                return self._unpack(slot, size, out)
+            finally:
+                self._ep.agent.send_notif(self._remote, _CREDIT.pack(b"C", slot))
+
+    def _unpack(self, slot: int, size: int, out: Sequence[Any] | None) -> Message:
+        buf = self._recv_view[slot * SLOT_BYTES : slot * SLOT_BYTES + size]
+        peer = self._stream.peer
+        if size < FRAME_HDR.size:
+            raise ProtocolError(f"nixl message from {peer} shorter than a frame header")
+        ftype, meta_len, payload_len = parse_frame_header(buf[: FRAME_HDR.size], peer)
+        if ftype != T_MSG or FRAME_HDR.size + meta_len + payload_len != size:
+            raise ProtocolError(f"nixl message from {peer}: type {ftype}, sizes do not add up to {size}")
+        start = FRAME_HDR.size + meta_len
+        header, lengths = parse_msg_meta(bytes(buf[FRAME_HDR.size : start]), payload_len,
+                                         self.options.max_msg_bytes, peer)
+        if out is not None and (len(out) < len(lengths) or any(
+                as_byte_view(o).nbytes < n for o, n in zip(out, lengths, strict=False))):
+            raise ValueError(f"recv(out=...) buffers too small or too few for payload lengths {lengths}")
+        dsts = []
+        for i, n in enumerate(lengths):
+            dst = as_byte_view(out[i])[:n] if out is not None else memoryview(bytearray(n))
+            dst[:] = buf[start : start + n]
+            dsts.append(dst)
+            start += n
+        self.stats.record_received(payload_len)
+        return Message(header, dsts)
+
+    # Progress and liveness
+
+    def _wait(self, ready, deadline: float, what: str) -> None:
+        while True:
+            self._pump()
+            if ready():
+                self._backoff.active()
+                return
+            self._check_alive(deadline, what)
+            self._backoff.pause()
+
+    def _pump(self) -> None:
+        if self._pending:
+            self._poll_pending()
+        for agent_name, msgs in self._ep.agent.get_new_notifs().items():
+            if agent_name != self._remote:
+                logger.warning("nixl channel ignored %d notifications from unknown agent %r", len(msgs), agent_name)
+                continue
+            for raw in msgs:
+                self._on_notif(raw)
+
+    def _on_notif(self, raw: bytes) -> None:
+        if len(raw) == _DATA.size and raw[:1] == b"D":
+            _, seq, slot, size = _DATA.unpack(raw)
+            if slot >= NUM_SLOTS or size > SLOT_BYTES or seq in self._inbox or seq < self._rx_seq:
+                raise ProtocolError(f"bad nixl data notification from {self._stream.peer}")
+            self._inbox[seq] = (slot, size)
+        elif len(raw) == _CREDIT.size and raw[:1] == b"C":
+            self._credits = min(NUM_SLOTS, self._credits + 1)
+        else:
+            raise ProtocolError(f"unknown nixl notification from {self._stream.peer}")
+
+    def _check_alive(self, deadline: float, what: str) -> None:
+        now = time.monotonic()
+        if self._closed:
+            raise PeerLostError("channel is closed")
+        if now > deadline:
+            raise TransportTimeout(f"nixl channel with {self._stream.peer}: no {what} within the timeout")
+        if now > self._next_liveness:
+            self._next_liveness = now + _LIVENESS_EVERY_S
+            if self._stream.peer_closed():
+                self._pump()  # a message sent just before the goodbye still counts
+                if self._rx_seq in self._inbox:
+                    return
+                raise PeerLostError(f"nixl channel peer {self._stream.peer} is gone (control socket closed)")
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._stream.close()  # EOF on the control socket is the goodbye

@@ -1,0 +1,186 @@
+# SPDX-License-Identifier: Apache-2.0
+"""`shm` backend: same-host transfers through shared memory.
+
+KV push: the receiver moves each registered tensor's storage into shared memory *in place*
+(torch's `share_memory_` machinery swaps the storage's data pointer, so every existing view,
+including vLLM's, stays valid) and passes the fds over its unix socket (SCM_RIGHTS). The sender
+maps them and copies blocks straight into the receiver's KV cache: one memcpy, no staging. The
+small KV_WRITE frame that follows carries ids and the notification, on the same socket, in order.
+
+Messages: a ring pair in a memfd with eventfd wake-ups (`ring.py`); the unix socket stays open as
+the liveness signal. Addresses are abstract unix socket names (`@vllm-disagg-...`).
+GPU tensors would need CUDA IPC handles instead of fds; not implemented (raises ValueError).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import socket
+import struct
+from typing import Any
+
+import numpy as np
+
+from vllm_disagg.errors import ProtocolError, TransportTimeout
+from vllm_disagg.transport.base import (
+    KVReceiver,
+    KVSender,
+    MsgChannel,
+    MsgListener,
+    RegionInfo,
+    Transport,
+    TransportKind,
+)
+from vllm_disagg.transport.kv_common import PlannedWrite, joint_runs, pack_write_meta
+from vllm_disagg.transport.msg import SockMsgListener, StreamMsgChannel
+from vllm_disagg.transport.shm.ring import attach_rings, create_rings
+from vllm_disagg.transport.stream_rx import StreamKVReceiver
+from vllm_disagg.transport.stream_tx import StreamKVPeer, StreamKVSender
+from vllm_disagg.transport.tcp import connect_msg_stream
+from vllm_disagg.transport.wire import (
+    FRAME_HDR,
+    MAX_META_BYTES,
+    T_KV_WRITE,
+    T_SHM_SETUP,
+    SockStream,
+    pack_frame,
+    parse_frame_header,
+)
+
+__all__ = ["ShmTransport"]
+MAX_FDS = 250  # below the kernel's SCM_MAX_FD (253)
+_REGION_MAP = struct.Struct("<IQQ")  # fd index, byte offset in that fd, nbytes
+
+
+class ShmKVReceiver(StreamKVReceiver):
+    inline_data = False
+    unix = True
+
+    def __init__(self, options, name):
+        super().__init__(options, name)
+        self._fds: list[int] = []  # owned by torch's allocators; we only pass them on
+        self._fd_of_storage: dict[int, int] = {}
+        self._maps: list[tuple[int, int, int]] = []
+
+    def _prepare_tensor(self, tensor: Any) -> Any:
+        if tensor.device.type != "cpu":
+            raise ValueError(f"shm backend needs CPU tensors, got {tensor.device} (GPU would need CUDA IPC)")
+        storage = tensor.untyped_storage()
+        try:
+            fd, size = storage._share_fd_cpu_()  # moves the storage into shared memory in place
+        except RuntimeError as err:
+            raise ValueError(f"cannot move tensor storage into shared memory: {err}") from None
+        key = storage.data_ptr()
+        if key not in self._fd_of_storage:
+            if len(self._fds) >= MAX_FDS:
+                raise ValueError(f"shm backend supports at most {MAX_FDS} distinct storages")
+            self._fd_of_storage[key] = len(self._fds)
+            self._fds.append(fd)
+        offset = tensor.data_ptr() - storage.data_ptr()
+        self._maps.append((self._fd_of_storage[key], offset, tensor.numel() * tensor.element_size()))
+        return tensor
+
+    def _after_welcome(self, stream: SockStream, stream_idx: int) -> None:
+        meta = struct.pack("<I", len(self._fds)) + b"".join(_REGION_MAP.pack(*m) for m in self._maps)
+        socket.send_fds(stream.sock, [pack_frame(T_SHM_SETUP, meta)], self._fds)
+
+
+class ShmKVPeer(StreamKVPeer):
+    def __init__(self, address, streams, infos, options, stats, dst_blocks: list[np.ndarray]):
+        self._dst = dst_blocks
+        super().__init__(address, streams, infos, options, stats)
+
+    def _send_chunk(self, stream: SockStream, seq, chunk_idx, num_chunks, layer, tid, c: PlannedWrite) -> None:
+        if len(c.src_ids):
+            dst = self._dst[c.region_idx]
+            for s, d, n in joint_runs(c.src_ids, c.dst_ids):
+                np.copyto(dst[d : d + n], c.src[s : s + n])
+        meta = pack_write_meta(seq, chunk_idx, num_chunks, layer, c.region_idx, tid, c.dst_ids)
+        stream.send_parts([pack_frame(T_KV_WRITE, meta, 0)])
+
+
+class ShmKVSender(StreamKVSender):
+    def __init__(self, options, name):
+        super().__init__(options, name, num_streams=1)  # the memcpy is the bottleneck, not the socket
+
+    def _make_peer(self, address: str, streams: list[SockStream], infos: list[RegionInfo]) -> ShmKVPeer:
+        maps = _recv_region_maps(streams[0], len(infos))
+        return ShmKVPeer(address, streams, infos, self.options, self.stats, _map_regions(maps, infos, address))
+
+
+def _recv_region_maps(stream: SockStream, num_regions: int) -> tuple[list[int], list[tuple[int, int, int]]]:
+    try:
+        data, fds, _, _ = socket.recv_fds(stream.sock, FRAME_HDR.size + MAX_META_BYTES, MAX_FDS)
+    except TimeoutError:
+        raise TransportTimeout(f"no shm region fds from {stream.peer}") from None
+    try:
+        if len(data) < FRAME_HDR.size:
+            raise ProtocolError(f"short shm setup frame from {stream.peer}")
+        ftype, meta_len, _ = parse_frame_header(data[: FRAME_HDR.size], stream.peer)
+        meta = bytearray(data[FRAME_HDR.size :])
+        if len(meta) < meta_len:
+            meta += stream.recv_exact(meta_len - len(meta))
+        (num_fds,) = struct.unpack_from("<I", meta)
+        maps = [_REGION_MAP.unpack_from(meta, 4 + i * _REGION_MAP.size) for i in range(num_regions)]
+        if ftype != T_SHM_SETUP or num_fds != len(fds) or any(m[0] >= num_fds for m in maps):
+            raise ProtocolError(f"bad shm setup from {stream.peer}: {num_fds} fds announced, {len(fds)} received")
+    except (struct.error, ProtocolError):
+        for fd in fds:
+            os.close(fd)
+        raise
+    return fds, maps
+
+
+def _map_regions(fds_maps, infos: list[RegionInfo], peer: str) -> list[np.ndarray]:
+    fds, maps = fds_maps
+    try:
+        mms = [mmap.mmap(fd, os.fstat(fd).st_size) for fd in fds]
+    finally:
+        for fd in fds:
+            os.close(fd)
+    out = []
+    for info, (fd_idx, offset, nbytes) in zip(infos, maps, strict=True):
+        mm = mms[fd_idx]
+        if nbytes != info.num_blocks * info.block_nbytes or offset + nbytes > len(mm):
+            raise ProtocolError(f"shm region {info.name!r} from {peer} does not fit its mapping")
+        flat = np.frombuffer(mm, dtype=np.uint8, count=nbytes, offset=offset)
+        out.append(flat.reshape(info.num_blocks, info.block_nbytes))
+    return out
+
+
+class ShmTransport(Transport):
+    kind = TransportKind.SHM
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        missing = [n for n, ok in [("os.memfd_create", hasattr(os, "memfd_create")),
+                                   ("os.eventfd", hasattr(os, "eventfd")),
+                                   ("socket.send_fds", hasattr(socket, "send_fds")),
+                                   ("AF_UNIX", hasattr(socket, "AF_UNIX"))] if not ok]
+        return f"needs Linux with Python >= 3.10: missing {', '.join(missing)}" if missing else None
+
+    def kv_receiver(self, name: str = "receiver") -> KVReceiver:
+        return ShmKVReceiver(self.options, name)
+
+    def kv_sender(self, name: str = "sender") -> KVSender:
+        return ShmKVSender(self.options, name)
+
+    def listen_msg(self) -> MsgListener:
+        opts = self.options
+
+        def make(stream: SockStream, hello: bytes) -> MsgChannel:
+            ring = create_rings(stream.sock, stream.peer, opts.timeout_s, opts.spin_us)
+            return StreamMsgChannel(ring, opts)
+
+        return SockMsgListener(opts, unix=True, make_channel=make)
+
+    def connect_msg(self, address: str, timeout: float | None = None) -> MsgChannel:
+        timeout = self.options.timeout_s if timeout is None else timeout
+        stream = connect_msg_stream(address, self.options.auth_token, timeout)
+        try:
+            ring = attach_rings(stream.sock, address, self.options.timeout_s, self.options.spin_us)
+        except BaseException:
+            stream.close()
+            raise
+        return StreamMsgChannel(ring, self.options)

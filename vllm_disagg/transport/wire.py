@@ -1,0 +1,236 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The framed, versioned binary wire format shared by the stream backends (tcp, shm, nixl control).
+
+Every frame is `FRAME_HDR` (magic, version, type, meta_len, payload_len) + `meta` (type-specific,
+bounded by MAX_META_BYTES) + `payload` (raw bytes, checked against what the type allows). Nothing
+is pickled. A connection starts with a mutual HMAC-SHA256 challenge over the shared token:
+
+    server -> CHALLENGE(server_nonce)
+    client -> AUTH(client_nonce, mac_c = HMAC(token, "c"|service|server_nonce|client_nonce), hello)
+    server -> WELCOME(mac_s = HMAC(token, "s"|service|client_nonce|server_nonce), info)   or ERROR
+
+`service` (b"kv", b"msg", ...) binds a MAC to one use so a proof cannot be replayed elsewhere.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import select
+import socket
+import struct
+from collections.abc import Sequence
+from typing import Any
+
+from vllm_disagg.errors import AuthError, HandshakeMismatch, PeerLostError, ProtocolError, TransportTimeout
+
+# Version history of the wire protocol (bump on any incompatible change):
+#   1: initial: CHALLENGE/AUTH/WELCOME handshake, KV_WRITE, MSG, ERROR, BYE.
+PROTOCOL_VERSION = 1
+MAGIC = b"VDTP"
+FRAME_HDR = struct.Struct("<4sHHIQ")  # magic, version, type, meta_len, payload_len
+MAX_META_BYTES = 1 << 20
+MAX_HEADER_BYTES = 64 << 10
+MAX_TENSORS = 256
+NONCE_BYTES = 32
+MAC_BYTES = 32
+SEND_IOV_MAX = 512
+
+# Frame types.
+T_CHALLENGE, T_AUTH, T_WELCOME, T_ERROR, T_BYE = 1, 2, 3, 4, 5
+T_KV_WRITE = 10
+T_MSG = 20
+T_SHM_SETUP = 30  # shm: carries memfd/eventfds (SCM_RIGHTS) right after WELCOME
+_KNOWN_TYPES = {T_CHALLENGE, T_AUTH, T_WELCOME, T_ERROR, T_BYE, T_KV_WRITE, T_MSG, T_SHM_SETUP}
+
+# KV_WRITE meta: seq, chunk_idx, num_chunks, layer, region_idx, num_blocks, tid_len; tid; u32 ids.
+KV_WRITE_META = struct.Struct("<QIIiIIH")
+MAX_TID_BYTES = 128
+
+
+def as_byte_view(obj: Any) -> memoryview:
+    """A flat, writable-if-possible byte view over a tensor's or buffer's own memory (no copy)."""
+    if hasattr(obj, "untyped_storage"):  # torch.Tensor
+        if obj.device.type != "cpu":
+            raise ValueError(f"tensor on {obj.device} needs a host staging buffer for this backend")
+        if not obj.is_contiguous():
+            raise ValueError(f"tensor {tuple(obj.shape)} is not contiguous; pass .contiguous()")
+        import torch
+
+        arr = obj.detach().reshape(-1).view(torch.uint8).numpy()
+        return memoryview(arr)
+    view = memoryview(obj)
+    if not view.c_contiguous:
+        raise ValueError("buffer is not C-contiguous")
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+def pack_frame(ftype: int, meta: bytes = b"", payload_len: int = 0) -> bytes:
+    return FRAME_HDR.pack(MAGIC, PROTOCOL_VERSION, ftype, len(meta), payload_len) + meta
+
+
+def parse_frame_header(raw: bytes | bytearray | memoryview, peer: str) -> tuple[int, int, int]:
+    """Check magic, version, type and meta size; return (type, meta_len, payload_len)."""
+    magic, version, ftype, meta_len, payload_len = FRAME_HDR.unpack(raw)
+    if magic != MAGIC:
+        raise ProtocolError(f"bad magic {bytes(magic)!r} from {peer} (expected {MAGIC!r})")
+    if version != PROTOCOL_VERSION:
+        raise HandshakeMismatch("protocol_version", PROTOCOL_VERSION, version, peer)
+    if ftype not in _KNOWN_TYPES:
+        raise ProtocolError(f"unknown frame type {ftype} from {peer}")
+    if meta_len > MAX_META_BYTES:
+        raise ProtocolError(f"frame meta of {meta_len} bytes from {peer} exceeds {MAX_META_BYTES}")
+    return ftype, meta_len, payload_len
+
+
+class SockStream:
+    """Exact-length send/recv over a connected socket, with timeouts and clean peer errors."""
+
+    def __init__(self, sock: socket.socket, peer: str, timeout: float):
+        self.sock = sock
+        self.peer = peer
+        self.timeout = timeout
+        sock.settimeout(timeout)
+
+    def send_parts(self, parts: Sequence[Any], timeout: float | None = None) -> int:
+        """sendmsg() all parts (zero-copy from their memory); returns bytes sent."""
+        views = [v for v in (as_byte_view(p) for p in parts) if v.nbytes]
+        total = sum(v.nbytes for v in views)
+        self._settimeout(timeout)
+        i = 0
+        try:
+            while i < len(views):
+                sent = self.sock.sendmsg(views[i : i + SEND_IOV_MAX])
+                while sent and i < len(views):
+                    if sent >= views[i].nbytes:
+                        sent -= views[i].nbytes
+                        i += 1
+                    else:
+                        views[i] = views[i][sent:]
+                        sent = 0
+        except TimeoutError:
+            raise TransportTimeout(f"send to {self.peer} blocked longer than {self.sock.gettimeout()}s") from None
+        except OSError as err:
+            raise PeerLostError(f"connection to {self.peer} lost during send: {err}") from None
+        return total
+
+    def recv_into(self, view: memoryview, timeout: float | None = None) -> None:
+        self._settimeout(timeout)
+        got, n = 0, view.nbytes
+        try:
+            while got < n:
+                k = self.sock.recv_into(view[got:], n - got)
+                if k == 0:
+                    raise PeerLostError(f"{self.peer} closed the connection ({got}/{n} bytes of a frame read)")
+                got += k
+        except TimeoutError:
+            raise TransportTimeout(f"no data from {self.peer} within {self.sock.gettimeout()}s") from None
+        except OSError as err:
+            raise PeerLostError(f"connection to {self.peer} lost during recv: {err}") from None
+
+    def recv_exact(self, n: int, timeout: float | None = None) -> bytearray:
+        buf = bytearray(n)
+        self.recv_into(memoryview(buf), timeout)
+        return buf
+
+    def peer_closed(self) -> bool:
+        """Non-blocking check whether the peer has hung up (or sent something unexpected)."""
+        try:
+            readable, _, _ = select.select([self.sock], [], [], 0)
+            # A socket with a timeout waits before recv even with MSG_DONTWAIT: select first.
+            return bool(readable) and self.sock.recv(1, socket.MSG_PEEK) == b""
+        except (OSError, ValueError):
+            return True
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+    def _settimeout(self, timeout: float | None) -> None:
+        want = self.timeout if timeout is None else timeout
+        if self.sock.gettimeout() != want:
+            self.sock.settimeout(want)
+
+
+def read_frame(stream: SockStream, timeout: float | None = None) -> tuple[int, bytearray, int]:
+    """Read one frame header + meta; return (type, meta, payload_len). ERROR frames raise."""
+    ftype, meta_len, payload_len = parse_frame_header(stream.recv_exact(FRAME_HDR.size, timeout), stream.peer)
+    meta = stream.recv_exact(meta_len, timeout) if meta_len else bytearray()
+    if ftype == T_ERROR:
+        raise ProtocolError(f"{stream.peer} reported: {bytes(meta[:512]).decode('utf-8', 'replace')}")
+    return ftype, meta, payload_len
+
+
+def send_error(stream: SockStream, message: str) -> None:
+    """Best effort: tell the peer why we drop it."""
+    try:
+        stream.send_parts([pack_frame(T_ERROR, message.encode()[:512])], timeout=1.0)
+    except Exception:  # the peer may already be gone; we are dropping it anyway
+        pass
+
+
+def _mac(token: bytes, side: bytes, service: bytes, a: bytes, b: bytes) -> bytes:
+    return hmac.new(token, side + b"|" + service + b"|" + a + b, hashlib.sha256).digest()
+
+
+def server_handshake(stream: SockStream, token: bytes, service: bytes, welcome_info_fn) -> bytes:
+    """Authenticate a client; returns its hello bytes. `welcome_info_fn(hello) -> bytes`."""
+    server_nonce = os.urandom(NONCE_BYTES)
+    stream.send_parts([pack_frame(T_CHALLENGE, server_nonce)])
+    ftype, meta, payload_len = read_frame(stream)
+    if ftype != T_AUTH or payload_len or len(meta) < NONCE_BYTES + MAC_BYTES:
+        raise ProtocolError(f"expected AUTH from {stream.peer}, got type {ftype} ({len(meta)} meta bytes)")
+    client_nonce, mac_c = bytes(meta[:NONCE_BYTES]), bytes(meta[NONCE_BYTES : NONCE_BYTES + MAC_BYTES])
+    if not hmac.compare_digest(mac_c, _mac(token, b"c", service, server_nonce, client_nonce)):
+        raise AuthError(f"peer {stream.peer} failed authentication for service {service.decode()!r}")
+    hello = bytes(meta[NONCE_BYTES + MAC_BYTES :])
+    info = welcome_info_fn(hello)
+    mac_s = _mac(token, b"s", service, client_nonce, server_nonce)
+    stream.send_parts([pack_frame(T_WELCOME, mac_s + info)])
+    return hello
+
+
+def client_handshake(stream: SockStream, token: bytes, service: bytes, hello: bytes) -> bytes:
+    """Authenticate to a server (and it to us); returns the server's welcome info."""
+    ftype, meta, payload_len = read_frame(stream)
+    if ftype != T_CHALLENGE or len(meta) != NONCE_BYTES or payload_len:
+        raise ProtocolError(f"expected CHALLENGE from {stream.peer}, got type {ftype}")
+    server_nonce, client_nonce = bytes(meta), os.urandom(NONCE_BYTES)
+    mac_c = _mac(token, b"c", service, server_nonce, client_nonce)
+    stream.send_parts([pack_frame(T_AUTH, client_nonce + mac_c + hello)])
+    ftype, meta, payload_len = read_frame(stream)
+    if ftype != T_WELCOME or len(meta) < MAC_BYTES or payload_len:
+        raise ProtocolError(f"expected WELCOME from {stream.peer}, got type {ftype}")
+    if not hmac.compare_digest(bytes(meta[:MAC_BYTES]), _mac(token, b"s", service, client_nonce, server_nonce)):
+        raise AuthError(f"server {stream.peer} failed to prove the shared token")
+    return bytes(meta[MAC_BYTES:])
+
+
+def parse_address(address: str) -> tuple[int, Any]:
+    """'host:port' -> (AF_INET, (host, port)); '@name' -> (AF_UNIX, abstract name)."""
+    if address.startswith("@"):
+        return socket.AF_UNIX, "\0" + address[1:]
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"bad transport address {address!r}: expected HOST:PORT or @unix-name")
+    return socket.AF_INET, (host, int(port))
+
+
+def connect_socket(address: str, timeout: float) -> socket.socket:
+    family, addr = parse_address(address)
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.settimeout(timeout)
+    try:
+        sock.connect(addr)
+    except TimeoutError:
+        sock.close()
+        raise TransportTimeout(f"connect to {address} timed out after {timeout}s") from None
+    except OSError as err:
+        sock.close()
+        raise PeerLostError(f"cannot connect to {address}: {err}") from None
+    if family == socket.AF_INET:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
