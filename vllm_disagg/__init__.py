@@ -8,6 +8,7 @@ hooks that check `additional_config["disagg"]` before doing anything.
 
 from __future__ import annotations
 
+import importlib
 import logging
 
 __all__ = ["register", "__version__"]
@@ -15,6 +16,13 @@ __version__ = "0.1.0"
 
 logger = logging.getLogger(__name__)
 _registered = False
+
+# Per-concept registrations, each idempotent and inert unless configured:
+# - attention: CPU_ATTN / CUSTOM backend overrides that stay stock CPU attention until
+#   additional_config["disagg"]["remote_attention"] is set;
+# - router: makes `vllm launch disagg-proxy` discoverable (CLI process only);
+# - kv: nothing today (vLLM imports the connector via kv_connector_module_path).
+CONCEPT_REGISTRARS = ["vllm_disagg.attention", "vllm_disagg.router", "vllm_disagg.kv"]
 
 
 def register() -> None:
@@ -26,3 +34,8 @@ def register() -> None:
     from vllm_disagg.patches import apply_all
 
     apply_all()
+    for name in CONCEPT_REGISTRARS:
+        try:
+            importlib.import_module(name).register()
+        except Exception:  # noqa: BLE001 - one concept failing must not take vLLM down
+            logger.exception("vllm-disagg: registering %s failed; that feature is unavailable", name)

@@ -15,8 +15,10 @@ write_delay_s (prefill only: sleep before each KV write, to make "kill P mid-tra
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
+import signal
 import sys
 import time
 
@@ -108,6 +110,7 @@ def _generate(llm, cmd: dict) -> dict:
 
 def main() -> None:
     role, model_dir, opts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 pid` dumps every thread's stack to the log
     from vllm_disagg.testing import apply_test_env
 
     apply_test_env(in_process=True)

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -47,25 +49,24 @@ class Engine:
             [sys.executable, CHILD, role, model_dir, json.dumps(opts)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, env=env,
         )
+        self._lines: queue.Queue = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
         self.ready = self._read(timeout=180)
 
-    def _read(self, timeout: float) -> dict:
-        import selectors
-
-        sel = selectors.DefaultSelector()
-        sel.register(self.proc.stdout, selectors.EVENT_READ)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if not sel.select(timeout=1.0):
-                if self.proc.poll() is not None:
-                    break
-                continue
-            line = self.proc.stdout.readline()
-            if not line:
-                break
+    def _pump(self) -> None:
+        for line in self.proc.stdout:
             if line.startswith("{"):
-                return json.loads(line)
-        raise RuntimeError(f"engine child gave no answer; log tail:\n{self.log_text()[-3000:]}")
+                self._lines.put(json.loads(line))
+        self._lines.put(None)
+
+    def _read(self, timeout: float) -> dict:
+        try:
+            msg = self._lines.get(timeout=timeout)
+        except queue.Empty:
+            msg = None
+        if msg is None:
+            raise RuntimeError(f"engine child gave no answer; log tail:\n{self.log_text()[-3000:]}")
+        return msg
 
     def send(self, cmd: dict) -> None:
         self.proc.stdin.write(json.dumps(cmd) + "\n")

@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""End to end: `vllm-disagg up --prefill 1 --decode 1 --mixed 1`, real vLLM servers, real KV push.
+"""End to end: `vllm-disagg up --prefill 1 --decode 1`, real vLLM servers, real KV push.
 
-One deployment per module. The mixed instance is a plain `vllm serve` with the same flags and no
-connector: the baseline. Requests through the router must take the P/D path (`x-disagg-route: pd`)
+One deployment per module, plus a baseline outside the router: a plain `vllm serve` started by the
+launcher's own `LocalCluster` with the same flags and no connector. Requests through the router must take the P/D path (`x-disagg-route: pd`)
 and give greedy float32 token ids identical to that baseline: short prompts (serialized send), prompts
 over 1k tokens (layer-wise), streaming, chat, 16 concurrent. The last test kills P mid-run.
 
@@ -83,16 +83,30 @@ def stop_up(proc: subprocess.Popen) -> int:
         return proc.wait(timeout=10)
 
 
+def start_baseline(tmp: Path, model: Path):
+    from vllm_disagg.launch.local import LocalCluster, plan_instances
+
+    baseline = LocalCluster(plan_instances(0, 0, 1), str(model), extra_args=VLLM_ARGS, served_name=str(model),
+                            log_dir=tmp / "baseline-logs")
+    baseline.start()
+    return baseline
+
+
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("router-e2e")
     model = make_model(tmp / "model")
-    proc, state = start_up(tmp, model, "--prefill", "1", "--decode", "1", "--mixed", "1",
-                           "--push-timeout-s", "5")
+    baseline = start_baseline(tmp, model)
+    proc = None
     try:
-        yield state
+        proc, state = start_up(tmp, model, "--prefill", "1", "--decode", "1", "--push-timeout-s", "5",
+                               "--prefill-queue-threshold", "1000000")
+        asyncio.run(baseline.wait_healthy(600))
+        yield {**state, "baseline": baseline.specs[0].url}
     finally:
-        assert stop_up(proc) == 0, (tmp / "up.log").read_text()[-3000:]
+        baseline.stop()
+        if proc is not None:
+            assert stop_up(proc) == 0, (tmp / "up.log").read_text()[-3000:]
 
 
 def _url(state: dict, role: str) -> str:
@@ -129,7 +143,7 @@ def _compare(state: dict, bodies: list[dict], path: str = "/v1/completions") -> 
         timeout = aiohttp.ClientTimeout(total=300)
         async with aiohttp.ClientSession(timeout=timeout) as session:
             routed = await asyncio.gather(*(_complete(session, state["endpoint"], b, path) for b in bodies))
-            plain = [await _complete(session, _url(state, "mixed"), b, path) for b in bodies]
+            plain = [await _complete(session, state["baseline"], b, path) for b in bodies]
         for (ids, headers), (want, _), body in zip(routed, plain, bodies, strict=True):
             assert headers["x-disagg-route"] == "pd"
             assert ids == want, f"P/D output differs from plain vLLM for {str(body)[:120]}"
@@ -151,7 +165,7 @@ def test_router_serves_the_model_and_sees_every_instance_healthy(deployment):
     models = json.load(urllib.request.urlopen(f"{deployment['endpoint']}/v1/models", timeout=10))
     assert models["data"][0]["id"] == deployment["model"]
     health = json.load(urllib.request.urlopen(f"{deployment['endpoint']}/health", timeout=10))
-    assert sorted(i["pool"] for i in health["instances"] if i["healthy"]) == ["decode", "mixed", "prefill"]
+    assert sorted(i["pool"] for i in health["instances"] if i["healthy"]) == ["decode", "prefill"]
 
 
 def test_greedy_pd_output_equals_plain_vllm_for_serialized_and_layerwise_pushes(deployment):
@@ -197,7 +211,7 @@ def test_killing_prefill_mid_run_still_completes_every_request_and_drops_it(depl
             await asyncio.sleep(0.3)
             os.killpg(pid, signal.SIGKILL)
             routed = await asyncio.gather(*tasks)
-            plain = [await _complete(session, _url(deployment, "mixed"), b) for b in bodies]
+            plain = [await _complete(session, deployment["baseline"], b) for b in bodies]
             await asyncio.sleep(6)  # a few health polls
             after, headers = await _complete(session, deployment["endpoint"], bodies[0])
         return routed, plain, after, headers

@@ -19,6 +19,7 @@ SUBCOMMAND_MODULES = [
     "vllm_disagg.router.cli",  # router: Splitwise OpenAI front end over P/D pools
     "vllm_disagg.launch.cli",  # up: local P/D pools + router
     "vllm_disagg.planner.cli",  # plan nanoflow|lamina|splitwise: analytic models + simulator
+    "vllm_disagg.nanoflow.tune",  # tune: profile ops, search a NanoFlow nano-batch plan
 ]
 
 

@@ -37,6 +37,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--kv-cache-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE per instance")
     parser.add_argument("--push-timeout-s", type=float, default=None,
                         help="D recomputes the prompt when a push stalls this long")
+    parser.add_argument("--prefill-queue-threshold", type=int, default=8192,
+                        help="router: pending prefill tokens above which prompts overflow to the mixed pool")
+    parser.add_argument("--decode-queue-threshold", type=int, default=65536,
+                        help="router: pending decode tokens above which requests overflow to the mixed pool")
+    parser.add_argument("--access-log", action="store_true",
+                        help="keep vLLM's per-request access log (off: /health polls would flood the logs)")
     parser.add_argument("--health-timeout-s", type=float, default=900.0,
                         help="how long to wait for the instances to become healthy")
     parser.add_argument("--log-dir", default=None, help="instance logs (default: a new temp dir)")
@@ -79,11 +85,15 @@ def run(args: argparse.Namespace) -> int:
 
 async def _up(args: argparse.Namespace) -> int:
     from vllm_disagg.launch.local import LaunchError, LocalCluster, plan_instances
+    from vllm_disagg.router.policy import SchedulerConfig
     from vllm_disagg.router.server import Router, RouterServer
 
     specs = plan_instances(args.prefill, args.decode, args.mixed, args.cores_per_instance)
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="vllm-disagg-up-"))
-    cluster = LocalCluster(specs, resolve_model(args.model), args.transport, getattr(args, "vllm_args", []),
+    vllm_args = list(getattr(args, "vllm_args", []))
+    if not args.access_log:
+        vllm_args.append("--disable-uvicorn-access-log")
+    cluster = LocalCluster(specs, resolve_model(args.model), args.transport, vllm_args,
                            served_name=args.model, kv_cache_gib=args.kv_cache_gib, log_dir=log_dir)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -95,7 +105,8 @@ async def _up(args: argparse.Namespace) -> int:
         print(f"vllm-disagg up: starting {len(specs)} instance(s), logs in {log_dir}", flush=True)
         if not await _until(cluster.wait_healthy(args.health_timeout_s), stop):
             return 130
-        router = Router(cluster.router_config(push_timeout_s=args.push_timeout_s))
+        router = Router(cluster.router_config(push_timeout_s=args.push_timeout_s),
+                        SchedulerConfig(args.prefill_queue_threshold, args.decode_queue_threshold))
         server = RouterServer(router, "127.0.0.1", args.port)
         await server.start()
         _announce(cluster, server.url, args.state_file)

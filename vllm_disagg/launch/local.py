@@ -30,7 +30,9 @@ from vllm_disagg.router.config import RouterConfig
 logger = logging.getLogger(__name__)
 
 HOST = "127.0.0.1"
-CONNECTOR = {"kv_connector": "DisaggConnector", "kv_connector_module_path": "vllm_disagg.kv.connector"}
+# A failed or stalled push makes D recompute the prompt (pd_protocol.md step 5), never fail the request.
+CONNECTOR = {"kv_connector": "DisaggConnector", "kv_connector_module_path": "vllm_disagg.kv.connector",
+             "kv_load_failure_policy": "recompute"}
 _KV_ROLE = {"prefill": "kv_producer", "decode": "kv_consumer"}
 
 

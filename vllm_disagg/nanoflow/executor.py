@@ -39,7 +39,10 @@ class _Step:
     def __init__(self, nodes: Sequence[OpNode], fns: dict[OpKey, OpFn], n_batches: dict[str, int]) -> None:
         self.nodes = {n.key: n for n in nodes}
         self.fns = fns
-        self.n_batches = n_batches
+        self.n_batches = dict(n_batches)
+        for n in nodes:
+            self.n_batches.setdefault(n.name, 0)
+            self.n_batches[n.name] = max(self.n_batches[n.name], n.nb + 1)
         self.done = {key: threading.Event() for key in self.nodes}
         self.tokens: dict[OpKey, Any] = {}
         self.error: BaseException | None = None

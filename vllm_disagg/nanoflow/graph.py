@@ -36,6 +36,7 @@ class PipelineSpec:
     n_dense: int
     tensor_parallel: bool = False
     attn_unit: str = ATTN
+    net_unit: str = NET
 
     def __post_init__(self) -> None:
         if self.num_layers < 1 or self.n_attn < 1 or self.n_dense < 1:
@@ -64,12 +65,6 @@ class OpNode:
         return (self.name, self.layer, self.nb)
 
 
-def op_unit(name: str, spec: PipelineSpec) -> str:
-    if name == "attn":
-        return spec.attn_unit
-    return NET if name.startswith("ar_") else DENSE
-
-
 def build_graph(spec: PipelineSpec) -> list[OpNode]:
     """All ops of one step, in a canonical topological order (layer by layer)."""
     nodes: list[OpNode] = []
@@ -93,11 +88,11 @@ def _layer_nodes(spec: PipelineSpec, layer: int) -> list[OpNode]:
         nodes.append(OpNode("o", layer, b, DENSE, tuple(("attn", layer, a) for a in range(b * k, b * k + k))))
         o_out = ("o", layer, b)
         if tp:
-            nodes.append(OpNode("ar_o", layer, b, NET, (o_out,)))
+            nodes.append(OpNode("ar_o", layer, b, spec.net_unit, (o_out,)))
             o_out = ("ar_o", layer, b)
         nodes.append(OpNode("ugd", layer, b, DENSE, (o_out,)))
         if tp:
-            nodes.append(OpNode("ar_d", layer, b, NET, (("ugd", layer, b),)))
+            nodes.append(OpNode("ar_d", layer, b, spec.net_unit, (("ugd", layer, b),)))
     return nodes
 
 

@@ -181,8 +181,7 @@ class NanoFlowRunnerMixin:
         st = pipe.begin(input_ids, positions, inputs_embeds, fine, coarse, contexts)
         nodes, schedule = self._nano_schedule(spec, int(fine[-1].stop))
         fns = pipe.op_fns(st, spec)
-        n_batches = {"kqv": spec.n_attn, "attn": spec.n_attn}
-        self.nano_executor.run(nodes, schedule, fns, n_batches)
+        self.nano_executor.run(nodes, schedule, fns)
         return pipe.finish(st)
 
     def _nano_schedule(self, spec, num_tokens: int):

@@ -39,6 +39,7 @@ class ModelSpec:
     num_experts: int = 1
     num_experts_per_tok: int = 1
     head_dim: int | None = None
+    tie_word_embeddings: bool = False
 
     def __post_init__(self) -> None:
         if not self.num_params:
@@ -79,7 +80,8 @@ class ModelSpec:
         d, i_sz = self.hidden_size, self.intermediate_size
         attn = d * (self.q_dim + 2 * self.kv_dim) + self.q_dim * d
         mlp = 3 * d * i_sz * self.num_experts
-        return self.num_layers * (attn + mlp + 2 * d) + 2 * self.vocab_size * d
+        embed = (1 if self.tie_word_embeddings else 2) * self.vocab_size * d
+        return self.num_layers * (attn + mlp + 2 * d) + embed + d  # + final norm
 
     @classmethod
     def from_hf_config(cls, path: str | Path, name: str | None = None) -> ModelSpec:
@@ -100,6 +102,7 @@ class ModelSpec:
             num_experts=cfg.get("num_local_experts", 1),
             num_experts_per_tok=cfg.get("num_experts_per_tok", 1),
             head_dim=cfg.get("head_dim"),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         )
 
 

@@ -125,12 +125,12 @@ def replica_for(batch: int, slice_idx: int, num_batches: int) -> int:
 
 
 def best_num_batches(t_m: float, t_a_one_batch_all_devices: float, max_batches: int = 8) -> int:
-    """Smallest n with t_a <= t_m/(n-1) gives no memory-side bubble; more
-    batches than that only add replicas (§4.3)."""
-    for n in range(2, max_batches + 1):
-        if t_a_one_batch_all_devices <= t_m / (n - 1) + 1e-12:
-            return n
-    return max_batches
+    """Most batches that keep t_a <= t_m/(n-1): n = floor(t_m/t_a) + 1. Up to
+    there each extra batch (and replica) fills memory-pool idle time (§4.3)."""
+    if t_a_one_batch_all_devices <= 0:
+        return max_batches
+    n = math.floor(t_m / t_a_one_batch_all_devices + 1e-9) + 1
+    return min(max_batches, max(2, n))
 
 
 # ------------------------------------------------------------ DOP choice

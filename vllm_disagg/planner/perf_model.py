@@ -92,7 +92,9 @@ def build_perf_model(model: ModelSpec, machine: HardwareSpec,
         pre, dec, ref = _roofline_curves(model, machine)
         return PerfModel(machine, model, pre, dec, ref, kv_slope, None, source)
     ref = prof.decode_context_ref if prof.decode_context_ref else 0.0
-    slope = prof.decode_context_ms_per_token or kv_slope
+    # A measured profile is trusted as is (its fitted slope, 0 if it has no
+    # context variation); the built-in curves add the roofline KV-read cost.
+    slope = prof.decode_context_ms_per_token if source == "profile" else kv_slope
     return PerfModel(machine, model, prof.curve("prefill"), prof.curve("decode"), ref, slope,
                      prof.curve("kv_transfer"), source)
 

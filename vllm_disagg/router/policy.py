@@ -259,10 +259,14 @@ class ClusterScheduler:
         cand = self._jsq([i for i in self._mixed_pool() if fits(i)])
         if cand is None:
             cand = self._jsq([i for i in self._healthy(opposite) if fits(i)])
-            if cand is None:
-                raise NoHealthyInstanceError("no healthy instance can serve this request")
+        if cand is None:  # nothing has room now: queue on the least-loaded home instance
+            home = Pool.PREFILL if opposite is Pool.DECODE else Pool.DECODE
+            cand = self._jsq(self._healthy(home)) or self._jsq(self._mixed_pool())
+        if cand is None:
+            raise NoHealthyInstanceError("no healthy instance can serve this request")
+        if cand.pool is not Pool.MIXED and cand.pool is opposite:
             cand.in_mixed_pool = True
-        return cand, True
+        return cand, cand.pool is opposite
 
     def _maybe_go_home(self, inst: InstanceState) -> None:
         """A borrowed instance returns once no opposite-kind work is pending."""

@@ -75,7 +75,8 @@ class AuthServer:
             except DisaggError as err:
                 self._stats.record_rejected()
                 logger.warning("rejected connection from %s on %s: %s", peer, self.address, err)
-                send_error(stream, str(err))
+                send_error(stream, err)
+                stream.close()
                 return
             stream.timeout = self._timeout_s
             self._serve(stream, hello)

@@ -133,7 +133,7 @@ class StreamKVReceiver(KVReceiver):
         except ProtocolError as err:
             self.stats.record_rejected()
             logger.warning("KV receiver %s dropped %s: %s", self.name, stream.peer, err)
-            send_error(stream, str(err))
+            send_error(stream, err)
         except (PeerLostError, TransportTimeout) as err:
             if not self._closed.is_set():
                 logger.info("KV sender %s lost: %s", stream.peer, err)

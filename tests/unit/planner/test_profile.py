@@ -1,0 +1,46 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Measured-profile schema: piece-wise linear curves and calibration of the models."""
+
+import json
+
+import pytest
+from planner_fixtures import TINY, machine
+
+from vllm_disagg.planner.perf_model import build_perf_model
+from vllm_disagg.planner.profile import Curve, load_profile, parse_profile
+
+
+def test_curves_interpolate_and_extrapolate_linearly():
+    c = Curve.from_points([{"n": 100, "ms": 10}, {"n": 0, "ms": 0}, {"n": 200, "ms": 30}], "n")
+    assert c(50) == pytest.approx(5) and c(150) == pytest.approx(20)
+    assert c(300) == pytest.approx(50) and c(-100) == 0.0
+
+
+def test_repeated_points_are_averaged_and_one_point_scales_proportionally():
+    c = Curve.from_points([{"n": 10, "ms": 1}, {"n": 10, "ms": 3}], "n")
+    assert c(10) == pytest.approx(2) and c(20) == pytest.approx(4)
+
+
+def test_a_profile_with_another_schema_is_refused():
+    with pytest.raises(ValueError, match="schema"):
+        parse_profile({"schema": "something/9"})
+
+
+def test_a_bad_section_is_named_in_the_error():
+    with pytest.raises(ValueError, match="prefill"):
+        parse_profile({"prefill": [{"tokens": 1, "ms": 2}]})
+
+
+def test_decode_context_cost_is_fitted_from_points_that_vary_context(tmp_path):
+    data = {"schema": "vllm-disagg-profile/1",
+            "prefill": [{"num_tokens": 1, "ms": 1}, {"num_tokens": 100, "ms": 10}],
+            "decode": [{"batch_size": b, "context_tokens": c, "ms": 5 + b + 0.001 * b * c}
+                       for b in (1, 4, 8) for c in (100, 1000)]}
+    path = tmp_path / "measured.json"
+    path.write_text(json.dumps(data))
+    prof = load_profile(path)
+    assert prof.decode_context_ms_per_token == pytest.approx(0.001, rel=1e-6)
+    perf = build_perf_model(TINY, machine(10_000), prof)
+    assert perf.source == "profile"
+    assert perf.decode_ms(4, 4 * 1000) == pytest.approx(5 + 4 + 4.0, rel=1e-6)
+    assert perf.decode_ms(4, 4 * 100) == pytest.approx(5 + 4 + 0.4, rel=1e-6)

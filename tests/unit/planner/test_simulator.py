@@ -1,0 +1,119 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Simulator routing, batching, KV transfer and preemption on hand-made traces."""
+
+import pytest
+from planner_fixtures import TINY, machine
+
+from vllm_disagg.planner.splitwise_sim import MachineGroup, SimOptions, kv_capacity_tokens, simulate
+from vllm_disagg.planner.traces import TraceRequest
+from vllm_disagg.router.policy import Pool, SchedulerConfig
+
+
+def _req(i, t, p, o):
+    return TraceRequest(f"r{i}", t, p, o)
+
+
+def _pd(kv=100_000, n_p=1, n_d=1):
+    hw = machine(kv)
+    return [MachineGroup(hw, Pool.PREFILL, n_p), MachineGroup(hw, Pool.DECODE, n_d)]
+
+
+def _by_id(result):
+    return {r.req_id: r for r in result.requests}
+
+
+def test_machine_memory_is_turned_into_kv_token_capacity():
+    assert kv_capacity_tokens(TINY, machine(1234)) == 1234
+
+
+def test_one_request_follows_prefill_then_layerwise_kv_then_decode(simple_profile):
+    res = simulate(TINY, _pd(), [_req(0, 0.0, 600, 5)], profile=simple_profile)
+    r = _by_id(res)["r0"]
+    # prefill 10+60 ms; KV 30 ms, layer-wise: max(2, 30/2 layers) visible; 4 decodes of 20 ms.
+    assert r.first_token_s == pytest.approx(0.070)
+    assert r.done_s == pytest.approx(0.070 + 0.015 + 4 * 0.020)
+    assert (r.prefill_id[0], r.decode_id[0]) == ("p", "d")
+
+
+def test_small_prompts_use_serialized_transfer(simple_profile):
+    res = simulate(TINY, _pd(), [_req(0, 0.0, 300, 2)], profile=simple_profile)
+    r = _by_id(res)["r0"]
+    assert r.done_s - r.first_token_s == pytest.approx(0.015 + 0.020)  # 300 x 0.05 ms + 1 decode
+
+
+def test_prompts_are_batched_fcfs_up_to_2048_tokens(simple_profile):
+    # r9 keeps the prompt machine busy for 20 ms while the others queue up.
+    trace = [_req(9, 0.0, 100, 1)] + [_req(i, 0.001, 1000, 1) for i in range(3)]
+    trace.append(_req(3, 0.002, 3000, 1))
+    reqs = _by_id(simulate(TINY, _pd(), trace, profile=simple_profile))
+    assert reqs["r9"].first_token_s == pytest.approx(0.020)
+    assert reqs["r0"].first_token_s == reqs["r1"].first_token_s == pytest.approx(0.020 + 0.210)
+    assert reqs["r2"].first_token_s == pytest.approx(0.230 + 0.110)
+    assert reqs["r3"].first_token_s == pytest.approx(0.340 + 0.310)  # alone, over the cap
+
+
+def test_token_machine_queues_requests_whose_kv_does_not_fit(simple_profile):
+    trace = [_req(0, 0.0, 1000, 20), _req(1, 0.0, 1000, 20)]
+    groups = [MachineGroup(machine(1000), Pool.PREFILL, 1),
+              MachineGroup(machine(1500), Pool.DECODE, 1)]
+    reqs = _by_id(simulate(TINY, groups, trace, profile=simple_profile))
+    # Each needs 1020 KV tokens and no machine holds two: r1 queues on the
+    # token machine until r0 finishes, then decodes alone.
+    assert reqs["r1"].decode_id == reqs["r0"].decode_id
+    assert reqs["r1"].done_s == pytest.approx(reqs["r0"].done_s + 19 * 0.020)
+    roomy = _by_id(simulate(TINY, _pd(kv=5000), trace, profile=simple_profile))
+    assert roomy["r1"].done_s < roomy["r0"].done_s + 0.2  # decoded side by side
+
+
+def test_cls_sends_decode_to_a_prompt_machine_when_token_memory_is_full(simple_profile):
+    hw_small, hw_big = machine(1500), machine(100_000)
+    groups = [MachineGroup(hw_big, Pool.PREFILL, 1), MachineGroup(hw_small, Pool.DECODE, 1)]
+    trace = [_req(0, 0.0, 1000, 20), _req(1, 0.0, 1000, 20)]
+    res = simulate(TINY, groups, trace, profile=simple_profile)
+    reqs = _by_id(res)
+    assert reqs["r1"].decode_id == "p0-0" and res.num_mixed_routes == 1
+
+
+def test_prompt_overflow_runs_on_a_token_machine_from_the_mixed_pool(simple_profile):
+    opts = SimOptions(SchedulerConfig(prefill_queue_threshold=1000))
+    trace = [_req(i, 0.0, 1500, 3) for i in range(3)]
+    res = simulate(TINY, _pd(), trace, opts, profile=simple_profile)
+    reqs = _by_id(res)
+    assert reqs["r0"].prefill_id.startswith("p")
+    assert reqs["r1"].prefill_id.startswith("d") and reqs["r1"].decode_id == reqs["r1"].prefill_id
+    assert res.num_mixed_routes >= 1
+    assert all(r.done_s is not None for r in res.requests)
+
+
+def test_jsq_spreads_simultaneous_prompts_over_prompt_machines(simple_profile):
+    trace = [_req(i, 0.0, 1000, 2) for i in range(4)]
+    res = simulate(TINY, _pd(n_p=2, n_d=2), trace, profile=simple_profile)
+    assert {r.prefill_id for r in res.requests} == {"p0-0", "p0-1"}
+    assert {r.decode_id for r in res.requests} == {"d1-0", "d1-1"}
+
+
+def test_a_prompt_preempts_a_decode_on_a_mixed_machine_at_most_max_preemptions(simple_profile):
+    trace = [_req(0, 0.0, 1000, 50), _req(1, 0.3, 1000, 50)]
+    groups = [MachineGroup(machine(2000), Pool.MIXED, 1)]
+    reqs = _by_id(simulate(TINY, groups, trace, SimOptions(max_preemptions=1),
+                           profile=simple_profile))
+    assert reqs["r0"].num_preemptions == 1
+    assert reqs["r1"].first_token_s < reqs["r0"].done_s
+    no_preempt = _by_id(simulate(TINY, groups, trace, SimOptions(max_preemptions=0),
+                                 profile=simple_profile))
+    assert no_preempt["r0"].num_preemptions == 0
+    assert no_preempt["r1"].first_token_s > no_preempt["r0"].done_s
+
+
+def test_baseline_machines_keep_prefill_and_decode_together(simple_profile):
+    groups = [MachineGroup(machine(100_000), Pool.MIXED, 2)]
+    res = simulate(TINY, groups, [_req(i, 0.01 * i, 200, 4) for i in range(6)],
+                   profile=simple_profile)
+    assert all(r.prefill_id == r.decode_id for r in res.requests)
+    assert sum(m.num_mixed_iterations for m in res.machines) > 0
+
+
+def test_a_time_limit_reports_unfinished_requests(simple_profile):
+    res = simulate(TINY, _pd(), [_req(0, 0.0, 500, 1000)],
+                   SimOptions(max_sim_s=0.5), profile=simple_profile)
+    assert res.num_unfinished == 1

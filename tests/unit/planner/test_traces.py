@@ -1,0 +1,49 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Synthetic traces match the papers' statistics; Azure CSVs parse."""
+
+import pytest
+
+from vllm_disagg.planner.traces import (
+    describe,
+    load_azure_csv,
+    rescale_rate,
+    synthetic_trace,
+)
+
+
+@pytest.mark.parametrize("kind,p_med,p_mean,o_med,o_mean", [
+    ("coding", 1500, 2047.8, 13, 27.9), ("conversation", 1020, 1154.7, 129, 211.1)])
+def test_synthetic_traces_match_splitwise_medians_and_lamina_means(kind, p_med, p_mean,
+                                                                   o_med, o_mean):
+    s = describe(synthetic_trace(kind, rps=50, num_requests=40000, seed=1))
+    assert s["prompt_median"] == pytest.approx(p_med, rel=0.03)
+    assert s["prompt_mean"] == pytest.approx(p_mean, rel=0.05)
+    assert s["output_median"] == pytest.approx(o_med, rel=0.08)
+    assert s["output_mean"] == pytest.approx(o_mean, rel=0.08)
+    assert s["rps"] == pytest.approx(50, rel=0.03)
+
+
+def test_the_same_seed_gives_the_same_trace():
+    a = synthetic_trace("coding", 10, duration_s=20, seed=7)
+    assert a == synthetic_trace("coding", 10, duration_s=20, seed=7)
+    assert a != synthetic_trace("coding", 10, duration_s=20, seed=8)
+
+
+def test_azure_csv_rows_become_requests_relative_to_the_first_arrival(tmp_path):
+    path = tmp_path / "AzureLLMInferenceTrace_code.csv"
+    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                    "2023-11-16 18:15:46.6805900,4808,10\n"
+                    "2023-11-16 18:15:50.9951690,3180,8\n"
+                    "2023-11-16 18:15:47.0000000,110,27\n")
+    trace = load_azure_csv(path)
+    assert [r.num_prompt_tokens for r in trace] == [4808, 110, 3180]
+    assert trace[0].arrival_s == 0 and trace[2].arrival_s == pytest.approx(4.3145789, abs=1e-6)
+    fast = rescale_rate(trace, rps=3.0)
+    assert fast[-1].arrival_s == pytest.approx(1.0)
+
+
+def test_a_malformed_azure_row_is_reported_with_the_file(tmp_path):
+    path = tmp_path / "bad.csv"
+    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\nnot-a-time,1,x\n")
+    with pytest.raises(ValueError, match="bad.csv"):
+        load_azure_csv(path)
