@@ -38,7 +38,9 @@ def _generate(model_dir: str, **extra) -> dict:
         params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=2)
         outs = llm.generate(_prompts(), params, use_tqdm=False)
         tokens = [list(o.outputs[0].token_ids) for o in outs]
-        logprobs = [[lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)] for o in outs]
+        logprobs = [
+            [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)] for o in outs
+        ]
         stats = llm.collective_rpc("nanoflow_stats")[0] if "worker_cls" in extra else None
         return {"tokens": tokens, "logprobs": logprobs, "stats": stats}
     finally:
@@ -52,13 +54,38 @@ def _nano(model_dir: str, nanoflow: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tiny_model_dir, tmp_path_factory) -> dict:
-    plan = tmp_path_factory.mktemp("plan") / "plan.json"
-    plan.write_text(json.dumps({"version": 1, "nano_batches": {"attn": 4, "dense": 2}, "units": {"dense": 1, "attn": 1}}))
+    from vllm_disagg.cli.main import main
+
+    plans = tmp_path_factory.mktemp("plans")
+    threaded = plans / "threaded.json"
+    threaded.write_text(
+        json.dumps({"version": 1, "nano_batches": {"attn": 4, "dense": 2}, "units": {"dense": 1, "attn": 1}})
+    )
+    tuned = plans / "tuned.json"
+    assert (
+        main(
+            [
+                "tune",
+                "--model",
+                tiny_model_dir,
+                "--quick",
+                "--max-tokens",
+                "64",
+                "--reps",
+                "1",
+                "--min-nano-batches",
+                "2",
+                "--out",
+                str(tuned),
+            ]
+        )
+        == 0
+    )
     return {
         "plain": _generate(tiny_model_dir),
         "nano2": _nano(tiny_model_dir, {"nano_batches": 2}),
-        "nano4": _nano(tiny_model_dir, {"nano_batches": 4}),
-        "plan": _nano(tiny_model_dir, {"nano_batches": "auto", "plan": str(plan)}),
+        "nano4": _nano(tiny_model_dir, {"nano_batches": "auto", "plan": str(threaded)}),
+        "tuned": _nano(tiny_model_dir, {"nano_batches": "auto", "plan": str(tuned)}),
     }
 
 
@@ -82,17 +109,17 @@ def test_two_nano_batches_give_the_same_greedy_tokens_as_plain_vllm(runs):
     _assert_really_nano_batched(runs["nano2"]["stats"])
 
 
-def test_four_attention_and_two_dense_nano_batches_give_the_same_tokens(runs):
+def test_four_attention_and_two_dense_nano_batches_on_pinned_unit_threads_give_the_same_tokens(runs):
     _assert_same_as_plain(runs, "nano4")
-    _assert_really_nano_batched(runs["nano4"]["stats"])
-
-
-def test_a_tuned_plan_with_pinned_unit_threads_loads_runs_and_matches(runs):
-    _assert_same_as_plain(runs, "plan")
-    stats = runs["plan"]["stats"]
+    stats = runs["nano4"]["stats"]
     _assert_really_nano_batched(stats)
     assert stats["inline"] is False
     assert {u["name"] for u in stats["units"]} == {"dense", "attn"}
+
+
+def test_the_plan_written_by_vllm_disagg_tune_loads_runs_and_matches(runs):
+    _assert_same_as_plain(runs, "tuned")
+    _assert_really_nano_batched(runs["tuned"]["stats"])
 
 
 def test_the_executor_reports_throughput_against_the_cost_model_optimum(runs):

@@ -55,8 +55,9 @@ class Engine:
 
     def _pump(self) -> None:
         for line in self.proc.stdout:
-            if line.startswith("{"):
-                self._lines.put(json.loads(line))
+            start = line.find('{"')  # stray prints (no newline) may precede our JSON line
+            if start >= 0:
+                self._lines.put(json.loads(line[start:]))
         self._lines.put(None)
 
     def _read(self, timeout: float) -> dict:
@@ -138,7 +139,7 @@ def _run_pd(prefill: Engine, decode: Engine, port: int, prompts, timeout_s: floa
     p_params, d_params = _pd_params(len(prompts), port, timeout_s)
     decode.generate(prompts, d_params, MAX_TOKENS)
     prefill.generate(prompts, p_params, 1)
-    return prefill, decode.result()
+    return prefill, decode.result()  # P's answer stays queued for prefill.result()
 
 
 @pytest.mark.parametrize("mode,threshold", [("layerwise", 256), ("serialized", 4096)])
@@ -197,8 +198,7 @@ def test_handshake_mismatch_fails_fast_with_the_field_named(tiny_model_dir, prom
     decode = Engine("decode", tiny_model_dir, log_dir, "1", kv_port=_free_port(), dtype="bfloat16", policy="fail")
     try:
         t0 = time.monotonic()
-        _run_pd(prefill, decode, port, prompts[:2], timeout_s=60.0)
-        d_out = decode.result(timeout=60)
+        _, d_out = _run_pd(prefill, decode, port, prompts[:2], timeout_s=60.0)
         p_out = prefill.result(timeout=60)
         assert time.monotonic() - t0 < 30, "a handshake mismatch must not wait for the push timeout"
         assert d_out["finish_reasons"] == ["error", "error"]

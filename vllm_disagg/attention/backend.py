@@ -107,6 +107,10 @@ def _classes() -> dict:
             return build_client_meta(common_attn_metadata, self.block_size)
 
     class RemoteAttentionImpl(AttentionImpl):
+        # The nano-batch executor runs this layer's attention on its "net" unit thread, so while
+        # one nano-batch waits here the other's dense ops run: n=2 ping-pong (overlap_api.md).
+        nanoflow_network_bound = True
+
         def __init__(self, num_heads, head_size, scale, num_kv_heads=None, alibi_slopes=None,
                      sliding_window=None, kv_cache_dtype="auto", logits_soft_cap=None,
                      attn_type=AttentionType.DECODER, kv_sharing_target_layer_name=None, **extra):

@@ -50,11 +50,18 @@ def connect_client(client: DisaggAttentionClient, vllm_config) -> int:
     )
 
 
+def _clear_backend_cache() -> None:
+    from vllm.v1.attention.selector import _cached_get_attn_backend
+
+    _cached_get_attn_backend.cache_clear()
+
+
 class DisaggAttentionWorker(CPUWorker):
     """CPUWorker whose KV lives on attention servers (inert if remote attention is not set)."""
 
     def init_device(self) -> None:
         super().init_device()
+        _clear_backend_cache()  # an earlier engine in this process may have cached the stock one
         client = client_from_config(self.vllm_config)
         if client is None:
             return
@@ -77,6 +84,7 @@ class DisaggAttentionWorker(CPUWorker):
         if backend._CLIENT is not None:
             backend._CLIENT.close()
             backend.set_client(None)
+            _clear_backend_cache()
         super().shutdown()
 
 
@@ -84,6 +92,10 @@ class DisaggAttentionRunner(CPUModelRunner):
     """No local KV: placeholders only; recovery when an attention server is lost."""
 
     def initialize_kv_cache_tensors(self, kv_cache_config, kernel_block_sizes, kv_cache_allocation_context=None):
+        local = [g.backend.get_name() for groups in self.attn_groups for g in groups
+                 if not g.backend.forward_includes_kv_cache_update]
+        if local:  # a local kernel on a placeholder cache would write to nowhere
+            raise RuntimeError(f"remote attention worker got local attention backends {local}")
         device, self.device = self.device, torch.device("meta")
         try:  # same shapes and bindings as vLLM's, zero bytes
             return super().initialize_kv_cache_tensors(kv_cache_config, kernel_block_sizes, None)

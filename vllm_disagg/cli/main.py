@@ -20,6 +20,9 @@ SUBCOMMAND_MODULES = [
     "vllm_disagg.launch.cli",  # up: local P/D pools + router
     "vllm_disagg.planner.cli",  # plan nanoflow|lamina|splitwise: analytic models + simulator
     "vllm_disagg.nanoflow.tune",  # tune: profile ops, search a NanoFlow nano-batch plan
+    "vllm_disagg.transport.doctor",  # doctor: which transports can run here, and why not
+    "vllm_disagg.attention.cli",  # attn-server: a Lamina attention server (owns a KV shard)
+    "vllm_disagg.launch.status",  # status: pools, health and load of a running deployment
 ]
 
 

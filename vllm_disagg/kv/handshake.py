@@ -48,8 +48,8 @@ __all__ = [
 PROTOCOL_VERSION = 1
 _MAGIC = b"DGKV"
 _HEADER = struct.Struct("!4sHHII")
-MAX_BODY_BYTES = 1 << 16
-MAX_BLOCK_IDS = 1 << 20
+MAX_BODY_BYTES = 8 << 10
+MAX_BLOCK_IDS = 12 << 10  # the whole frame must fit a transport message header (64 KiB)
 
 
 class MsgType(enum.IntEnum):

@@ -55,8 +55,11 @@ class _Recv:
 class PushReceiver:
     """Owns the decode worker's KV receiver (registered regions) and side-channel client."""
 
-    def __init__(self, transport: Any, handshake: Any, token: str, layers: list[Any], stats: Any):
+    def __init__(self, transport: Any, handshake: Any, token: str, layers: list[Any], stats: Any,
+                 failure_policy: str = "recompute"):
         self.handshake, self.token = handshake, token
+        self._on_failure = ("the decode instance recomputes the prompt" if failure_policy == "recompute"
+                            else "the request fails (kv_load_failure_policy=fail)")
         self._stats, self._stats_lock = stats
         self._receiver = transport.kv_receiver(name="decode")
         for layer_idx, tensor in enumerate(layers):
@@ -188,8 +191,8 @@ class PushReceiver:
         if recv.state in ("done", "failed"):
             return
         recv.state, recv.error = "failed", reason
-        logger.warning("KV push %s (request %s) failed: %s; the decode instance recomputes the prompt",
-                       recv.spec.transfer_id, recv.spec.req_id, reason)
+        logger.warning("KV push %s (request %s) failed: %s; %s",
+                       recv.spec.transfer_id, recv.spec.req_id, reason, self._on_failure)
 
     def _record(self, fn: Any) -> None:
         with self._stats_lock:

@@ -47,7 +47,7 @@ class SideChannelServer:
             threading.Thread(target=self._serve, args=(channel,), name="disagg-kv-side", daemon=True).start()
 
     def _serve(self, channel: Any) -> None:
-        peer = str(getattr(channel, "peer", "decode peer"))
+        peer = str(getattr(getattr(channel, "stream", None), "peer", None) or "a decode worker")
         while not self._stop.is_set():
             try:
                 msg = channel.recv(timeout=_IDLE_RECV_S)

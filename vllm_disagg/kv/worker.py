@@ -85,7 +85,7 @@ class DisaggConnectorWorker:
 
             rx_port = 0 if self.is_producer else port
             self.receiver = PushReceiver(self._make_transport(self.kv, self.token, rx_port), info, self.token,
-                                         layers, stats)
+                                         layers, stats, self.vllm_config.kv_transfer_config.kv_load_failure_policy)
 
     def _port(self) -> int:
         """kv_port + this worker's TP rank (each rank serves its own shard); 0 stays 0 (any port)."""

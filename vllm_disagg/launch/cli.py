@@ -35,6 +35,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--cores-per-instance", type=int, default=1,
                         help="CPU cores per instance (VLLM_CPU_OMP_THREADS_BIND)")
     parser.add_argument("--kv-cache-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE per instance")
+    parser.add_argument("--layerwise-threshold", type=int, default=None,
+                        help="prompts with at least this many tokens are pushed layer by layer (P side)")
     parser.add_argument("--push-timeout-s", type=float, default=None,
                         help="D recomputes the prompt when a push stalls this long")
     parser.add_argument("--prefill-queue-threshold", type=int, default=8192,
@@ -89,6 +91,9 @@ async def _up(args: argparse.Namespace) -> int:
     from vllm_disagg.router.server import Router, RouterServer
 
     specs = plan_instances(args.prefill, args.decode, args.mixed, args.cores_per_instance)
+    if args.layerwise_threshold is not None:
+        for spec in specs:
+            spec.kv_extra["layerwise_threshold_tokens"] = args.layerwise_threshold
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="vllm-disagg-up-"))
     vllm_args = list(getattr(args, "vllm_args", []))
     if not args.access_log:

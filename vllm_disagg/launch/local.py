@@ -51,6 +51,12 @@ class InstanceSpec:
     kv_port: int | None
     cores: str
     """Value of VLLM_CPU_OMP_THREADS_BIND, e.g. "0" or "2-3"."""
+    kv_extra: dict = field(default_factory=dict)
+    """More `additional_config["disagg"]["kv"]` settings (e.g. layerwise_threshold_tokens)."""
+    env: dict = field(default_factory=dict)
+    """More environment for this instance only."""
+    args: list = field(default_factory=list)
+    """More `vllm serve` arguments for this instance only (after the shared ones)."""
 
     @property
     def name(self) -> str:
@@ -117,9 +123,10 @@ def serve_command(spec: InstanceSpec, model: str, transport: str, extra_args: li
         cmd += ["--served-model-name", served_name]
     if spec.role in _KV_ROLE:
         kv_cfg = {**CONNECTOR, "kv_role": _KV_ROLE[spec.role]}
-        disagg = {"disagg": {"role": spec.role, "kv": {"kv_port": spec.kv_port, "transport": transport}}}
+        kv = {"kv_port": spec.kv_port, "transport": transport, **spec.kv_extra}
+        disagg = {"disagg": {"role": spec.role, "kv": kv}}
         cmd += ["--kv-transfer-config", json.dumps(kv_cfg), "--additional-config", json.dumps(disagg)]
-    return cmd + list(extra_args)
+    return cmd + list(extra_args) + list(spec.args)
 
 
 def vllm_serve_prefix() -> list[str]:
@@ -134,6 +141,7 @@ def instance_env(spec: InstanceSpec, kv_cache_gib: int, base: dict[str, str] | N
     env = dict(os.environ if base is None else base)
     env.update(VLLM_CPU_OMP_THREADS_BIND=spec.cores, VLLM_HOST_IP=HOST, VLLM_NO_USAGE_STATS="1",
                DO_NOT_TRACK="1", VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib))
+    env.update(spec.env)
     return env
 
 
@@ -221,6 +229,9 @@ class LocalCluster:
                 proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 logger.error("process %d did not exit after SIGKILL", proc.pid)
+        deadline = time.monotonic() + 5
+        while any(_group_exists(p.pid) for p in self.procs.values()) and time.monotonic() < deadline:
+            time.sleep(0.1)
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
@@ -228,6 +239,14 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         os.killpg(proc.pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def _group_exists(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
 
 
 async def _healthy(session: aiohttp.ClientSession, url: str) -> bool:

@@ -21,7 +21,17 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from vllm_disagg.nanoflow.graph import ATTN, DENSE, NET, OpNode, PipelineSpec, Schedule, build_graph, critical_path, list_schedule
+from vllm_disagg.nanoflow.graph import (
+    ATTN,
+    DENSE,
+    NET,
+    OpNode,
+    PipelineSpec,
+    Schedule,
+    build_graph,
+    critical_path,
+    list_schedule,
+)
 
 # cost(op name, tokens in that op's nano-batch, unit share) -> seconds
 CostFn = Callable[[str, int, int], float]
@@ -48,10 +58,14 @@ def tokens_of(node: OpNode, spec: PipelineSpec, dense_batch: int) -> int:
     return max(1, dense_batch // n)
 
 
-def evaluate(spec: PipelineSpec, dense_batch: int, shares: dict[str, int], cost: CostFn, nodes=None) -> Schedule:
+def evaluate(
+    spec: PipelineSpec, dense_batch: int, shares: dict[str, int], cost: CostFn, nodes=None
+) -> Schedule:
     """Simulated step of `spec` with the given unit shares."""
     nodes = nodes if nodes is not None else build_graph(spec)
-    return list_schedule(nodes, lambda n: cost(n.name, tokens_of(n, spec, dense_batch), shares.get(n.unit, 0)))
+    return list_schedule(
+        nodes, lambda n: cost(n.name, tokens_of(n, spec, dense_batch), shares.get(n.unit, 0))
+    )
 
 
 def greedy_shares(
@@ -111,9 +125,10 @@ def fast_sizes(dense_time: dict[int, float]) -> list[int]:
     return out
 
 
-def nano_combos(max_n: int = 8) -> list[tuple[int, int]]:
+def nano_combos(max_n: int = 8, min_n: int = 1) -> list[tuple[int, int]]:
+    """(attention, dense) nano-batch counts; `min_n` bounds the attention count from below."""
     counts = [n for n in (1, 2, 4, 8, 16) if n <= max_n]
-    return [(a, d) for a in counts for d in counts if a % d == 0]
+    return [(a, d) for a in counts for d in counts if a % d == 0 and a >= min_n]
 
 
 @dataclass
@@ -142,13 +157,17 @@ def search(
         if n_attn > dense_batch:
             continue
         for inline in (True, False):
-            cand = _candidate(cost, layers, dense_batch, n_attn, n_dense, budget, tensor_parallel, attention_remote, inline)
+            cand = _candidate(
+                cost, layers, dense_batch, n_attn, n_dense, budget, tensor_parallel, attention_remote, inline
+            )
             cand.step_s *= scale
             cands.append(cand)
         if progress:
             progress(1)
     if not cands:
-        raise ValueError(f"no candidate: dense batches {list(dense_batches)} smaller than every nano-batch count")
+        raise ValueError(
+            f"no candidate: dense batches {list(dense_batches)} smaller than every nano-batch count"
+        )
     best = min(cands, key=lambda c: (-c.tokens_per_s, c.n_attn, c.n_dense, not c.inline))
     return SearchResult(best=best, candidates=cands, seconds=time.perf_counter() - t0)
 

@@ -225,7 +225,9 @@ def _bind(fn: Callable, *args: Any) -> Callable[[], None]:
     return lambda: fn(*args)
 
 
-def sequential_forward(model: Any, contexts: list[Any], fine: list[slice], input_ids, positions, inputs_embeds):
+def sequential_forward(
+    model: Any, contexts: list[Any], fine: list[slice], input_ids, positions, inputs_embeds
+):
     """Fallback: the whole model per nano-batch, in order, under each slice's forward context."""
     from vllm.forward_context import override_forward_context
 

@@ -106,7 +106,9 @@ def resolve_plan(nano_batches: int | str, plan_path: str | None, model: str) -> 
         path = default_plan_path(model)
         if path.exists():
             return NanoFlowPlan.load(path)
-        logger.warning("nanoflow: nano_batches=auto but no plan at %s; using 2 (run `vllm-disagg tune`)", path)
+        logger.warning(
+            "nanoflow: nano_batches=auto but no plan at %s; using 2 (run `vllm-disagg tune`)", path
+        )
         return NanoFlowPlan()
     return NanoFlowPlan(nano_batches=_counts(int(nano_batches)))
 

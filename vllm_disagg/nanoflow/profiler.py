@@ -102,7 +102,10 @@ class OpProfile:
 
     def to_json(self) -> dict:
         return {
-            "seconds": {op: {str(s): {str(t): v for t, v in row.items()} for s, row in d.items()} for op, d in self.seconds.items()},
+            "seconds": {
+                op: {str(s): {str(t): v for t, v in row.items()} for s, row in d.items()}
+                for op, d in self.seconds.items()
+            },
             "shape": asdict(self.shape) if self.shape else None,
             "net": asdict(self.net),
             "context_len": self.context_len,

@@ -47,11 +47,23 @@ class NanoFlowRunnerMixin:
 
     def __init__(self, vllm_config: Any, device: torch.device, *args: Any, **kwargs: Any) -> None:
         super().__init__(vllm_config, device, *args, **kwargs)
+        self.init_nanoflow(vllm_config)
+
+    def init_nanoflow(self, vllm_config: Any) -> None:
+        """Mixin state; call it yourself after swapping `runner.__class__` to a nanoflow class."""
         self.nano_plan = nanoflow_plan_of(vllm_config)
         self.nano_pipeline: LlamaPipeline | None = None
         self.nano_executor: OpGraphExecutor | None = None
         self.nano_stats = dict.fromkeys(
-            ("steps", "nano_steps", "pipeline_steps", "fallback_steps", "prefill_steps", "decode_steps", "mixed_steps"),
+            (
+                "steps",
+                "nano_steps",
+                "pipeline_steps",
+                "fallback_steps",
+                "prefill_steps",
+                "decode_steps",
+                "mixed_steps",
+            ),
             0,
         )
         self._nano_schedules: dict[Any, Any] = {}
@@ -121,9 +133,15 @@ class NanoFlowRunnerMixin:
 
     # ------------------------------------------------------ step decisions
     def _determine_batch_execution_and_padding(self, *args: Any, **kwargs: Any):
-        mode, desc, should_ubatch, across_dp, stats = super()._determine_batch_execution_and_padding(*args, **kwargs)
+        mode, desc, should_ubatch, across_dp, stats = super()._determine_batch_execution_and_padding(
+            *args, **kwargs
+        )
         plan = self.nano_plan
-        if plan is not None and plan.nano_batches.attn >= 2 and self.vllm_config.parallel_config.data_parallel_size == 1:
+        if (
+            plan is not None
+            and plan.nano_batches.attn >= 2
+            and self.vllm_config.parallel_config.data_parallel_size == 1
+        ):
             num_tokens = kwargs.get("num_tokens", args[0] if args else 0)
             num_reqs = kwargs.get("num_reqs", args[1] if len(args) > 1 else 0)
             allowed = kwargs.get("allow_microbatching", True)
@@ -139,7 +157,13 @@ class NanoFlowRunnerMixin:
             return
         lens = scheduled[:num_reqs]
         has_prefill, has_decode = bool((lens > 1).any()), bool((lens == 1).any())
-        kind = "mixed_steps" if has_prefill and has_decode else "prefill_steps" if has_prefill else "decode_steps"
+        kind = (
+            "mixed_steps"
+            if has_prefill and has_decode
+            else "prefill_steps"
+            if has_prefill
+            else "decode_steps"
+        )
         self.nano_stats[kind] += 1
 
     # -------------------------------------------------------------- forward
@@ -157,7 +181,9 @@ class NanoFlowRunnerMixin:
         if self.nano_plan is None or ctx is None or ctx.ubatch_slices is None:
             if self.nano_plan is not None:
                 self.nano_stats["steps"] += 1
-            return super()._model_forward(input_ids, positions, intermediate_tensors, inputs_embeds, **model_kwargs)
+            return super()._model_forward(
+                input_ids, positions, intermediate_tensors, inputs_embeds, **model_kwargs
+            )
         start = time.perf_counter()
         fine = [s.token_slice for s in ctx.ubatch_slices]
         contexts = _slice_contexts(ctx, self.vllm_config)

@@ -16,7 +16,6 @@ import json
 import logging
 import time
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
 from vllm_disagg.nanoflow.autosearch import SearchResult, fast_sizes, nano_combos, search
@@ -39,6 +38,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--net-gbps", type=float, default=5.0, help="all-reduce bandwidth, GB/s (modelled)")
     p.add_argument("--remote-rpc-us", type=float, default=0.0, help="remote attention round trip; 0 = local")
     p.add_argument("--max-nano-batches", type=int, default=8)
+    p.add_argument("--min-nano-batches", type=int, default=1, help="2 forces nano-batching on")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="coarse grid (a few seconds)")
     p.set_defaults(func=run_tune)
@@ -71,11 +71,17 @@ def tune(args: argparse.Namespace) -> tuple[NanoFlowPlan, SearchResult, OpProfil
     dense = {t: dense_seconds(prof, t, len(cores)) for t in sizes}
     fast = fast_sizes(dense)
     batches = fast[-3:]
-    combos = nano_combos(args.max_nano_batches)
+    combos = nano_combos(args.max_nano_batches, args.min_nano_batches)
     with tqdm(total=len(batches) * len(combos), desc="search plans", unit="cand") as bar:
         result = search(
-            prof.cost, shape.num_layers, batches, len(cores), combos,
-            tensor_parallel=args.tp > 1, attention_remote=args.remote_rpc_us > 0, progress=bar.update,
+            prof.cost,
+            shape.num_layers,
+            batches,
+            len(cores),
+            combos,
+            tensor_parallel=args.tp > 1,
+            attention_remote=args.remote_rpc_us > 0,
+            progress=bar.update,
         )
     plan = plan_from(result, prof, fast, args, time.perf_counter() - t0)
     return plan, result, prof
@@ -89,8 +95,14 @@ def plan_from(result: SearchResult, prof: OpProfile, fast: list[int], args, seco
     shares = dict(best.shares)
     if not best.inline and (args.tp > 1 or args.remote_rpc_us > 0):
         shares.setdefault(NET, 0)
-    at_share = {op: shares.get(ATTN if op == "attn" else DENSE, max(shares.values())) for op in ("kqv", "attn", "o", "ugd")}
-    costs = {op: {str(t): prof.cost(op, t, s) for t in sorted(prof.seconds[op][max(prof.seconds[op])])} for op, s in at_share.items()}
+    at_share = {
+        op: shares.get(ATTN if op == "attn" else DENSE, max(shares.values()))
+        for op in ("kqv", "attn", "o", "ugd")
+    }
+    costs = {
+        op: {str(t): prof.cost(op, t, s) for t in sorted(prof.seconds[op][max(prof.seconds[op])])}
+        for op, s in at_share.items()
+    }
     return NanoFlowPlan(
         nano_batches=NanoBatchCounts(attn=best.n_attn, dense=best.n_dense),
         units={} if best.inline else shares,
@@ -108,8 +120,14 @@ def plan_from(result: SearchResult, prof: OpProfile, fast: list[int], args, seco
             "candidates": len(result.candidates),
             "network_ops": "modelled (latency + bytes/bandwidth), not profiled",
             "top": [
-                {"dense_batch": c.dense_batch, "n_attn": c.n_attn, "n_dense": c.n_dense, "inline": c.inline,
-                 "shares": c.shares, "tokens_per_s": round(c.tokens_per_s, 1)}
+                {
+                    "dense_batch": c.dense_batch,
+                    "n_attn": c.n_attn,
+                    "n_dense": c.n_dense,
+                    "inline": c.inline,
+                    "shares": c.shares,
+                    "tokens_per_s": round(c.tokens_per_s, 1),
+                }
                 for c in sorted(result.candidates, key=lambda c: -c.tokens_per_s)[:5]
             ],
         },

@@ -45,7 +45,7 @@ class ExecutionUnit(ABC):
     def launch(self, fn: Callable[[], Any]) -> Any:
         """Run (CPU) or enqueue (GPU) `fn`; return a completion token."""
 
-    def wait(self, token: Any) -> None:
+    def wait(self, token: Any) -> None:  # noqa: B027 - a no-op where launch is synchronous
         """Make later work on this unit wait for `token` (from any unit)."""
 
     def describe(self) -> dict:

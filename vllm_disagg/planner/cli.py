@@ -158,6 +158,8 @@ def lamina_summary(args) -> dict:
             "kv_bytes_per_token": la.kv_bytes_per_token(model),
             "bytes_per_request_iteration": la.bytes_per_request_iteration(model),
             "requests_per_memory_device": la.requests_per_device(model, mem, args.context),
+            "best_dop": max((r for r in rows if r["fits"]), key=lambda r: r["tok_per_dollar"],
+                            default={}).get("label"),
             "dops": rows, "_curves": curves}
 
 
@@ -185,5 +187,6 @@ def run_lamina(args) -> int:
         "KV bytes/token": out["kv_bytes_per_token"],
         "bytes/request/iteration": out["bytes_per_request_iteration"],
         f"requests per {out['memory']} at l={args.context}": out["requests_per_memory_device"],
+        "best DOP (tokens per $)": out["best_dop"],
     }))
     return 0

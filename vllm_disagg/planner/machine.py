@@ -9,6 +9,8 @@ One class serves every pool; what it batches depends on what it was given:
 * a machine running both (mixed pool, or a baseline) does mixed continuous
   batching: prompts first, and when a prompt does not fit in memory it
   preempts the youngest decodes, each at most `max_preemptions` times.
+  A preempted decode keeps its progress and waits for memory again (its
+  KV is assumed swapped, not recomputed: recompute cost is not modelled).
 """
 
 from __future__ import annotations

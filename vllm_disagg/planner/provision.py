@@ -41,6 +41,11 @@ def iso_count(ref: HardwareSpec, num_ref: int, other: HardwareSpec, by: str = "p
     return math.floor(num_ref * ref.price_per_hour / other.price_per_hour + 1e-9)
 
 
+def request_cost_cents(e2e_s: float, machine: HardwareSpec) -> float:
+    """Cost of holding one machine for a request's E2E (Splitwise Table IV)."""
+    return e2e_s / 3600 * machine.price_per_hour * 100
+
+
 @dataclass
 class Candidate:
     num_prompt: int

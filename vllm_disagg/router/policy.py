@@ -219,8 +219,9 @@ class ClusterScheduler:
 
     def _choose_prefill(self, num_tokens: int) -> tuple[InstanceState, bool]:
         limit = self.config.prefill_queue_threshold
-        home = [i for i in self._healthy(Pool.PREFILL) if not i.in_mixed_pool]
-        home += self._healthy(Pool.MIXED)  # baseline machines take prompts directly
+        # Home instances serve their own phase even while lent to the mixed
+        # pool; baseline (MIXED) machines take prompts directly.
+        home = self._healthy(Pool.PREFILL) + self._healthy(Pool.MIXED)
         best = self._jsq(home)
         if best is not None and (limit is None or best.pool is Pool.MIXED
                                  or best.num_pending_prefill_tokens < limit):
@@ -234,7 +235,7 @@ class ClusterScheduler:
             return prefill, False  # baseline machines keep the whole request
         limit = self.config.decode_queue_threshold
         fits = lambda i: i.kv_fits(num_kv_tokens)  # noqa: E731
-        home = [i for i in self._healthy(Pool.DECODE) if not i.in_mixed_pool and fits(i)]
+        home = [i for i in self._healthy(Pool.DECODE) if fits(i)]
         best = self._jsq(home)
         if best is not None and (limit is None or best.num_pending_decode_tokens < limit):
             return best, False
@@ -248,7 +249,7 @@ class ClusterScheduler:
             mixed = [i for i in self._mixed_pool() if load(i) < limit and fits(i)]
             cand = self._jsq(mixed)
             if cand is not None:
-                return cand, True
+                return cand, cand.pool is opposite
             borrow = self._jsq([i for i in self._healthy(opposite)
                                 if not i.in_mixed_pool and fits(i)])
             if borrow is not None:

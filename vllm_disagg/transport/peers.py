@@ -78,18 +78,21 @@ def kv_receiver_child(kind: str, token: str, conn, num_layers: int, num_blocks: 
     """Registers regions `layer.{i}`, sends ("addr", address), then reports notifications until killed."""
     import torch
 
+    from vllm_disagg.errors import TransportTimeout
+
     try:
         rx = _transport(kind, token).kv_receiver(name="child-rx")
         caches = [torch.zeros(num_blocks, block_elems) for _ in range(num_layers)]
         for i, t in enumerate(caches):
             rx.register_region(f"layer.{i}", t)
         conn.send(("addr", rx.start()))
-        while True:
-            if conn.poll(0.05) and conn.recv()[0] == "exit":
-                rx.close()
-                return
-            for n in rx.poll_notifications():
-                conn.send(("notif", n.transfer_id, n.layer, n.seq))
+        while not (conn.poll(0) and conn.recv()[0] == "exit"):
+            try:
+                n = rx.wait_notification(timeout=0.05)
+            except TransportTimeout:
+                continue
+            conn.send(("notif", n.transfer_id, n.layer, n.seq))
+        rx.close()
     except Exception:
         conn.send(("error", traceback.format_exc()))
 

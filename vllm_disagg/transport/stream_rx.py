@@ -158,7 +158,10 @@ class StreamKVReceiver(KVReceiver):
 
     def _readable(self, stream: SockStream) -> bool:
         """Wait for the next frame in slices, so an idle sender is not an error but close() is seen."""
-        ready, _, _ = select.select([stream.sock], [], [], _IDLE_POLL_S)
+        try:
+            ready, _, _ = select.select([stream.sock], [], [], _IDLE_POLL_S)
+        except (OSError, ValueError):  # closed under us by close()
+            raise PeerLostError(f"connection to {stream.peer} closed") from None
         return bool(ready)
 
     def _on_write(self, stream: SockStream, seqr: PeerSequencer, meta: bytearray, payload_len: int) -> None:

@@ -99,9 +99,9 @@ class SockStream:
         """sendmsg() all parts (zero-copy from their memory); returns bytes sent."""
         views = [v for v in (as_byte_view(p) for p in parts) if v.nbytes]
         total = sum(v.nbytes for v in views)
-        self._settimeout(timeout)
         i = 0
         try:
+            self._settimeout(timeout)
             while i < len(views):
                 sent = self.sock.sendmsg(views[i : i + SEND_IOV_MAX])
                 while sent and i < len(views):
@@ -118,9 +118,9 @@ class SockStream:
         return total
 
     def recv_into(self, view: memoryview, timeout: float | None = None) -> None:
-        self._settimeout(timeout)
         got, n = 0, view.nbytes
         try:
+            self._settimeout(timeout)
             while got < n:
                 k = self.sock.recv_into(view[got:], n - got)
                 if k == 0:

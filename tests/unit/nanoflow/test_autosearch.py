@@ -24,7 +24,7 @@ def synthetic_cost(op: str, tokens: int, share: int) -> float:
 
 def brute_force(layers, dense_batch, budget, combos):
     best = None
-    for (n_attn, n_dense) in combos:
+    for n_attn, n_dense in combos:
         inline = PipelineSpec(layers, n_attn, n_dense, attn_unit=DENSE)
         t = evaluate(inline, dense_batch, {DENSE: budget}, synthetic_cost).makespan
         if best is None or t < best[0] - 1e-12:
@@ -42,7 +42,8 @@ def brute_force(layers, dense_batch, budget, combos):
 def _partitioned_optimum(spec, budget):
     return min(
         evaluate(spec, 64, {DENSE: d, ATTN: a}, synthetic_cost).makespan
-        for d in range(1, budget) for a in range(1, budget - d + 1)
+        for d in range(1, budget)
+        for a in range(1, budget - d + 1)
     )
 
 
@@ -84,7 +85,9 @@ def test_discrete_batching_keeps_only_sizes_faster_than_every_smaller_one():
 
 
 def test_a_plan_round_trips_through_json_and_resolves_counts(tmp_path):
-    plan = NanoFlowPlan(nano_batches=NanoBatchCounts(attn=4, dense=2), units={"dense": 1, "attn": 1}, dense_batch_size=64)
+    plan = NanoFlowPlan(
+        nano_batches=NanoBatchCounts(attn=4, dense=2), units={"dense": 1, "attn": 1}, dense_batch_size=64
+    )
     path = plan.save(tmp_path / "p.json")
     assert NanoFlowPlan.load(path) == plan
     assert resolve_plan("auto", str(path), "m").nano_batches == NanoBatchCounts(attn=4, dense=2)

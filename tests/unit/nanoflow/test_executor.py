@@ -18,7 +18,12 @@ from vllm_disagg.nanoflow.units import CpuCoreGroup, allowed_cores, make_cpu_uni
 
 def _unit_kinds():
     kinds = ["cpu"]
-    kinds.append(pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")]))
+    kinds.append(
+        pytest.param(
+            "cuda",
+            marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")],
+        )
+    )
     return kinds
 
 
@@ -38,6 +43,7 @@ def test_every_op_runs_once_after_its_dependencies_on_its_own_unit(kind):
         def fn():
             with lock:
                 log.append((key, threading.current_thread().name))
+
         return fn
 
     ex = OpGraphExecutor(_units(kind))
@@ -69,6 +75,7 @@ def test_dataflow_results_are_the_same_on_unit_threads_as_inline(kind):
                 for d in node.deps:
                     x = x * 0.5 + vals[d].sin()
                 vals[node.key] = x
+
             return fn
 
         ex = OpGraphExecutor(_units(kind), inline=inline)
@@ -92,6 +99,7 @@ def test_a_blocking_network_op_overlaps_dense_work_of_the_other_nano_batch():
             t0 = time.monotonic()
             time.sleep(0.3 if key[0] == "attn" else 0.15)  # a blocking RPC / a compute op
             spans[key] = (t0, time.monotonic())
+
         return fn
 
     ex = OpGraphExecutor(make_cpu_units({"dense": 0, "net": 0}))

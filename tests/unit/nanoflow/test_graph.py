@@ -5,7 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_disagg.nanoflow.graph import ATTN, DENSE, NET, PipelineSpec, build_graph, critical_path, list_schedule
+from vllm_disagg.nanoflow.graph import (
+    ATTN,
+    DENSE,
+    NET,
+    PipelineSpec,
+    build_graph,
+    critical_path,
+    list_schedule,
+)
 
 
 def _check_valid(nodes, sched):

@@ -80,3 +80,20 @@ def test_plan_splitwise_validate_compares_a_measured_1p1d_run(capsys, tmp_path,
 
 def test_plan_without_a_model_prints_help(capsys):
     assert main(["plan"]) == 2
+
+
+def test_lamina_picks_the_dop_with_the_most_tokens_per_dollar(capsys):
+    out = _json(capsys, ["plan", "lamina", "--model", "llama-65b", "--dop", "2,2,2,4,4,8",
+                         "--context", "1260", "--batch", "10000", "--json"])
+    best = max(out["dops"], key=lambda r: r["tok_per_dollar"])
+    assert out["best_dop"] == best["label"]
+
+
+def test_the_planner_imports_without_vllm_or_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys, vllm_disagg.planner.cli, vllm_disagg.planner.provision; "
+            "print('vllm' in sys.modules or 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -10,6 +10,7 @@ from vllm_disagg.planner.provision import (
     Design,
     Evaluator,
     iso_count,
+    request_cost_cents,
     search_min,
     search_throughput,
 )
@@ -31,6 +32,19 @@ def test_iso_cost_buys_86_dgx_a100_for_40_dgx_h100_and_iso_power_a100_is_19_perc
     assert iso_count(H100, 40, A100, by="cost") == 86
     assert 1 - 70 * A100.price_per_hour / (40 * H100.price_per_hour) == pytest.approx(0.189,
                                                                                       abs=1e-3)
+
+
+def test_the_iso_cost_a100_fleet_draws_25_percent_more_power_in_twice_the_space():
+    n = iso_count(H100, 40, A100, by="cost")
+    assert n * A100.power_w / (40 * H100.power_w) == pytest.approx(1.23, abs=0.01)
+    assert n / 40 == pytest.approx(2.15)
+
+
+@pytest.mark.parametrize("e2e_s,hw,cents", [(0.856, "dgx-a100", 0.42), (0.493, "dgx-h100", 0.52),
+                                            (4.957, "dgx-a100", 2.4), (3.387, "dgx-h100", 3.6)])
+def test_table4_cost_per_request_is_e2e_times_the_machine_price(e2e_s, hw, cents):
+    # Printed with two significant digits.
+    assert request_cost_cents(e2e_s, get_hardware(hw)) == pytest.approx(cents, abs=0.03)
 
 
 def test_designs_resolve_to_the_table5_machines():

@@ -10,6 +10,7 @@ here is bounded by a deadline.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
 import time
@@ -17,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from vllm_disagg.errors import ProtocolError
+from vllm_disagg.errors import DisaggError, PeerLostError, ProtocolError
 from vllm_disagg.transport.base import RegionInfo
 from vllm_disagg.transport.kv_common import pack_region_table, parse_region_table
 from vllm_disagg.transport.wire import MAX_TID_BYTES
@@ -104,7 +105,10 @@ def block_descs(base: int, block_nbytes: int, first_ids: list[int], lengths: lis
 
 
 class Backoff:
-    """Poll pacing: spin while busy, then yield, then sleep up to 1 ms when idle (2-core boxes)."""
+    """Poll pacing for NIXL without a progress thread: spin while busy, then yield the CPU
+    (sleep(0)) for a while, then sleep up to 1 ms when idle so an idle peer costs little."""
+
+    YIELD_S = 0.02
 
     def __init__(self, spin_s: float):
         self.spin_s = spin_s
@@ -117,4 +121,17 @@ class Backoff:
         idle = time.perf_counter() - self.last_active
         if idle < self.spin_s:
             return
-        time.sleep(0 if idle < 0.002 else min(0.001, idle / 10))
+        time.sleep(0 if idle < self.YIELD_S else min(0.001, idle / 20))
+
+
+@contextlib.contextmanager
+def nixl_errors(peer: str):
+    """Turn nixl's own exceptions (e.g. nixlRemoteDisconnectError) into PeerLostError."""
+    try:
+        yield
+    except DisaggError:
+        raise
+    except Exception as err:
+        if not type(err).__module__.startswith("nixl"):
+            raise
+        raise PeerLostError(f"nixl error with {peer}: {type(err).__name__}: {err}") from None

@@ -376,7 +376,11 @@ class NixlKVSender(KVSender):
         moved = False
         for _ in range(len(inflight)):
             peer, handle, xfers, deadline = inflight.popleft()
-            states = [self._agent.check_xfer_state(x) for x in xfers]
+            try:
+                states = [self._agent.check_xfer_state(x) for x in xfers]
+            except Exception as err:  # nixl raises e.g. nixlRemoteDisconnectError
+                peer._fail(PeerLostError(f"nixl WRITE to {peer.address} failed: {type(err).__name__}: {err}"))
+                states = ["ERR"]
             if all(s == "DONE" for s in states):
                 handle._finish()
             elif "ERR" in states or peer.error is not None or time.monotonic() > deadline:

@@ -20,7 +20,7 @@ from typing import Any
 from vllm_disagg.errors import PeerLostError, ProtocolError, TransportTimeout
 from vllm_disagg.transport.base import Message, MsgChannel, TransportOptions, TransportStats
 from vllm_disagg.transport.msg import pack_msg, parse_msg_meta
-from vllm_disagg.transport.nixl.agent import Backoff, make_agent
+from vllm_disagg.transport.nixl.agent import Backoff, make_agent, nixl_errors
 from vllm_disagg.transport.wire import (
     FRAME_HDR,
     T_MSG,
@@ -92,7 +92,7 @@ class NixlMsgChannel(MsgChannel):
         if total > SLOT_BYTES:
             raise ValueError(f"nixl message of {total} bytes exceeds the {SLOT_BYTES}-byte slot")
         deadline = time.monotonic() + (self.options.timeout_s if timeout is None else timeout)
-        with self._lock:
+        with self._lock, nixl_errors(self._stream.peer):
             self._wait(lambda: self._credits > 0, deadline, "a free slot at the peer")
             slot = self._tx_seq % NUM_SLOTS
             off = base = slot * SLOT_BYTES
@@ -137,7 +137,7 @@ class NixlMsgChannel(MsgChannel):
 
     def recv(self, out: Sequence[Any] | None = None, timeout: float | None = None) -> Message:
         deadline = time.monotonic() + (self.options.timeout_s if timeout is None else timeout)
-        with self._lock:
+        with self._lock, nixl_errors(self._stream.peer):
             self._wait(lambda: self._rx_seq in self._inbox, deadline, "a message")
             slot, size = self._inbox.pop(self._rx_seq)
             self._rx_seq += 1

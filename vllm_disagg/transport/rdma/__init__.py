@@ -1,34 +1,36 @@
 # SPDX-License-Identifier: Apache-2.0
-"""`rdma` backend placeholder: the pyverbs path is a later issue (see `README.md` here).
+"""`rdma` backend: pyverbs RC queue pairs, one-sided WRITEs + seqno WRITE in one post (Lamina).
 
-Selecting it fails at start-up with one line naming what is missing; it never falls back to
-another backend. `unavailable_reason()` probes the machine the way the pyverbs backend will.
+Import-safe everywhere: pyverbs is imported only when the backend is used. Selecting it where no
+ibverbs device exists fails at start-up with one line naming what is missing (no fallback).
+Pure python on top of pyverbs (no numpy/torch needed), so the soft-RoCE VM job
+(`tests/rdma/run_softroce_vm.sh`) runs it with Debian's python3.11 + python3-pyverbs.
+See `README.md` here for the design, the GPU paths and what hardware they need.
 """
 
 from __future__ import annotations
 
 import os
 
-from vllm_disagg.errors import TransportUnavailable
-from vllm_disagg.transport.base import Transport, TransportKind
+from vllm_disagg.transport.base import Transport, TransportKind, TransportOptions
 
-__all__ = ["RdmaTransport", "probe_ibverbs"]
+__all__ = ["RdmaTransport", "probe_ibverbs", "doctor_probe"]
 
 _SYSFS_IB = "/sys/class/infiniband"
 
 
 def probe_ibverbs() -> str | None:
-    """None when an ibverbs device is visible through pyverbs, else what is missing."""
+    """None when an ibverbs device with an ACTIVE port is usable through pyverbs, else what is missing."""
     try:
-        devices = os.listdir(_SYSFS_IB)
+        devices = sorted(os.listdir(_SYSFS_IB))
     except OSError:
         devices = []
     if not devices:
-        return f"no RDMA device ({_SYSFS_IB} missing or empty; kernel without CONFIG_INFINIBAND or no NIC/rxe)"
+        return f"no RDMA device ({_SYSFS_IB} missing or empty: no NIC, or kernel without CONFIG_INFINIBAND/rdma_rxe)"
     try:
         import pyverbs.device as pd  # Debian's python3-pyverbs, matching the system rdma-core
     except ImportError as err:
-        return f"pyverbs not importable ({err}); install Debian's python3-pyverbs"
+        return f"pyverbs not importable ({err}); install the distro's python3-pyverbs (PyPI's needs rdma-core 59)"
     try:
         if not pd.get_device_list():
             return "pyverbs sees no ibverbs device"
@@ -37,27 +39,42 @@ def probe_ibverbs() -> str | None:
     return None
 
 
+def doctor_probe() -> dict[str, str | None]:
+    """For `vllm-disagg doctor`: rdma + GPU-direct + mscclpp availability, one line each."""
+    from vllm_disagg.transport.mscclpp import MscclppTransport
+
+    return {"rdma": probe_ibverbs(), "mscclpp": MscclppTransport.unavailable_reason()}
+
+
 class RdmaTransport(Transport):
     kind = TransportKind.RDMA
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
-        missing = probe_ibverbs()
-        if missing is not None:
-            return missing
-        return "the pyverbs backend is not implemented yet (later issue); use nixl, which drives verbs via UCX"
+        return probe_ibverbs()
 
-    def __init__(self, options):
-        raise TransportUnavailable(f"transport 'rdma' cannot run here: {self.unavailable_reason()}")
+    def __init__(self, options: TransportOptions):
+        super().__init__(options)
+        from vllm_disagg.transport.rdma.verbs import Device
+
+        Device.get()  # open the device now: a bad port/GID fails at start-up, not mid-request
 
     def kv_receiver(self, name: str = "receiver"):
-        raise NotImplementedError
+        from vllm_disagg.transport.rdma.kv import RdmaKVReceiver
+
+        return RdmaKVReceiver(self.options, name)
 
     def kv_sender(self, name: str = "sender"):
-        raise NotImplementedError
+        from vllm_disagg.transport.rdma.kv import RdmaKVSender
+
+        return RdmaKVSender(self.options, name)
 
     def listen_msg(self):
-        raise NotImplementedError
+        from vllm_disagg.transport.rdma.msg import RdmaMsgListener
+
+        return RdmaMsgListener(self.options)
 
     def connect_msg(self, address: str, timeout: float | None = None):
-        raise NotImplementedError
+        from vllm_disagg.transport.rdma.msg import connect_msg
+
+        return connect_msg(self.options, address, timeout)

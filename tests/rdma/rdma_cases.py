@@ -1,0 +1,387 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The `rdma` backend's transport cases, runnable without pytest, torch or numpy.
+
+Why a plain script: it must run inside the soft-RoCE VM (Debian python3.11 + python3-pyverbs
+only, see `run_softroce_vm.sh`). It prints one `RDMA-CASE PASS|FAIL <name> <seconds>` line per
+case and `RDMA-SUITE DONE rc=<failures>` last; the host test parses those lines. On a machine
+with a native ibverbs device, `tests/unit/transport/test_rdma_native.py` runs the same CASES
+under pytest. Buffers are anonymous mmaps viewed as `[num_blocks, block_bytes]` memoryviews.
+
+    python3 tests/rdma/rdma_cases.py [case-name ...]
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+import traceback
+
+if __package__ in (None, ""):  # run as a script: make `vllm_disagg` importable from the repo
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from vllm_disagg.errors import AuthError, DisaggError, PeerLostError, TransportTimeout  # noqa: E402
+from vllm_disagg.transport import BlockWrite, TransportOptions, XferState, get_transport  # noqa: E402
+
+TOKEN = "softroce-test-token"
+BLOCK = 16 << 10
+
+
+def blocks(num_blocks: int, block_bytes: int = BLOCK, seed: int | None = None) -> memoryview:
+    """A `[num_blocks, block_bytes]` byte view over fresh anonymous memory (random if seeded)."""
+    buf = mmap.mmap(-1, num_blocks * block_bytes)
+    if seed is not None:
+        buf[:] = random.Random(seed).randbytes(num_blocks * block_bytes)
+    return memoryview(buf).cast("B", (num_blocks, block_bytes))
+
+
+def block_bytes(view: memoryview, i: int) -> bytes:
+    bs = view.shape[1]
+    return view.cast("B")[i * bs : (i + 1) * bs].tobytes()
+
+
+def transport(**over):
+    return get_transport(
+        "rdma",
+        TransportOptions(auth_token=over.pop("token", TOKEN), timeout_s=over.pop("timeout_s", 20.0), **over),
+    )
+
+
+class Pair:
+    """A receiver with `layers` regions and a connected sender peer, in this process."""
+
+    def __init__(self, layers: int = 2, num_blocks: int = 32, block_bytes: int = BLOCK, **over):
+        self.tr = transport(**over)
+        self.rx = self.tr.kv_receiver(name="rx")
+        self.caches = [blocks(num_blocks, block_bytes) for _ in range(layers)]
+        for i, c in enumerate(self.caches):
+            self.rx.register_region(f"layer.{i}", c)
+        self.addr = self.rx.start()
+        self.tx = self.tr.kv_sender(name="tx")
+        self.peer = self.tx.connect(self.addr, timeout=10)
+
+    def close(self) -> None:
+        self.tx.close()
+        self.rx.close()
+
+
+def expect(cond: bool, what: str) -> None:
+    if not cond:
+        raise AssertionError(what)
+
+
+def expect_raises(exc, fn, what: str):
+    try:
+        fn()
+    except exc as err:
+        return err
+    raise AssertionError(f"{what}: {exc.__name__} not raised")
+
+
+# ---- cases --------------------------------------------------------------------------------------
+def case_bulk_write_lands_bit_exact() -> None:
+    p = Pair(layers=2, num_blocks=48)
+    try:
+        expect(sorted(p.peer.regions) == ["layer.0", "layer.1"], f"regions {p.peer.regions}")
+        src = [blocks(40, seed=10 + i) for i in range(2)]
+        src_ids = [0, 1, 2, 3, 10, 11, 30, 5, 6, 7, 39]
+        dst_ids = [47, 46, 45, 44, 0, 1, 20, 21, 22, 23, 8]  # descending, runs, and scattered ids
+        writes = [BlockWrite(f"layer.{i}", src[i], src_ids, dst_ids) for i in range(2)]
+        h = p.peer.write_blocks(writes, "req-bulk", layer=-1)
+        h.wait(20)
+        expect(h.state() is XferState.DONE, f"handle {h.state()}")
+        n = p.rx.wait_notification(10)
+        expect((n.peer, n.transfer_id, n.layer, n.seq) == ("tx", "req-bulk", -1, 0), f"notification {n}")
+        expect(n.nbytes == 2 * len(src_ids) * BLOCK, f"nbytes {n.nbytes}")
+        for i in range(2):
+            for s, d in zip(src_ids, dst_ids):
+                expect(
+                    block_bytes(p.caches[i], d) == block_bytes(src[i], s), f"layer {i} block {s}->{d} differs"
+                )
+            untouched = set(range(48)) - set(dst_ids)
+            expect(
+                all(block_bytes(p.caches[i], d) == bytes(BLOCK) for d in untouched),
+                "a block not written changed",
+            )
+        # A 2 MiB write in one run, and one with more runs than a single post chain carries.
+        big = blocks(128, seed=3)
+        h1 = p.peer.write_blocks(
+            [BlockWrite("layer.0", big, list(range(0, 128, 4))[:32], list(range(32)))], "req-scatter", 0
+        )
+        h1.wait(20)
+        n1 = p.rx.wait_notification(10)
+        expect((n1.transfer_id, n1.seq) == ("req-scatter", 1), f"notification {n1}")
+        expect(
+            all(block_bytes(p.caches[0], d) == block_bytes(big, 4 * d) for d in range(32)),
+            "scattered blocks differ",
+        )
+    finally:
+        p.close()
+
+
+def case_many_small_writes_keep_seq_order() -> None:
+    # 300 notifications through a 64-slot ring: credits must flow back, order must hold.
+    p = Pair(layers=1, num_blocks=64, block_bytes=1024)
+    try:
+        src = blocks(64, 1024, seed=7)
+        handles = [
+            p.peer.write_blocks([BlockWrite("layer.0", src, [i % 64], [(i * 7) % 64])], f"t{i}", i % 5)
+            for i in range(300)
+        ]
+        for h in handles:
+            h.wait(30)
+        got = []
+        while len(got) < 300:
+            got.append(p.rx.wait_notification(10))
+        expect([n.seq for n in got] == list(range(300)), "notifications out of seq order")
+        expect([n.transfer_id for n in got] == [f"t{i}" for i in range(300)], "transfer ids out of order")
+        expect([n.layer for n in got] == [i % 5 for i in range(300)], "layers wrong")
+        expect(
+            all(block_bytes(p.caches[0], (i * 7) % 64) == block_bytes(src, i % 64) for i in range(236, 300)),
+            "data differs",
+        )
+        expect(p.rx.poll_notifications() == [], "extra notifications")
+    finally:
+        p.close()
+
+
+def case_caller_mistakes_raise_at_the_call() -> None:
+    p = Pair(layers=1, num_blocks=8)
+    try:
+        src = blocks(8, seed=1)
+        expect_raises(
+            ValueError,
+            lambda: p.peer.write_blocks([BlockWrite("nope", src, [0], [0])], "x"),
+            "unknown region",
+        )
+        expect_raises(
+            ValueError,
+            lambda: p.peer.write_blocks([BlockWrite("layer.0", src, [0], [8])], "x"),
+            "dst out of range",
+        )
+        expect_raises(
+            ValueError,
+            lambda: p.peer.write_blocks([BlockWrite("layer.0", src, [9], [0])], "x"),
+            "src out of range",
+        )
+        expect_raises(
+            ValueError,
+            lambda: p.peer.write_blocks([BlockWrite("layer.0", src, [0, 1], [0])], "x"),
+            "id count",
+        )
+        small = blocks(8, 512, seed=2)
+        expect_raises(
+            ValueError,
+            lambda: p.peer.write_blocks([BlockWrite("layer.0", small, [0], [0])], "x"),
+            "block size",
+        )
+        expect_raises(
+            ValueError,
+            lambda: p.peer.write_blocks([BlockWrite("layer.0", src, [0], [0])], "t" * 200),
+            "long tid",
+        )
+        h = p.peer.write_blocks([BlockWrite("layer.0", src, [3], [4])], "ok", 0)
+        h.wait(20)  # the peer is still usable after the rejected calls
+        expect(p.rx.wait_notification(10).seq == 0, "seq must not advance on rejected calls")
+    finally:
+        p.close()
+
+
+def case_bad_token_is_rejected_and_server_keeps_serving() -> None:
+    p = Pair(layers=1, num_blocks=4)
+    try:
+        bad = transport(token="wrong-token").kv_sender(name="intruder")
+        expect_raises(AuthError, lambda: bad.connect(p.addr, timeout=10), "wrong token")
+        bad.close()
+        src = blocks(4, seed=5)
+        p.peer.write_blocks([BlockWrite("layer.0", src, [1], [2])], "after-bad", 0).wait(20)
+        n = p.rx.wait_notification(10)
+        expect(
+            n.transfer_id == "after-bad" and block_bytes(p.caches[0], 2) == block_bytes(src, 1),
+            "server stopped serving",
+        )
+        expect(p.rx.stats.snapshot()["num_rejected_frames"] >= 1, "rejection not counted")
+    finally:
+        p.close()
+
+
+def case_qp_error_fails_the_handle_cleanly() -> None:
+    # The receiver's QP for this sender goes to ERR (what a NIC/link fault looks like): the
+    # sender's WRITE must come back as a failed handle with a clear error, never hang or raise.
+    p = Pair(layers=1, num_blocks=4, timeout_s=15.0)
+    try:
+        src = blocks(4, seed=9)
+        p.peer.write_blocks([BlockWrite("layer.0", src, [0], [0])], "before", 0).wait(20)
+        for rx_peer in list(p.rx._peers.values()):
+            rx_peer.ep.to_error()
+        t0 = time.monotonic()
+        h = p.peer.write_blocks([BlockWrite("layer.0", src, [1], [1])], "during", 0)
+        err = expect_raises(DisaggError, lambda: h.wait(30), "write into an errored QP")
+        expect(
+            h.state() is XferState.FAILED and isinstance(err, PeerLostError),
+            f"state {h.state()} error {err!r}",
+        )
+        expect("RETRY_EXC_ERR" in str(err) or "failed" in str(err), f"error names the cause: {err}")
+        h2 = p.peer.write_blocks([BlockWrite("layer.0", src, [2], [2])], "after", 0)
+        expect_raises(DisaggError, lambda: h2.wait(5), "later writes on a broken peer")
+        print(f"  qp error surfaced after {time.monotonic() - t0:.2f}s: {err}", flush=True)
+    finally:
+        p.close()
+
+
+def case_sender_death_is_reported_as_lost_peer() -> None:
+    p = Pair(layers=1, num_blocks=4)
+    try:
+        p.peer._stream.sock.close()  # vanish without BYE, like a killed process
+        deadline = time.monotonic() + 10
+        lost = []
+        while not lost and time.monotonic() < deadline:
+            lost = p.rx.lost_peers()
+            time.sleep(0.05)
+        expect(lost == ["tx"], f"lost peers {lost}")
+    finally:
+        p.close()
+
+
+def case_receiver_process_death_fails_pending_writes() -> None:
+    child = subprocess.Popen(
+        [sys.executable, os.path.abspath(__file__), "--child-receiver"], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        addr = child.stdout.readline().strip()
+        expect(addr.startswith("127.0.0.1:"), f"child said {addr!r}")
+        tx = transport(timeout_s=15.0).kv_sender(name="tx-child")
+        peer = tx.connect(addr, timeout=20)
+        src = blocks(4, seed=11)
+        peer.write_blocks([BlockWrite("layer.0", src, [0], [0])], "alive", 0).wait(20)
+        child.kill()
+        child.wait(10)
+        t0 = time.monotonic()
+        h = peer.write_blocks([BlockWrite("layer.0", src, [1], [1])], "dead", 0)
+        err = expect_raises(PeerLostError, lambda: h.wait(30), "write to a killed receiver")
+        print(f"  receiver death surfaced after {time.monotonic() - t0:.2f}s: {err}", flush=True)
+        tx.close()
+    finally:
+        if child.poll() is None:
+            child.kill()
+
+
+def case_msg_roundtrip_is_bit_exact_and_fragments() -> None:
+    tr = transport(chunk_bytes=128 << 10)
+    lst = tr.listen_msg()
+    server_err = []
+
+    def echo() -> None:
+        try:
+            ch = lst.accept(timeout=20)
+            for _ in range(3):
+                m = ch.recv(timeout=20)
+                ch.send(m.header, m.buffers)
+            too_small = [memoryview(bytearray(10))]
+            expect_raises(ValueError, lambda: ch.recv(out=too_small, timeout=20), "too-small out")
+            m = ch.recv(timeout=20)  # still usable after the dropped message
+            ch.send(m.header, m.buffers)
+        except Exception:
+            server_err.append(traceback.format_exc())
+
+    t = threading.Thread(target=echo, daemon=True)
+    t.start()
+    ch = tr.connect_msg(lst.address, timeout=20)
+    try:
+        rng = random.Random(4)
+        for size in (0, 1000, 300 << 10):  # empty, small, and bigger than a 128 KiB slot
+            a, b = rng.randbytes(size), rng.randbytes(777)
+            ch.send(b"hdr-%d" % size, [a, b])
+            outs = [memoryview(bytearray(size + 5)), memoryview(bytearray(800))]
+            m = ch.recv(out=outs, timeout=20)
+            expect(
+                m.header == b"hdr-%d" % size and m.lengths == [size, 777],
+                f"echo header {m.header!r} {m.lengths}",
+            )
+            expect(
+                m.buffers[0].tobytes() == a and m.buffers[1].tobytes() == b,
+                f"payload of {size} bytes differs",
+            )
+        ch.send(b"big", [b"x" * 100])
+        ch.send(b"next", [b"y" * 3])
+        m = ch.recv(timeout=20)
+        expect(
+            m.header == b"next" and m.buffers[0].tobytes() == b"yyy",
+            "channel unusable after a dropped message",
+        )
+        t.join(10)
+        expect(not server_err, "".join(server_err))
+    finally:
+        ch.close()
+        lst.close()
+
+
+def case_msg_peer_close_raises_peer_lost() -> None:
+    tr = transport()
+    lst = tr.listen_msg()
+    box = []
+    t = threading.Thread(target=lambda: box.append(lst.accept(timeout=20)), daemon=True)
+    t.start()
+    ch = tr.connect_msg(lst.address, timeout=20)
+    t.join(20)
+    try:
+        box[0].close()
+        t0 = time.monotonic()
+        expect_raises(PeerLostError, lambda: ch.recv(timeout=10), "recv from a closed peer")
+        expect(time.monotonic() - t0 < 5, "peer loss took too long to notice")
+        expect_raises(TransportTimeout, lambda: _silent_recv(tr), "bounded recv")
+    finally:
+        ch.close()
+        lst.close()
+
+
+def _silent_recv(tr) -> None:
+    lst = tr.listen_msg()
+    box = []
+    t = threading.Thread(target=lambda: box.append(lst.accept(timeout=20)), daemon=True)
+    t.start()
+    ch = tr.connect_msg(lst.address, timeout=20)
+    t.join(20)
+    try:
+        ch.recv(timeout=0.5)
+    finally:
+        ch.close()
+        box[0].close()
+        lst.close()
+
+
+CASES = {name[5:]: fn for name, fn in sorted(globals().items()) if name.startswith("case_")}
+
+
+def _child_receiver() -> None:
+    rx = transport().kv_receiver(name="child-rx")
+    rx.register_region("layer.0", blocks(4))
+    print(rx.start(), flush=True)
+    time.sleep(600)
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["--child-receiver"]:
+        _child_receiver()
+        return 0
+    names = argv or list(CASES)
+    failures = 0
+    for name in names:
+        t0 = time.monotonic()
+        try:
+            CASES[name]()
+            print(f"RDMA-CASE PASS {name} {time.monotonic() - t0:.2f}s", flush=True)
+        except Exception:
+            failures += 1
+            traceback.print_exc()
+            print(f"RDMA-CASE FAIL {name} {time.monotonic() - t0:.2f}s", flush=True)
+    print(f"RDMA-SUITE DONE rc={failures}", flush=True)
+    return failures
+
+
+if __name__ == "__main__":
+    sys.exit(1 if main(sys.argv[1:]) else 0)

@@ -1,0 +1,93 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The side-channel codec and the compatibility check of the KV push handshake."""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vllm_disagg.errors import HandshakeMismatch, ProtocolError
+from vllm_disagg.kv.handshake import (
+    PROTOCOL_VERSION,
+    HandshakeInfo,
+    MsgType,
+    SideMsg,
+    check_compatible,
+    decode_msg,
+    encode_msg,
+    handshake_body,
+)
+
+INFO = HandshakeInfo(model="m", dtype="float32", block_size=32, kv_layout="cpu:float32(2, 32, 64)",
+                     num_layers=2, num_kv_heads=2, head_size=32, block_nbytes=16384)
+
+
+def test_a_register_message_round_trips_with_its_block_ids():
+    body = {**handshake_body(INFO, "tok", "tid-1"), "address": "127.0.0.1:1", "start_block": 0}
+    msg = decode_msg(encode_msg(SideMsg(MsgType.REGISTER, body, (5, 7, 9))))
+    assert msg.type is MsgType.REGISTER and msg.block_ids == (5, 7, 9) and msg.transfer_id == "tid-1"
+    check_compatible(INFO, msg.body, "tok", "tid-1", "peer")
+
+
+@pytest.mark.parametrize("field", [f.name for f in dataclasses.fields(HandshakeInfo)])
+def test_every_handshake_field_mismatch_is_named_in_the_error(field):
+    value = getattr(INFO, field)
+    other = dataclasses.replace(INFO, **{field: value + 1 if isinstance(value, int) else value + "x"})
+    with pytest.raises(HandshakeMismatch) as err:
+        check_compatible(INFO, handshake_body(other, "tok", "t"), "tok", "t", "10.0.0.1:9")
+    assert err.value.field == field and repr(field) in str(err.value) and "10.0.0.1:9" in str(err.value)
+
+
+def test_a_peer_with_another_token_fails_the_auth_field_and_the_token_is_never_sent():
+    body = handshake_body(INFO, "other-token", "t")
+    assert "other-token" not in encode_msg(SideMsg(MsgType.REGISTER, body)).decode(errors="replace")
+    with pytest.raises(HandshakeMismatch) as err:
+        check_compatible(INFO, body, "tok", "t", "p")
+    assert err.value.field == "auth"
+
+
+def test_a_different_protocol_version_is_refused_before_anything_else():
+    body = {**handshake_body(INFO, "tok", "t"), "protocol_version": PROTOCOL_VERSION + 1}
+    with pytest.raises(HandshakeMismatch, match="protocol_version"):
+        check_compatible(INFO, body, "tok", "t", "p")
+
+
+@pytest.mark.parametrize(
+    "frame, why",
+    [
+        (b"", "shorter than the header"),
+        (struct.pack("!4sHHII", b"XXXX", PROTOCOL_VERSION, 1, 0, 0), "bad magic"),
+        (struct.pack("!4sHHII", b"DGKV", 99, 1, 0, 0), "protocol version 99"),
+        (struct.pack("!4sHHII", b"DGKV", PROTOCOL_VERSION, 77, 0, 0), "unknown type"),
+        (struct.pack("!4sHHII", b"DGKV", PROTOCOL_VERSION, 1, 10, 0) + b"{}", "header says"),
+        (struct.pack("!4sHHII", b"DGKV", PROTOCOL_VERSION, 1, 2, 0) + b"[]", "flat JSON object"),
+        (struct.pack("!4sHHII", b"DGKV", PROTOCOL_VERSION, 1, 2, 1) + b"{}" + struct.pack("<i", -1), "negative"),
+    ],
+)
+def test_malformed_frames_are_rejected_with_a_reason(frame, why):
+    with pytest.raises(ProtocolError, match=why):
+        decode_msg(frame, "1.2.3.4:5")
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=256))
+def test_arbitrary_bytes_either_decode_or_raise_protocol_error(data):
+    try:
+        decode_msg(data)
+    except ProtocolError:
+        pass
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(min_size=1, max_size=64), st.integers(0, 40))
+def test_corrupting_a_valid_frame_never_escapes_as_another_exception(junk, pos):
+    frame = bytearray(encode_msg(SideMsg(MsgType.REGISTER, handshake_body(INFO, "tok", "t"), (1, 2))))
+    frame[pos : pos + len(junk)] = junk
+    try:
+        decode_msg(bytes(frame))
+    except ProtocolError:
+        pass

@@ -1,0 +1,106 @@
+# SPDX-License-Identifier: Apache-2.0
+"""State machine of the scheduler half (fake requests and scheduler outputs: pure bookkeeping)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from vllm_disagg.kv.scheduler import DisaggConnectorScheduler
+
+BS = 32
+
+
+def _req(req_id, n, **params):
+    return SimpleNamespace(request_id=req_id, num_prompt_tokens=n, kv_transfer_params=params or None)
+
+
+def _blocks(ids):
+    return SimpleNamespace(get_block_ids=lambda: (list(ids),))
+
+
+def _out(new=(), cached=(), sched=None, preempted=None):
+    cached = list(cached)
+    return SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id=r, block_ids=(list(b),), num_computed_tokens=c) for r, b, c in new],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[r for r, _, _ in cached], resumed_req_ids=set(),
+            new_block_ids=[(list(b),) if b else None for _, b, _ in cached],
+            num_computed_tokens=[c for _, _, c in cached]),
+        num_scheduled_tokens=sched or {}, preempted_req_ids=preempted,
+    )
+
+
+D_PARAMS = dict(do_remote_prefill=True, transfer_id="t1", remote_host="127.0.0.1", remote_port=9100)
+
+
+def test_decode_request_loads_the_whole_prompt_async_then_registers_its_blocks():
+    s = DisaggConnectorScheduler(BS, push_timeout_s=30)
+    req = _req("r1", 100, **D_PARAMS, push_timeout_s=2.5)
+    # STEP (1a) schedule: async load of every prompt token not cached locally
+    assert s.get_num_new_matched_tokens(req, 0) == (100, True)
+    assert s.get_num_new_matched_tokens(req, 0) == (100, True)  # side-effect free
+    s.update_state_after_alloc(req, _blocks([7, 8, 9, 10, 11]), 100)
+    assert s.has_pending_push_work()
+    # STEP (1b) the worker gets one registration with the prompt's 4 blocks only
+    meta = s.build_connector_meta(_out())
+    (spec,) = meta.recv_specs
+    assert (spec.transfer_id, spec.remote, spec.block_ids, spec.start_block) == ("t1", "127.0.0.1:9100", (7, 8, 9, 10), 0)
+    assert spec.push_timeout_s == 2.5
+    assert s.build_connector_meta(_out()).recv_specs == []
+    # STEP (1c) a failed load is never retried: the request recomputes locally
+    s.update_connector_output(SimpleNamespace(finished_sending=set(), finished_recving={"r1"}))
+    assert s.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert s.request_finished(req, [7, 8, 9, 10]) == (False, None)
+    assert not s.has_pending_push_work()
+
+
+def test_decode_with_a_local_prefix_hit_registers_only_the_missing_blocks():
+    s = DisaggConnectorScheduler(BS, push_timeout_s=30)
+    req = _req("r1", 100, **D_PARAMS)
+    assert s.get_num_new_matched_tokens(req, 64) == (36, True)
+    s.update_state_after_alloc(req, _blocks([1, 2, 3, 4]), 36)
+    (spec,) = s.build_connector_meta(_out()).recv_specs
+    assert (spec.block_ids, spec.start_block) == ((3, 4), 2)
+
+
+def test_malformed_transfer_params_fall_back_to_local_prefill():
+    s = DisaggConnectorScheduler(BS, push_timeout_s=30)
+    for bad in ({"remote_port": "x"}, {"transfer_id": ""}, {"remote_host": None}, {"push_timeout_s": -1}):
+        assert s.get_num_new_matched_tokens(_req("r", 100, **{**D_PARAMS, **bad}), 0) == (0, False)
+    assert s.get_num_new_matched_tokens(_req("r", 100), 0) == (0, False)
+
+
+def test_prefill_request_is_announced_once_then_tracked_per_chunk_until_released():
+    s = DisaggConnectorScheduler(BS, push_timeout_s=30)
+    req = _req("p1", 100, do_remote_decode=True, transfer_id="t9")
+    assert s.get_num_new_matched_tokens(req, 0) == (0, False)
+    s.update_state_after_alloc(req, _blocks([]), 0)
+    # STEP (1a) first chunk: 64 tokens on blocks 3,4
+    (spec,) = s.build_connector_meta(_out(new=[("p1", [3, 4], 0)], sched={"p1": 64})).save_specs
+    assert (spec.transfer_id, spec.new_block_ids, spec.num_computed_tokens, spec.replace_blocks) == ("t9", (3, 4), 64, True)
+    # STEP (2a) second chunk: the rest on blocks 5,6
+    (spec,) = s.build_connector_meta(_out(cached=[("p1", [5, 6], 64)], sched={"p1": 36})).save_specs
+    assert (spec.transfer_id, spec.new_block_ids, spec.num_computed_tokens, spec.replace_blocks) == (None, (5, 6), 100, False)
+    # STEP (3) finished after one token: blocks stay until the worker's finished_sending
+    delay, params = s.request_finished(req, [3, 4, 5, 6])
+    assert delay and params == {"transfer_id": "t9", "pushed": True}
+    assert s.build_connector_meta(_out()).release_req_ids == ["p1"]
+    assert s.has_pending_push_work()
+    s.update_connector_output(SimpleNamespace(finished_sending={"p1"}, finished_recving=set()))
+    assert not s.has_pending_push_work()
+
+
+def test_prefill_request_aborted_before_it_ran_frees_its_blocks_at_once():
+    s = DisaggConnectorScheduler(BS, push_timeout_s=30)
+    req = _req("p1", 100, do_remote_decode=True, transfer_id="t9")
+    s.update_state_after_alloc(req, _blocks([]), 0)
+    assert s.request_finished(req, []) == (False, {"transfer_id": "t9", "pushed": False})
+    assert not s.has_pending_push_work()
+
+
+def test_preempted_prefill_requests_are_passed_to_the_worker():
+    s = DisaggConnectorScheduler(BS, push_timeout_s=30)
+    req = _req("p1", 100, do_remote_decode=True, transfer_id="t9")
+    s.update_state_after_alloc(req, _blocks([]), 0)
+    s.build_connector_meta(_out(new=[("p1", [3], 0)], sched={"p1": 32}))
+    assert s.build_connector_meta(_out(preempted={"p1", "other"})).preempted_req_ids == ["p1"]
