@@ -23,63 +23,109 @@ import argparse
 import gc
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results"
-MEDIUM = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
-              num_key_value_heads=4, head_dim=64, vocab_size=1024)
+MEDIUM = dict(
+    hidden_size=512,
+    intermediate_size=1536,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=64,
+    vocab_size=1024,
+)
 NANO_WORKER = "vllm_disagg.nanoflow.worker.NanoFlowCPUWorker"
 REMOTE_WORKER = "vllm_disagg.attention.worker.DisaggAttentionWorker"
 NANO_REMOTE_WORKER = "vllm_disagg.nanoflow.remote.NanoFlowRemoteAttentionWorker"
 
 
 # ------------------------------------------------------------------ engine runs
-def engine_throughput(model_dir: str, prompts: list, max_tokens: int, reps: int, **extra) -> dict:
-    """Best-of-`reps` tokens/s (prompt + generated) of one engine configuration."""
-    from vllm import LLM, SamplingParams
+def open_engine(model_dir: str, **extra):
+    from vllm import LLM
 
     from vllm_disagg.testing import tiny_llm_kwargs
 
-    llm = LLM(**tiny_llm_kwargs(model_dir, max_num_batched_tokens=512, max_num_seqs=64, **extra))
-    try:
-        sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return LLM(**tiny_llm_kwargs(model_dir, max_num_batched_tokens=512, max_num_seqs=64, **extra))
+
+
+def close_engine(llm) -> None:
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+
+
+def interleaved(engines: dict, prompts: list, max_tokens: int, reps: int) -> dict:
+    """Time the engines in turn, `reps` rounds (A B A B ...): a shared, noisy box hits both alike.
+
+    Returns per engine: tokens/s per round, the token ids, and nanoflow stats where available."""
+    from vllm import SamplingParams
+
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    tokens = sum(len(p["prompt_token_ids"]) for p in prompts) + max_tokens * len(prompts)
+    out = {name: {"tokens_per_s": []} for name in engines}
+    for llm in engines.values():
         llm.generate(prompts[:4], sp, use_tqdm=False)  # warm-up
-        tokens = sum(len(p["prompt_token_ids"]) for p in prompts) + max_tokens * len(prompts)
-        best, outs = float("inf"), None
-        for _ in range(reps):
+    for _ in range(reps):
+        for name, llm in engines.items():
             t0 = time.perf_counter()
-            outs = llm.generate(prompts, sp, use_tqdm=False)
-            best = min(best, time.perf_counter() - t0)
-        ids = [list(o.outputs[0].token_ids) for o in outs]
-        stats = llm.collective_rpc("nanoflow_stats")[0] if "nanoflow" in json.dumps(extra) else None
-        return {"tokens_per_s": tokens / best, "seconds": best, "token_ids": ids, "stats": stats}
+            res = llm.generate(prompts, sp, use_tqdm=False)
+            out[name]["tokens_per_s"].append(tokens / (time.perf_counter() - t0))
+            out[name]["token_ids"] = [list(o.outputs[0].token_ids) for o in res]
+    for name, llm in engines.items():
+        try:
+            out[name]["stats"] = llm.collective_rpc("nanoflow_stats")[0]
+        except Exception:  # plain workers have no such method
+            out[name]["stats"] = None
+    return out
+
+
+def paired_ratio(runs: dict, num: str, den: str) -> float:
+    """Median over rounds of num/den throughput."""
+    return statistics.median(a / b for a, b in zip(runs[num]["tokens_per_s"], runs[den]["tokens_per_s"]))
+
+
+def _with_engines(configs: dict, fn):
+    engines = {}
+    try:
+        for name, (model_dir, extra) in configs.items():
+            engines[name] = open_engine(model_dir, **extra)
+        return fn(engines)
     finally:
-        llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()
+        for llm in engines.values():
+            close_engine(llm)
 
 
 def _nano_cfg(nanoflow: dict, **sections) -> dict:
     return {"additional_config": {"disagg": {"nanoflow": nanoflow, **sections}}}
 
 
+def _summary(runs: dict, num: str, den: str, prefix: str) -> dict:
+    return {
+        f"{prefix}_{num}_tokens_per_s": statistics.median(runs[num]["tokens_per_s"]),
+        f"{prefix}_{den}_tokens_per_s": statistics.median(runs[den]["tokens_per_s"]),
+        f"{prefix}_same_tokens": runs[num]["token_ids"] == runs[den]["token_ids"],
+        f"{prefix}_nano_stats": runs[num]["stats"],
+    }
+
+
 def bench_overhead(model_dir: str, quick: bool) -> dict:
     from vllm_disagg.testing import token_prompts
 
-    prompts = token_prompts(16 if quick else 32, 96, vocab=MEDIUM["vocab_size"], seed=3)
-    reps, max_tokens = (3, 16) if quick else (5, 32)
-    plain = engine_throughput(model_dir, prompts, max_tokens, reps)
-    nano = engine_throughput(model_dir, prompts, max_tokens, reps, worker_cls=NANO_WORKER,
-                             **_nano_cfg({"nano_batches": 2}))
+    prompts = token_prompts(12 if quick else 32, 64 if quick else 96, vocab=MEDIUM["vocab_size"], seed=3)
+    reps, max_tokens = (5, 16) if quick else (9, 32)
+    configs = {
+        "plain": (model_dir, {}),
+        "nano2": (model_dir, {"worker_cls": NANO_WORKER, **_nano_cfg({"nano_batches": 2})}),
+    }
+    runs = _with_engines(configs, lambda engines: interleaved(engines, prompts, max_tokens, reps))
     return {
-        "overhead_ratio": nano["tokens_per_s"] / plain["tokens_per_s"],
-        "plain_tokens_per_s": plain["tokens_per_s"],
-        "nano2_inline_tokens_per_s": nano["tokens_per_s"],
-        "same_tokens": nano["token_ids"] == plain["token_ids"],
-        "nano_stats": nano["stats"],
+        "overhead_ratio": paired_ratio(runs, "nano2", "plain"),
+        **_summary(runs, "nano2", "plain", "overhead"),
     }
 
 
@@ -88,24 +134,28 @@ def bench_remote(model_dir: str, quick: bool) -> dict:
     from vllm_disagg.testing import token_prompts
 
     os.environ.setdefault("VLLM_DISAGG_AUTH_TOKEN", "bench-token")
-    prompts = token_prompts(32, 32, vocab=MEDIUM["vocab_size"], seed=5)  # batch 32, decode-heavy
-    reps, max_tokens = (2, 32) if quick else (4, 64)
-    servers = start_local_servers(1, transport="shm", kv_cache_gib=0.25)
+    prompts = token_prompts(16 if quick else 32, 32, vocab=MEDIUM["vocab_size"], seed=5)  # decode-heavy
+    reps, max_tokens = (4, 24) if quick else (7, 64)
+    servers = start_local_servers(2, transport="shm", kv_cache_gib=0.25)  # one per engine
     try:
-        remote = {"remote_attention": {"servers": [s.http for s in servers]}}
-        base = engine_throughput(model_dir, prompts, max_tokens, reps, worker_cls=REMOTE_WORKER,
-                                 additional_config={"disagg": remote})
-        nano = engine_throughput(model_dir, prompts, max_tokens, reps, worker_cls=NANO_REMOTE_WORKER,
-                                 **_nano_cfg({"nano_batches": 2}, **remote))
+
+        def remote(i: int) -> dict:
+            return {"remote_attention": {"servers": [servers[i].http]}}
+
+        configs = {
+            "n1": (model_dir, {"worker_cls": REMOTE_WORKER, "additional_config": {"disagg": remote(0)}}),
+            "nano2": (
+                model_dir,
+                {"worker_cls": NANO_REMOTE_WORKER, **_nano_cfg({"nano_batches": 2}, **remote(1))},
+            ),
+        }
+        runs = _with_engines(configs, lambda engines: interleaved(engines, prompts, max_tokens, reps))
     finally:
         for s in servers:
             s.stop()
     return {
-        "remote_attention_overlap_speedup": nano["tokens_per_s"] / base["tokens_per_s"],
-        "remote_n1_tokens_per_s": base["tokens_per_s"],
-        "remote_nano2_tokens_per_s": nano["tokens_per_s"],
-        "remote_same_tokens": nano["token_ids"] == base["token_ids"],
-        "remote_nano_stats": nano["stats"],
+        "remote_attention_overlap_speedup": paired_ratio(runs, "nano2", "n1"),
+        **_summary(runs, "nano2", "n1", "remote"),
     }
 
 
@@ -117,18 +167,25 @@ def bench_tp_engine(model_dir: str) -> dict:
     os.environ.update(env)
     try:
         prompts = token_prompts(16, 96, vocab=MEDIUM["vocab_size"], seed=9)
-        plain = engine_throughput(model_dir, prompts, 16, 3, tensor_parallel_size=2)
-        nano = engine_throughput(model_dir, prompts, 16, 3, tensor_parallel_size=2, worker_cls=NANO_WORKER,
-                                 **_nano_cfg({"nano_batches": 2}))
+        tp = {"tensor_parallel_size": 2}
+        configs = {
+            "plain": (model_dir, tp),
+            "nano2": (model_dir, {**tp, "worker_cls": NANO_WORKER, **_nano_cfg({"nano_batches": 2})}),
+        }
+        runs = {}
+        for name, cfg in configs.items():  # two TP=2 engines at once would need 4 cores
+            runs.update(_with_engines({name: cfg}, lambda e: interleaved(e, prompts, 16, 3)))
     finally:
         for k, v in saved.items():
             os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
-    return {"tp_engine_speedup": nano["tokens_per_s"] / plain["tokens_per_s"],
-            "tp_engine_same_tokens": nano["token_ids"] == plain["token_ids"]}
+    return {
+        "tp_engine_speedup": paired_ratio(runs, "nano2", "plain"),
+        **_summary(runs, "nano2", "plain", "tp_engine"),
+    }
 
 
 # ----------------------------------------------------- executor-level TP=2 (gloo)
-def _tp_rank(rank: int, port: int, steps: int, out) -> None:
+def _tp_rank(rank: int, port: int, reps: int, out) -> None:
     import torch
     import torch.distributed as dist
 
@@ -136,51 +193,63 @@ def _tp_rank(rank: int, port: int, steps: int, out) -> None:
     from vllm_disagg.nanoflow.graph import DENSE, NET, PipelineSpec, build_graph, list_schedule
     from vllm_disagg.nanoflow.units import make_cpu_units
 
-    os.sched_setaffinity(0, {rank % os.cpu_count()})
+    core = rank % os.cpu_count()
+    os.sched_setaffinity(0, {core})
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    d, inter, q, tokens, layers = 1024, 2816 // 2, 512, 256, 4
-    w = {"kqv": torch.randn(q + q // 2, d), "o": torch.randn(d, q), "gu": torch.randn(2 * inter, d),
-         "d": torch.randn(d, inter)}
+    d, inter, q, tokens, layers = 1024, 2816 // 2, 512, 128, 4
+    w = {
+        "kqv": torch.randn(q + q // 2, d),
+        "o": torch.randn(d, q),
+        "gu": torch.randn(2 * inter, d),
+        "d": torch.randn(d, inter),
+    }
     lin = torch.nn.functional.linear
 
-    def run(n: int, threaded: bool) -> float:
-        spec = PipelineSpec(layers, n, n, tensor_parallel=True, attn_unit=DENSE, net_unit=NET if threaded else DENSE)
+    def make_step(n: int, threaded: bool):
+        spec = PipelineSpec(
+            layers, n, n, tensor_parallel=True, attn_unit=DENSE, net_unit=NET if threaded else DENSE
+        )
         nodes = build_graph(spec)
         sched = list_schedule(nodes, lambda node: 2.0 if node.name == "ugd" else 1.0)
-        rows = tokens // n
-        x = torch.randn(rows, d)
-        buf = {}
+        x, a, buf = torch.randn(tokens // n, d), torch.randn(tokens // n, q), {}
 
         def fn(node):
             name, layer, b = node.key
             if name == "kqv":
                 return lambda: lin(x, w["kqv"])
             if name == "o":
-                return lambda: buf.__setitem__(("o", layer, b), lin(torch.randn(rows, q), w["o"]))
+                return lambda: buf.__setitem__(("o", layer, b), lin(a, w["o"]))
             if name == "ugd":
-                return lambda: buf.__setitem__(("d", layer, b), lin(torch.relu(lin(x, w["gu"])[:, :inter]), w["d"]))
-            key = ("o" if name == "ar_o" else "d", layer, b)
-            return lambda: dist.all_reduce(buf[key])
+                return lambda: buf.__setitem__(
+                    ("d", layer, b), lin(torch.relu(lin(x, w["gu"])[:, :inter]), w["d"])
+                )
+            if name == "attn":
+                return lambda: None
+            return lambda: dist.all_reduce(buf[("o" if name == "ar_o" else "d", layer, b)])
 
-        fns = {node.key: fn(node) for node in nodes if node.name != "attn"}
-        fns.update({node.key: (lambda: None) for node in nodes if node.name == "attn"})
-        units = make_cpu_units({DENSE: 1, NET: 0} if threaded else {DENSE: 1}, cores=(rank % os.cpu_count(),))
+        fns = {node.key: fn(node) for node in nodes}
+        units = make_cpu_units({DENSE: 1, NET: 0} if threaded else {DENSE: 1}, cores=(core,))
         ex = OpGraphExecutor(units, inline=not threaded)
-        try:
-            ex.run(nodes, sched, fns)
-            dist.barrier()
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                ex.run(nodes, sched, fns)
-            dist.barrier()
-            return (time.perf_counter() - t0) / steps
-        finally:
-            ex.shutdown()
+        return ex, lambda: ex.run(nodes, sched, fns)
 
+    modes = {
+        "plain": make_step(1, False),
+        "nano2_inline": make_step(2, False),
+        "nano2_overlap": make_step(2, True),
+    }
+    times: dict[str, list[float]] = {m: [] for m in modes}
     with torch.inference_mode():
-        res = {"plain": run(1, False), "nano2_inline": run(2, False), "nano2_overlap": run(2, True)}
+        for _ in range(reps + 1):  # first round warms up
+            for mode, (_ex, step) in modes.items():
+                dist.barrier()
+                t0 = time.perf_counter()
+                step()
+                dist.barrier()
+                times[mode].append(time.perf_counter() - t0)
+    for ex, _ in modes.values():
+        ex.shutdown()
     if rank == 0:
-        out.put(res)
+        out.put({m: t[1:] for m, t in times.items()})
     dist.destroy_process_group()
 
 
@@ -193,17 +262,67 @@ def bench_tp_executor(quick: bool) -> dict:
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_tp_rank, args=(r, port, 5 if quick else 20, out)) for r in range(2)]
+    procs = [ctx.Process(target=_tp_rank, args=(r, port, 7 if quick else 21, out)) for r in range(2)]
     for p in procs:
         p.start()
-    res = out.get(timeout=300)
+    t = out.get(timeout=600)
     for p in procs:
         p.join(timeout=30)
+
+    def ratio(num: str, den: str) -> float:
+        return statistics.median(b / a for a, b in zip(t[num], t[den]))
+
     return {
-        "tp_allreduce_overlap_speedup": res["nano2_inline"] / res["nano2_overlap"],
-        "tp_overlap_vs_plain": res["plain"] / res["nano2_overlap"],
-        "tp_step_s": res,
-        "tp_allreduce_method": "executor-level: 2 gloo ranks, TP-sharded GEMMs, real all_reduce, no engine",
+        "tp_allreduce_overlap_speedup": ratio("nano2_overlap", "nano2_inline"),
+        "tp_overlap_vs_plain": ratio("nano2_overlap", "plain"),
+        "tp_step_s_median": {m: statistics.median(v) for m, v in t.items()},
+        "tp_allreduce_method": "executor-level: 2 gloo ranks, TP-sharded GEMMs (d=1024), real all_reduce, no engine",
+    }
+
+
+# ------------------------------------------------------------ GPU (when lent)
+def bench_gpu_interference() -> dict:
+    """GEMM slowdown when a GEMV stream co-runs, without and with SM limits (paper: up to 2.5x).
+
+    UNTESTED HERE (no GPU on this box); runs only when CUDA is available."""
+    import torch
+
+    from vllm_disagg.nanoflow.units import CudaSmStream
+
+    a, b = (
+        torch.randn(4096, 4096, device="cuda", dtype=torch.float16),
+        torch.randn(4096, 4096, device="cuda", dtype=torch.float16),
+    )
+    kv, q = (
+        torch.randn(256, 4096, 128, device="cuda", dtype=torch.float16),
+        torch.randn(256, 1, 128, device="cuda", dtype=torch.float16),
+    )
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+
+    def gemm_ms(gemm_stream, gemv_stream=None, iters=50) -> float:
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if gemv_stream is not None:
+            with torch.cuda.stream(gemv_stream):
+                for _ in range(iters * 4):
+                    torch.bmm(q, kv.transpose(1, 2))
+        with torch.cuda.stream(gemm_stream):
+            start.record()
+            for _ in range(iters):
+                a @ b
+            end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / iters
+
+    plain = torch.cuda.Stream()
+    alone = gemm_ms(plain)
+    shared = gemm_ms(plain, torch.cuda.Stream())
+    dense, mem = CudaSmStream("dense", int(sms * 0.75)), CudaSmStream("attn", sms - int(sms * 0.75))
+    limited = gemm_ms(dense.stream, mem.stream)
+    return {
+        "gpu_gemm_slowdown_no_sm_limit": shared / alone,
+        "gpu_gemm_slowdown_sm_limited": limited / alone,
+        "gpu_green_contexts": dense.capped and mem.capped,
     }
 
 
@@ -217,8 +336,11 @@ def plot(result: dict, path: Path) -> None:
     keys = ["overhead_ratio", "remote_attention_overlap_speedup", "tp_allreduce_overlap_speedup"]
     vals = [result.get(k) or 0.0 for k in keys]
     fig, ax = plt.subplots(figsize=(7, 3.5))
-    ax.bar(["nano overhead\n(nano/plain)", "remote attn\noverlap", "TP=2 all-reduce\noverlap"], vals,
-           color=["#888", "#3a7", "#37a"])
+    ax.bar(
+        ["nano overhead\n(nano/plain)", "remote attn\noverlap", "TP=2 all-reduce\noverlap"],
+        vals,
+        color=["#888", "#3a7", "#37a"],
+    )
     for goal, x in ((0.95, 0), (1.3, 1)):
         ax.hlines(goal, x - 0.4, x + 0.4, colors="r", linestyles="--")
     ax.axhline(1.0, color="k", lw=0.5)
@@ -244,17 +366,30 @@ def main(argv: list[str] | None = None) -> int:
     apply_test_env(in_process=True)
     t0 = time.perf_counter()
     model_dir = str(make_tiny_llama(Path(tempfile.mkdtemp(prefix="nano-bench-")), **MEDIUM))
-    result: dict = {"overhead_ratio": None, "remote_attention_overlap_speedup": None,
-                    "tp_allreduce_overlap_speedup": None}
+    result: dict = {
+        "overhead_ratio": None,
+        "remote_attention_overlap_speedup": None,
+        "tp_allreduce_overlap_speedup": None,
+    }
     result.update(_guard("overhead", bench_overhead, model_dir, args.quick))
     result.update(_guard("remote_attention", bench_remote, model_dir, args.quick))
     result.update(_guard("tp", bench_tp_executor, args.quick))
     if not args.quick:
         result.update(_guard("tp_engine", bench_tp_engine, model_dir))
-    for key in ("overhead_ratio", "remote_attention_overlap_speedup", "tp_allreduce_overlap_speedup"):
+    import torch
+
+    if torch.cuda.is_available():
+        result.update(_guard("gpu", bench_gpu_interference))
+    errors = {
+        "overhead_ratio": "overhead_error",
+        "remote_attention_overlap_speedup": "remote_attention_error",
+        "tp_allreduce_overlap_speedup": "tp_error",
+    }
+    for key, err in errors.items():
         if result[key] is None:
-            result[f"{key}_reason"] = next((v for k, v in result.items() if k.endswith("_error")), "not measured")
+            result[f"{key}_reason"] = result.get(err, "not measured")
     result["seconds"] = round(time.perf_counter() - t0, 1)
+    result["load_average_at_end"] = os.getloadavg()  # the box is shared: read ratios with this in mind
     result["model"] = MEDIUM
     RESULTS.mkdir(parents=True, exist_ok=True)
     name = "nano_bench_quick" if args.quick else "nano_bench"

@@ -102,8 +102,10 @@ def bench_kv_bandwidth(kind: str, nbytes: int, repeats: int) -> float:
         times = []
         for rep in range(repeats + 1):  # the first round warms up connections and registrations
             t0 = time.perf_counter()
-            handles = [peer.write_blocks([BlockWrite(f"layer.{i}", srcs[i], ids, ids)], f"r{rep}", i)
-                       for i in range(num_layers)]
+            handles = [
+                peer.write_blocks([BlockWrite(f"layer.{i}", srcs[i], ids, ids)], f"r{rep}", i)
+                for i in range(num_layers)
+            ]
             last_seq = (rep + 1) * num_layers - 1
             while wait_for(conn, "notif", timeout=120)[3] != last_seq:
                 pass
@@ -125,7 +127,8 @@ def bench_rtt(kind: str, iters: int) -> float:
     proc, conn = _spawn(msg_echo_child, (kind, TOKEN), ({}, MSG_BYTES))
     try:
         ch = get_transport(kind, TransportOptions(auth_token=TOKEN, timeout_s=30)).connect_msg(
-            wait_for(conn, "addr", timeout=120)[1], timeout=60)
+            wait_for(conn, "addr", timeout=120)[1], timeout=60
+        )
         x, out = torch.ones(MSG_BYTES // 4), torch.empty(MSG_BYTES // 4)
         rtts = []
         for i in range(iters + iters // 10):
@@ -158,7 +161,10 @@ def run(quick: bool, mib: int) -> dict:
         out["bw_gbps"][kind] = bench_kv_bandwidth(kind, nbytes, repeats)
         out["rtt_us"][kind] = bench_rtt(kind, rtt_iters)
         out[f"rtt_us_{kind}"] = out["rtt_us"][kind]
-        print(f"# {kind}: {out['bw_gbps'][kind]:.2f} GB/s, rtt p50 {out['rtt_us'][kind]:.0f} us", file=sys.stderr)
+        print(
+            f"# {kind}: {out['bw_gbps'][kind]:.2f} GB/s, rtt p50 {out['rtt_us'][kind]:.0f} us",
+            file=sys.stderr,
+        )
     bw = out["bw_gbps"]
     out["tcp_vs_raw_tcp_ratio"] = bw["tcp"] / out["raw_tcp_gbps"] if "tcp" in bw else None
     out["shm_vs_nixl_bw_ratio"] = bw["shm"] / bw["nixl"] if {"shm", "nixl"} <= set(bw) else None
@@ -190,7 +196,9 @@ def plot(result: dict, path: Path) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer repeats; prints one JSON object (< 2 min)")
+    parser.add_argument(
+        "--quick", action="store_true", help="fewer repeats; prints one JSON object (< 2 min)"
+    )
     parser.add_argument("--mib", type=int, default=64, help="bytes per bandwidth transfer, MiB")
     args = parser.parse_args()
     result = run(args.quick, args.mib)

@@ -56,6 +56,9 @@ class RemoteAttentionSection(_Section):
     """Batches in flight (rotational staggered pipelining); 2 is ping-pong."""
     transport: TransportKind = "shm"
     """Backend of `vllm_disagg.transport` for the per-layer exchange."""
+    timeout_s: float = Field(30.0, gt=0)
+    """Longest wait for one attention server's answer; past it the server counts as lost and its
+    requests are rebuilt by recompute on the servers that remain."""
 
     @field_validator("servers")
     @classmethod

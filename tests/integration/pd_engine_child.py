@@ -9,7 +9,7 @@ Used by test_pd_connector.py to run prefill, decode and plain engines in separat
     -> {"outputs": [[ids]], "finish_reasons": [...], "free_blocks": N, "timeline": [...], "elapsed_s": t}
     <- {"cmd": "exit"}
 
-ROLE is prefill, decode or plain. JSON_OPTIONS: kv_port, threshold, policy, dtype, token,
+ROLE is prefill, decode or plain. JSON_OPTIONS: kv_port, threshold, transport, policy, dtype, token,
 write_delay_s (prefill only: sleep before each KV write, to make "kill P mid-transfer" reliable).
 """
 
@@ -50,6 +50,7 @@ def _build_llm(role: str, model_dir: str, opts: dict):
                     "kv_port": opts["kv_port"],
                     "layerwise_threshold_tokens": opts.get("threshold", 256),
                     "push_timeout_s": opts.get("push_timeout_s", 30.0),
+                    "transport": opts.get("transport", "tcp"),
                 },
             }
         }

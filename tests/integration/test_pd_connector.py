@@ -146,7 +146,19 @@ def _run_pd(prefill: Engine, decode: Engine, port: int, prompts, timeout_s: floa
 def test_decode_output_equals_plain_vllm_and_no_block_leaks(
     mode, threshold, tiny_model_dir, prompts, baseline, decode, log_dir
 ):
-    prefill, port = _start_prefill(tiny_model_dir, log_dir, threshold=threshold)
+    _check_pd_run(mode, threshold, tiny_model_dir, prompts, baseline, decode, log_dir, "tcp")
+
+
+def test_the_shm_transport_gives_the_same_tokens_with_layerwise_pushes(tiny_model_dir, prompts, baseline, log_dir):
+    decode = Engine("decode", tiny_model_dir, log_dir, "1", kv_port=_free_port(), transport="shm")
+    try:
+        _check_pd_run("layerwise", 256, tiny_model_dir, prompts, baseline, decode, log_dir, "shm")
+    finally:
+        decode.close()
+
+
+def _check_pd_run(mode, threshold, tiny_model_dir, prompts, baseline, decode, log_dir, transport):
+    prefill, port = _start_prefill(tiny_model_dir, log_dir, threshold=threshold, transport=transport)
     try:
         _, d_out = _run_pd(prefill, decode, port, prompts)
         p_out = prefill.result()
@@ -164,9 +176,11 @@ def test_decode_output_equals_plain_vllm_and_no_block_leaks(
             early = [p for p in pushes if p["t_first_issue"] < p["t_prefill_done"]]
             assert early, f"no layer-wise push started before prefill finished: {pushes[:3]}"
         exposed = sorted(p["t_done"] - p["t_prefill_done"] for p in pushes)
-        print(f"\n{mode}: {len([p for p in pushes if p['t_first_issue'] < p['t_prefill_done']])}/{len(pushes)} "
+        frac = sorted((p["t_done"] - p["t_prefill_done"]) / (p["t_prefill_done"] - p["t_prefill_start"]) for p in pushes)
+        print(f"\n{mode}/{transport}: {len([p for p in pushes if p['t_first_issue'] < p['t_prefill_done']])}/{len(pushes)} "
               f"pushes started before their prefill ended; exposed ms median "
-              f"{1e3 * exposed[len(exposed) // 2]:.2f} max {1e3 * exposed[-1]:.2f}")
+              f"{1e3 * exposed[len(exposed) // 2]:.2f} max {1e3 * exposed[-1]:.2f}; exposed/prefill median "
+              f"{frac[len(frac) // 2]:.3f} (prefill time includes queueing behind the batch)")
     finally:
         prefill.close()
 

@@ -85,3 +85,57 @@ def test_four_attention_servers_match_plain_vllm_on_a_four_kv_head_model(kv4_mod
                                                                          partition):
     remote = {"servers": [s.http for s in servers], "partition": partition, "send_q_early": True}
     _assert_same(_generate(kv4_model_dir, remote), plain_kv4)
+
+
+def test_n2_pipelining_on_the_nano_batch_executor_matches_plain_vllm(tiny_model_dir, plain, servers):
+    remote = {"servers": [s.http for s in servers[:2]], "partition": "head", "send_q_early": False, "pipeline": 2}
+    got = _generate(tiny_model_dir, remote, worker_cls="vllm_disagg.nanoflow.remote.NanoFlowRemoteAttentionWorker",
+                    additional_config={"disagg": {"remote_attention": remote, "nanoflow": {"nano_batches": 2}}})
+    _assert_same(got, plain)
+
+
+def test_the_servers_really_did_the_attention(servers):
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://{servers[0].http}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    counts = {line.split("{")[1].split("}")[0]: float(line.split()[-1]) for line in text.splitlines()
+              if line.startswith("vllm:disagg_attention_messages_total{")}
+    assert counts.get('type="ATTN"', 0) > 0 and counts.get('type="QPREV"', 0) > 0
+
+
+@pytest.mark.parametrize("partition", ["head", "request"])
+def test_killing_an_attention_server_mid_decode_loses_no_request(tiny_model_dir, plain, partition):
+    from vllm import LLM, SamplingParams
+
+    from vllm_disagg.attention.launcher import start_local_servers
+
+    own = start_local_servers(2, transport="shm", kv_cache_gib=0.0625)
+    remote = {"servers": [s.http for s in own], "partition": partition, "timeout_s": 10.0}
+    # headroom: after the loss one server holds all heads, so half the blocks it held before
+    llm = LLM(**tiny_llm_kwargs(tiny_model_dir, worker_cls=WORKER, num_gpu_blocks_override=256,
+                                additional_config={"disagg": {"remote_attention": remote}}))
+    try:
+        engine = llm.llm_engine
+        sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+        for i, prompt in enumerate(PROMPTS):
+            engine.add_request(str(i), prompt, sp)
+        done, steps = {}, 0
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[int(out.request_id)] = list(out.outputs[0].token_ids)
+            steps += 1
+            if steps == 4:  # mid-decode: every request has KV on both servers
+                own[1].kill()
+        assert [done[i] for i in range(len(PROMPTS))] == [toks for toks, _ in plain]
+        from vllm_disagg.attention import backend  # the worker runs in this process here
+
+        client = backend.get_client()
+        assert client.num_recoveries == 1 and [c.http_addr for c in client.conns] == [own[0].http]
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+        for s in own:
+            s.stop()

@@ -9,12 +9,15 @@
 # load rdma_rxe, create rxe0 on dummy0, run tests/rdma/rdma_cases.py, which prints one
 # "RDMA-CASE PASS|FAIL <name>" line per case and "RDMA-SUITE DONE rc=N" on the serial console.
 #
-# Host needs (Debian 12): qemu-system-x86 busybox-static cpio apt (apt-get download + dpkg-deb)
-# and an apt index (`apt-get update`). No root needed except for the optional chroot smoke check.
-# Where /sys/class/infiniband already has a device, run `python3 tests/rdma/rdma_cases.py` instead.
+# Host needs (Debian 12): `apt-get update && apt-get install -y --no-install-recommends
+# qemu-system-x86 cpio` (apt, dpkg-deb, python3 are already there; busybox-static, the kernel,
+# python3.11 and python3-pyverbs are apt-get DOWNLOADED into the cache, not installed). Run as
+# root for the chroot smoke check + byte-compiling the VM's python (else those steps are skipped).
+# Where /sys/class/infiniband already has a device, the cases run natively instead (no VM).
 #
 # Usage: tests/rdma/run_softroce_vm.sh [--build-only] [--keep]   (exit code = suite result)
 # Env: VLLM_DISAGG_SOFTROCE_CACHE (default ~/.cache/vllm-disagg/softroce), SOFTROCE_TIMEOUT_S (600),
+#      SOFTROCE_ARGS (passed to rdma_cases.py in the VM, e.g. "--bench"), SOFTROCE_FORCE_VM=1 (use the VM even with a native device), SOFTROCE_PYTHON (native run: /usr/bin/python3),
 #      SOFTROCE_KERNEL (default: newest linux-image-6.1.0-*-amd64 apt knows), SOFTROCE_MEM (1024).
 set -euo pipefail
 
@@ -34,7 +37,14 @@ done
 log() { echo "[softroce $(date +%T)] $*" >&2; }
 die() { echo "SOFTROCE-ERROR $*" >&2; exit 3; }
 
-for tool in qemu-system-x86_64 apt-get dpkg-deb cpio gzip; do
+# A native ibverbs device (real NIC, or a stock kernel's rdma_rxe): run the same cases, no VM.
+if [[ -z "${SOFTROCE_FORCE_VM:-}" && -n "$(ls -A /sys/class/infiniband 2>/dev/null)" ]]; then
+  log "native ibverbs device(s): $(ls /sys/class/infiniband | tr '\n' ' ')- running the cases without the VM"
+  ((BUILD_ONLY)) && exit 0
+  exec "${SOFTROCE_PYTHON:-/usr/bin/python3}" "$REPO/tests/rdma/rdma_cases.py"
+fi
+
+for tool in qemu-system-x86_64 apt-get apt-cache dpkg-deb cpio python3; do
   command -v "$tool" >/dev/null || die "missing host tool '$tool' (apt-get install qemu-system-x86 busybox-static cpio)"
 done
 
@@ -57,7 +67,7 @@ PKGS=(
 MODULES=(crc32_generic dummy rdma_rxe)
 
 DEBS="$CACHE/debs"
-KEY="$(printf '%s\n' "$KERNEL_PKG" "${PKGS[@]}" "${MODULES[@]}" v3 | sha256sum | cut -c1-16)"
+KEY="$(printf '%s\n' "$KERNEL_PKG" "${PKGS[@]}" "${MODULES[@]}" v5 | sha256sum | cut -c1-16)"
 BASE="$CACHE/base-$KEY"
 mkdir -p "$DEBS"
 
@@ -73,7 +83,7 @@ download() {
 }
 
 build_base() {
-  [[ -f "$BASE/initramfs-base.cpio.gz" && -f "$BASE/vmlinuz" ]] && return 0
+  [[ -f "$BASE/initramfs-base.cpio" && -f "$BASE/vmlinuz" ]] && return 0
   log "building base initramfs for $KERNEL_PKG in $BASE"
   local stage="$BASE.tmp"
   rm -rf "$stage" && mkdir -p "$stage/root" "$stage/kernel"
@@ -84,6 +94,7 @@ build_base() {
   local root="$stage/root" mdir="$stage/kernel/lib/modules/$KVER"
   # Trim what the VM never uses (docs, locales, the python test suite) to keep the cpio small.
   rm -rf "$root"/usr/share/{doc,man,locale,info,lintian} "$root"/usr/lib/python3.11/{test,idlelib,tkinter,ensurepip,lib2to3,pydoc_data}
+  rm -rf "$root"/usr/lib/python3.11/{asyncio,email,xml,xmlrpc,unittest,sqlite3,dbm,curses,wsgiref,turtledemo,turtle.py,_pydecimal.py,pydoc.py}
   # Merged-/usr layout: /lib, /lib64, /bin, /sbin point into /usr.
   for d in lib lib64 bin sbin; do
     if [[ -d "$root/$d" && ! -L "$root/$d" ]]; then mkdir -p "$root/usr/$d"; cp -a "$root/$d/." "$root/usr/$d/"; rm -rf "${root:?}/$d"; fi
@@ -133,7 +144,7 @@ ip addr add 10.77.0.1/24 dev dummy0
 rdma link add rxe0 type rxe netdev dummy0 || echo "SOFTROCE-WARN rdma link add failed"
 ls /sys/class/infiniband
 echo "SOFTROCE-READY uptime=$(cut -d' ' -f1 /proc/uptime)"
-cd /work && PYTHONPATH=/work python3 -X faulthandler tests/rdma/rdma_cases.py
+cd /work && PYTHONPATH=/work python3 -X faulthandler tests/rdma/rdma_cases.py $(cat /work/cases.args 2>/dev/null)
 echo "SOFTROCE-EXIT rc=$? uptime=$(cut -d' ' -f1 /proc/uptime)"
 sync; poweroff -f
 INIT
@@ -141,27 +152,38 @@ INIT
   ln -sf busybox "$root/bin/sh" 2>/dev/null || true
   # Smoke check on the host (root only): the extracted userland resolves all its libraries.
   if [[ $EUID -eq 0 ]]; then
-    chroot "$root" /usr/bin/python3.11 -c "import pyverbs.device, pyverbs.qp, pyverbs.mr, hmac, threading, ctypes, mmap" \
+    chroot "$root" /usr/bin/python3.11 -c "import pyverbs.device, pyverbs.qp, pyverbs.mr, pyverbs.wr, pyverbs.addr, pyverbs.cq, hmac, hashlib, threading, ctypes, mmap, socket, select, queue, logging, random, subprocess, struct, traceback" \
       || die "chroot import check failed: the package list misses a library"
     chroot "$root" /usr/bin/rdma -V >/dev/null || die "chroot check: /usr/bin/rdma does not run"
+    # Debian byte-compiles at install time (postinst), dpkg-deb -x does not: compile here, or every
+    # import in the VM recompiles from source at TCG speed.
+    chroot "$root" /usr/bin/python3.11 -m compileall -q /usr/lib/python3.11 /usr/lib/python3/dist-packages >/dev/null \
+      || die "byte-compiling the VM's python failed"
   fi
-  (cd "$root" && find . -print0 | cpio --null -o -H newc --quiet) | gzip -1 >"$stage/initramfs-base.cpio.gz"
+  # Uncompressed: qemu loads it host-side; inflating gzip at TCG speed costs the guest seconds.
+  (cd "$root" && find . -print0 | cpio --null -o -H newc --quiet) >"$stage/initramfs-base.cpio"
   rm -rf "$stage/kernel"
   rm -rf "$BASE" && mv "$stage" "$BASE"
-  log "base initramfs: $(du -h "$BASE/initramfs-base.cpio.gz" | cut -f1)"
+  log "base initramfs: $(du -h "$BASE/initramfs-base.cpio" | cut -f1)"
 }
 
 build_overlay() {
   # The project's transport package, rebuilt every run (a second cpio archive appended to the base).
-  local ov="$CACHE/overlay" out="$CACHE/initramfs-overlay.cpio.gz"
+  local ov="$CACHE/overlay" out="$CACHE/initramfs-overlay.cpio"
   rm -rf "$ov" && mkdir -p "$ov/work/vllm_disagg/transport" "$ov/work/tests/rdma"
   cp "$REPO/vllm_disagg/__init__.py" "$REPO/vllm_disagg/errors.py" "$ov/work/vllm_disagg/"
-  cp "$REPO"/vllm_disagg/transport/{__init__,base,wire,server}.py "$ov/work/vllm_disagg/transport/"
+  cp "$REPO"/vllm_disagg/transport/{__init__,base,wire,server,msg}.py "$ov/work/vllm_disagg/transport/"
   cp -r "$REPO/vllm_disagg/transport/rdma" "$ov/work/vllm_disagg/transport/"
   cp "$REPO/tests/rdma/rdma_cases.py" "$ov/work/tests/rdma/"
+  echo "${SOFTROCE_ARGS:-}" >"$ov/work/cases.args"  # e.g. SOFTROCE_ARGS=--bench
   find "$ov" -name __pycache__ -prune -exec rm -rf {} +
-  (cd "$ov" && find . -print0 | cpio --null -o -H newc --quiet) | gzip -1 >"$out"
-  cat "$BASE/initramfs-base.cpio.gz" "$out" >"$CACHE/initramfs.cpio.gz"
+  if [[ $EUID -eq 0 && -x "$BASE/root/usr/bin/python3.11" ]]; then  # byte-compile with the VM's python
+    mkdir -p "$BASE/root/ov" && cp -a "$ov/work" "$BASE/root/ov/"
+    chroot "$BASE/root" /usr/bin/python3.11 -m compileall -q /ov/work >/dev/null && cp -a "$BASE/root/ov/work/." "$ov/work/"
+    rm -rf "$BASE/root/ov"
+  fi
+  (cd "$ov" && find . -print0 | cpio --null -o -H newc --quiet) >"$out"
+  cat "$BASE/initramfs-base.cpio" "$out" >"$CACHE/initramfs.cpio"
 }
 
 t0=$(date +%s)
@@ -177,7 +199,7 @@ t1=$(date +%s)
 set +e
 timeout --foreground "$TIMEOUT_S" qemu-system-x86_64 -machine q35,accel=tcg -cpu max -smp 2 -m "$MEM" \
   -nic none -nographic -no-reboot -monitor none -serial stdio \
-  -kernel "$BASE/vmlinuz" -initrd "$CACHE/initramfs.cpio.gz" \
+  -kernel "$BASE/vmlinuz" -initrd "$CACHE/initramfs.cpio" \
   -append "console=ttyS0 quiet loglevel=3 panic=-1 rdinit=/init" </dev/null | tee "$LOGF" | grep --line-buffered -E "^(SOFTROCE|RDMA-)"
 qrc=${PIPESTATUS[0]}
 set -e

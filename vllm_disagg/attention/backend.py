@@ -57,7 +57,6 @@ def remote_attention_enabled(vllm_config) -> bool:
 def __getattr__(name: str):
     if name == "SelectedBackend":
         from vllm.config import get_current_vllm_config_or_none
-
         from vllm.platforms import current_platform
 
         if remote_attention_enabled(get_current_vllm_config_or_none()):

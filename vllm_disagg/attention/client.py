@@ -79,7 +79,7 @@ class ServerConn:
         except (OSError, KeyError, ValueError, DisaggError) as err:
             raise AttentionServerLost(self.http_addr, err) from err
         seq = self.send(wire.Header(wire.INIT), [geometry.to_json()])
-        reply = self.recv(seq, wire.INIT_OK)
+        reply = self.recv(seq, wire.INIT_OK, timeout=max(self.timeout_s, 120.0))  # allocates the KV
         self.info = json.loads(bytes(reply.buffers[0]))
         return self.info
 
@@ -103,9 +103,9 @@ class ServerConn:
             raise AttentionServerLost(self.http_addr, err) from err
         return seq
 
-    def recv(self, seq: int, mtype: int):
+    def recv(self, seq: int, mtype: int, timeout: float | None = None):
         try:
-            msg = self.channel.recv(timeout=self.timeout_s)
+            msg = self.channel.recv(timeout=timeout or self.timeout_s)
             h = wire.unpack_header(msg.header)
         except (PeerLostError, TransportTimeout, ProtocolError) as err:
             raise AttentionServerLost(self.http_addr, err) from err
@@ -136,9 +136,13 @@ class DisaggAttentionClient:
         if not token:
             raise ValueError("remote attention needs a shared token: set VLLM_DISAGG_AUTH_TOKEN")
         self.transport = get_transport(transport, TransportOptions(auth_token=token, timeout_s=timeout_s))
+        self.configured = list(servers)
+        self.timeout_s = timeout_s
         self.conns = [ServerConn(s, self.transport, timeout_s) for s in servers]
+        self.geometry_args: dict = {}
+        self.num_recoveries = 0
         self.partition = partition
-        self.send_q_early = send_q_early
+        self.send_q_early = self.want_send_q_early = send_q_early
         self.num_blocks = 0
         self.shards = None
         self.placer = RequestPlacer(len(servers)) if partition == "request" else None
@@ -146,6 +150,9 @@ class DisaggAttentionClient:
     def connect(self, num_layers: int, num_heads: int, num_kv_heads: int, head_size: int,
                 block_size: int, dtype: str, max_num_tokens: int) -> int:
         """Connect and INIT every server; returns the usable number of blocks."""
+        self.geometry_args = dict(num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                                  head_size=head_size, block_size=block_size, dtype=dtype,
+                                  max_num_tokens=max_num_tokens)
         n = len(self.conns)
         if self.partition == "head":
             self.shards = head_shards(n, num_heads, num_kv_heads)
@@ -159,7 +166,7 @@ class DisaggAttentionClient:
         lse = all(i.get("supports_lse") for i in infos)
         if self.send_q_early and not lse:
             logger.warning("attention servers cannot return the LSE; send-Q-early is off")
-        self.send_q_early = self.send_q_early and lse
+        self.send_q_early = self.want_send_q_early and lse
         logger.info("remote attention: %d servers (%s), %d blocks, send_q_early=%s",
                     n, self.partition, self.num_blocks, self.send_q_early)
         return self.num_blocks

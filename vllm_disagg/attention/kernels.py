@@ -222,6 +222,13 @@ class FlashAttentionKernel(AttentionKernel):
         return res.cpu(), lse.transpose(0, 1).float().cpu()
 
 
+def preload(kind: str) -> None:
+    """Import the kernel's vLLM modules now (seconds on a busy box), not inside the first INIT."""
+    if kind == "cpu":
+        import vllm.v1.attention.backends.cpu_attn  # noqa: F401
+        from vllm import _custom_ops  # noqa: F401
+
+
 def make_kernel(kind: str, geometry: Geometry, num_blocks: int) -> AttentionKernel:
     if kind == "cpu":
         return CpuAttentionKernel(geometry, num_blocks)

@@ -59,13 +59,24 @@ class RequestSplit:
 
 
 class RequestPlacer:
-    """Keeps request -> server; places new requests by KV load (sum of seq_lens per server)."""
+    """Keeps request -> server; places new requests by KV load.
 
-    def __init__(self, num_servers: int, forget_after_steps: int = 256):
+    Load of a server = sum of the latest seq_len of the requests placed on it and seen in the
+    last `recent_steps` steps (a finished request stops counting after that window).
+    """
+
+    def __init__(self, num_servers: int, recent_steps: int = 32):
         self.num_servers = num_servers
-        self._where: dict[int, tuple[int, int]] = {}  # first block id -> (server, last step seen)
+        self._where: dict[int, list[int]] = {}  # first block id -> [server, last step seen, seq_len]
         self._step = 0
-        self._forget = forget_after_steps
+        self._recent = recent_steps
+
+    def load(self) -> list[int]:
+        out = [0] * self.num_servers
+        for server, seen, seq_len in self._where.values():
+            if seen >= self._step - self._recent:
+                out[server] += seq_len
+        return out
 
     def split(self, meta: StepMeta) -> list[RequestSplit]:
         self._step += 1
@@ -73,25 +84,24 @@ class RequestPlacer:
         seq = meta.seq_lens.tolist()
         first = meta.block_table[:, 0].tolist() if meta.num_reqs else []
         owner = [-1] * meta.num_reqs
-        load = [0] * self.num_servers
-        for r in range(meta.num_reqs):  # continuing requests first: they fix the load
-            if qsl[r + 1] - qsl[r] < seq[r] and first[r] in self._where:
-                owner[r] = self._where[first[r]][0]
-                load[owner[r]] += seq[r]
-        for r in range(meta.num_reqs):
-            if owner[r] < 0:
-                if qsl[r + 1] - qsl[r] < seq[r]:
+        for r in range(meta.num_reqs):  # continuing requests keep their server
+            if qsl[r + 1] - qsl[r] < seq[r]:
+                if first[r] not in self._where:
                     raise ValueError(f"request with first block {first[r]} continues but was never placed")
+                owner[r] = self._where[first[r]][0]
+                self._where[first[r]] = [owner[r], self._step, seq[r]]
+        for r in range(meta.num_reqs):  # new (or restarted) requests go where the KV load is least
+            if owner[r] < 0:
+                load = self.load()
                 owner[r] = min(range(self.num_servers), key=lambda s: (load[s], s))
-                load[owner[r]] += seq[r]
-            self._where[first[r]] = (owner[r], self._step)
+                self._where[first[r]] = [owner[r], self._step, seq[r]]
         self._gc()
         return [self._sub(meta, s, [r for r in range(meta.num_reqs) if owner[r] == s], qsl)
                 for s in range(self.num_servers)]
 
     def _gc(self) -> None:
         if len(self._where) > 4096:
-            cutoff = self._step - self._forget
+            cutoff = self._step - 8 * self._recent
             self._where = {b: v for b, v in self._where.items() if v[1] >= cutoff}
 
     @staticmethod

@@ -57,7 +57,7 @@ def check_conflict_free(ops: list[Op]) -> None:
         _check_disjoint(group, f"batch {key}")
         order = sorted(group, key=lambda o: o.start)
         expect = [("model", 0)]
-        for op in order[1:]:
+        for _ in order[1:]:
             prev_kind, prev_idx = expect[-1]
             expect.append(("attn", prev_idx) if prev_kind == "model" else ("model", prev_idx + 1))
         if [(o.kind, o.index) for o in order] != expect:

@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from vllm.logger import init_logger
 
 from vllm_disagg.attention import wire
-from vllm_disagg.attention.kernels import AttentionKernel, kv_bytes_per_block, make_kernel
+from vllm_disagg.attention.kernels import AttentionKernel, kv_bytes_per_block, make_kernel, preload
 from vllm_disagg.errors import DisaggError, PeerLostError, ProtocolError, TransportTimeout
 from vllm_disagg.transport import TransportOptions, get_transport
 
@@ -75,6 +75,7 @@ class DisaggAttentionServer:
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> dict:
+        preload(self.kernel_kind)
         self.listener = self.transport.listen_msg()
         self.httpd = ThreadingHTTPServer(self._http_addr, _handler_for(self))
         self._spawn(self.httpd.serve_forever, "attn-http")

@@ -37,7 +37,7 @@ def client_from_config(vllm_config) -> DisaggAttentionClient | None:
     if ra is None or not ra.servers:
         return None
     return DisaggAttentionClient(ra.servers, transport=ra.transport, partition=ra.partition,
-                                 send_q_early=ra.send_q_early, auth_token=cfg.auth_token)
+                                 send_q_early=ra.send_q_early, timeout_s=ra.timeout_s, auth_token=cfg.auth_token)
 
 
 def connect_client(client: DisaggAttentionClient, vllm_config) -> int:
@@ -65,6 +65,15 @@ class DisaggAttentionWorker(CPUWorker):
         client = client_from_config(self.vllm_config)
         if client is None:
             return
+        ra = disagg_config_from_vllm(self.vllm_config).remote_attention
+        if ra.pipeline > 2:
+            raise NotImplementedError(
+                f"remote_attention.pipeline={ra.pipeline}: only n=2 (ping-pong on one replica) has a runtime; "
+                "n>2 needs batch-context migration between model replicas (see attention/schedule.py)")
+        if ra.pipeline == 2 and not getattr(self, "nanoflow_stats", None):
+            raise ValueError("remote_attention.pipeline=2 runs on the nano-batch executor: use worker_cls "
+                             "'vllm_disagg.nanoflow.remote.NanoFlowRemoteAttentionWorker' with "
+                             '"nanoflow": {"nano_batches": 2}')
         connect_client(client, self.vllm_config)
         backend.set_client(client)
         self.model_runner.__class__ = DisaggAttentionRunner
@@ -105,12 +114,19 @@ class DisaggAttentionRunner(CPUModelRunner):
     def _zero_block_ids(self, block_ids: list[int]) -> None:
         pass  # the servers own the blocks; attention never reads past seq_len
 
-    def execute_model(self, scheduler_output, intermediate_tensors=None):
+    def _model_forward(self, *args, **kwargs):
         try:
-            return super().execute_model(scheduler_output, intermediate_tensors)
+            return super()._model_forward(*args, **kwargs)
         except AttentionServerLost as err:
-            from vllm_disagg.attention.recovery import recover
+            from vllm.forward_context import get_forward_context
 
-            logger.warning("remote attention: %s; rebuilding KV by recompute", err)
-            recover(self, backend.get_client())
-            return super().execute_model(scheduler_output, intermediate_tensors)
+            from vllm_disagg.attention import recovery
+
+            logger.warning("remote attention: %s; rebuilding the KV by recompute", err)
+            ctx = get_forward_context()
+            recovery.reconnect(backend.get_client(), self.kv_cache_config.num_blocks)
+            recovery.forget_splits(ctx.attn_metadata)
+            names = [n for groups in self.attn_groups for g in groups for n in g.layer_names]
+            recovery.rebuild_kv(self, names)
+            recovery.forget_splits(ctx.attn_metadata)
+            return super()._model_forward(*args, **kwargs)

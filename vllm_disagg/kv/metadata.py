@@ -36,6 +36,8 @@ class RecvSpec:
     """Index (in the request's block table) of `block_ids[0]`; earlier blocks are cached locally."""
     num_prompt_tokens: int
     push_timeout_s: float
+    prompt_digest: str = ""
+    """Digest of the prompt token ids; the prefill side refuses to push a different prompt."""
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,7 @@ class SaveSpec:
     """Set the first time the worker sees the request."""
     replace_blocks: bool = False
     """True when `new_block_ids` replaces the block table (resumed after preemption)."""
+    prompt_digest: str = ""
 
 
 @dataclass

@@ -53,19 +53,19 @@ class _Recv:
 
 
 class PushReceiver:
-    """Owns the decode worker's KV receiver (registered regions) and side-channel client."""
+    """Owns the decode worker's KV receiver (on `data`) and side-channel client (on `control`)."""
 
-    def __init__(self, transport: Any, handshake: Any, token: str, layers: list[Any], stats: Any,
+    def __init__(self, control: Any, data: Any, handshake: Any, token: str, layers: list[Any], stats: Any,
                  failure_policy: str = "recompute"):
         self.handshake, self.token = handshake, token
         self._on_failure = ("the decode instance recomputes the prompt" if failure_policy == "recompute"
                             else "the request fails (kv_load_failure_policy=fail)")
         self._stats, self._stats_lock = stats
-        self._receiver = transport.kv_receiver(name="decode")
+        self._receiver = data.kv_receiver(name="decode")
         for layer_idx, tensor in enumerate(layers):
             self._receiver.register_region(str(layer_idx), tensor)
         self.address = self._receiver.start()
-        self._client = SideChannelClient(lambda addr, timeout: transport.connect_msg(addr, timeout=timeout))
+        self._client = SideChannelClient(lambda addr, timeout: control.connect_msg(addr, timeout=timeout))
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="disagg-kv-register")
         self._lock = threading.Lock()
         self._recvs: dict[str, _Recv] = {}
@@ -140,7 +140,8 @@ class PushReceiver:
     def _register(self, recv: _Recv) -> None:
         spec = recv.spec
         body = handshake_body(self.handshake, self.token, spec.transfer_id)
-        body.update(address=self.address, start_block=spec.start_block, push_timeout_s=spec.push_timeout_s)
+        body.update(address=self.address, start_block=spec.start_block, push_timeout_s=spec.push_timeout_s,
+                    num_prompt_tokens=spec.num_prompt_tokens, prompt_digest=spec.prompt_digest)
         try:
             reply = decode_msg(
                 self._client.call(spec.remote, encode_msg(SideMsg(MsgType.REGISTER, body, spec.block_ids)),

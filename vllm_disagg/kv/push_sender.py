@@ -53,6 +53,8 @@ class _Registration:
     block_ids: tuple[int, ...]
     start_block: int
     timeout_s: float
+    num_prompt_tokens: int
+    prompt_digest: str
     t_arrival: float = field(default_factory=time.monotonic)
 
 
@@ -66,6 +68,7 @@ class _Push:
     ready_tokens: list[int]
     sent_blocks: list[int]
     deadline: float
+    prompt_digest: str = ""
     reg: _Registration | None = None
     handles: list = field(default_factory=list)  # (XferHandle, layer, t_issue, nbytes)
     error: str | None = None
@@ -73,6 +76,7 @@ class _Push:
     released: bool = False
     t_first_issue: float | None = None
     t_prefill_done: float | None = None
+    t_created: float = field(default_factory=time.monotonic)
 
     @property
     def pending(self) -> bool:
@@ -84,9 +88,10 @@ class _Push:
 
 
 class PushSender:
-    """Owns the prefill worker's side channel, KV sender and sender thread."""
+    """Owns the prefill worker's side channel (on `control`), KV sender (on `data`) and sender thread."""
 
-    def __init__(self, transport: Any, handshake: Any, token: str, layers: list[Any], cfg: Any, stats: Any):
+    def __init__(self, control: Any, data: Any, handshake: Any, token: str, layers: list[Any], cfg: Any,
+                 stats: Any):
         self.handshake, self.token, self.layers, self.cfg = handshake, token, layers, cfg
         self.block_size = handshake.block_size
         self._stats, self._stats_lock = stats
@@ -97,9 +102,9 @@ class PushSender:
         self._rejected: dict[str, str] = {}
         self._step_reqs: list[SaveSpec] = []
         self._stop = threading.Event()
-        self.server = SideChannelServer(transport.listen_msg(), self._on_message)
+        self.server = SideChannelServer(control.listen_msg(), self._on_message)
         self.address = self.server.address
-        self._sender = transport.kv_sender(name=self.address)
+        self._sender = data.kv_sender(name=self.address)
         self._peers: dict[str, Any] = {}
         self.timeline: deque[dict[str, Any]] = deque(maxlen=1024)
         """Recent completed pushes with monotonic timestamps (first write issued, prefill done,
@@ -129,7 +134,7 @@ class PushSender:
             tid = spec.transfer_id or ""
             layerwise = spec.num_prompt_tokens >= self.cfg.layerwise_threshold_tokens
             push = _Push(spec.req_id, tid, spec.num_prompt_tokens, layerwise, [], [0] * len(self.layers),
-                         [0] * len(self.layers), time.monotonic() + self.cfg.push_timeout_s)
+                         [0] * len(self.layers), time.monotonic() + self.cfg.push_timeout_s, spec.prompt_digest)
             self._pushes[spec.req_id] = push
             self._by_tid[tid] = spec.req_id
             if not tid:
@@ -195,7 +200,8 @@ class PushSender:
         try:
             check_compatible(self.handshake, msg.body, self.token, tid, peer)
             reg = _Registration(str(msg.body["address"]), msg.block_ids, int(msg.body["start_block"]),
-                                float(msg.body.get("push_timeout_s") or self.cfg.push_timeout_s))
+                                float(msg.body.get("push_timeout_s") or self.cfg.push_timeout_s),
+                                int(msg.body["num_prompt_tokens"]), str(msg.body.get("prompt_digest") or ""))
         except HandshakeMismatch as err:
             logger.error("KV push %s refused: %s", tid, err)
             self._record(lambda s: s.record_handshake_failure())
@@ -244,6 +250,8 @@ class PushSender:
                         self._fail(push, f"no decode registration within {self.cfg.push_timeout_s}s")
                     continue
                 push.deadline = now + max(push.reg.timeout_s, self.cfg.push_timeout_s)
+                if not self._same_prompt(push):
+                    continue
             work.extend(self._plan_push(push))
         self._gc_registry(now)
         return work
@@ -262,6 +270,16 @@ class PushSender:
             spans = [(layer, lo, hi) for layer, lo, hi in spans if hi > lo]
             return [(push, [self._write(push, *s) for s in spans], -1)] if spans else []
         return [(push, [self._write(push, *s)], s[0]) for s in spans if s[2] > s[1]]
+
+    def _same_prompt(self, push: _Push) -> bool:
+        reg = push.reg
+        if reg.num_prompt_tokens != push.num_prompt_tokens:
+            self._fail(push, f"decode registered a {reg.num_prompt_tokens}-token prompt, "
+                             f"prefill has {push.num_prompt_tokens} tokens (same transfer_id, different prompts?)")
+        elif reg.prompt_digest and push.prompt_digest and reg.prompt_digest != push.prompt_digest:
+            self._fail(push, "decode and prefill prompts differ (prompt_digest); check that the router sends "
+                             "the same prompt (and chat template) to both")
+        return push.error is None
 
     def _write(self, push: _Push, layer: int, lo: int, hi: int) -> BlockWrite:
         first = push.reg.start_block
@@ -317,7 +335,8 @@ class PushSender:
         self._record(record)
         self.timeline.append({
             "transfer_id": push.transfer_id, "layerwise": push.layerwise, "num_writes": len(push.handles),
-            "t_first_issue": t0, "t_prefill_done": push.t_prefill_done, "t_done": now,
+            "t_prefill_start": push.t_created, "t_first_issue": t0, "t_prefill_done": push.t_prefill_done,
+            "t_done": now,
         })
         logger.debug("KV push %s done: %d writes, %.1f ms, exposed %.1f ms", push.transfer_id,
                      len(push.handles), 1e3 * (now - t0), 1e3 * exposed)

@@ -20,10 +20,12 @@ Prefill side (`kv_transfer_params.do_remote_decode`):
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 from vllm.logger import init_logger
 
 from vllm_disagg.kv.metadata import DisaggConnectorMetadata, RecvSpec, SaveSpec
@@ -62,6 +64,14 @@ class RemotePrefillParams:
         return cls(tid, f"{host}:{port}", float(timeout))
 
 
+def prompt_digest(request: Request) -> str:
+    """Identifies the prompt on both sides, so a mixed-up transfer id can never ship foreign KV."""
+    ids = getattr(request, "prompt_token_ids", None)
+    if ids is None:
+        return ""
+    return hashlib.blake2b(np.asarray(ids, dtype="<i8").tobytes(), digest_size=16).hexdigest()
+
+
 class DisaggConnectorScheduler:
     def __init__(self, block_size: int, push_timeout_s: float):
         self.block_size = block_size
@@ -71,7 +81,7 @@ class DisaggConnectorScheduler:
         self._recv_inflight: set[str] = set()
         self._pending_recv: list[RecvSpec] = []
         # prefill side
-        self._send_reqs: dict[str, tuple[str, int]] = {}  # req_id -> (transfer_id, num_prompt_tokens)
+        self._send_reqs: dict[str, tuple[str, int, str]] = {}  # req_id -> (transfer_id, #prompt, digest)
         self._send_announced: set[str] = set()
         self._pending_release: list[str] = []
         self._awaiting_send: set[str] = set()
@@ -96,7 +106,9 @@ class DisaggConnectorScheduler:
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         params = request.kv_transfer_params or {}
         if params.get("do_remote_decode") and request.request_id not in self._send_reqs:
-            self._send_reqs[request.request_id] = (str(params.get("transfer_id", "")), request.num_prompt_tokens)
+            self._send_reqs[request.request_id] = (
+                str(params.get("transfer_id", "")), request.num_prompt_tokens, prompt_digest(request)
+            )
             return
         remote = self._remote_prefill(request)
         if remote is None or num_external_tokens <= 0 or request.request_id in self._recv_seen:
@@ -115,6 +127,7 @@ class DisaggConnectorScheduler:
                 start_block=start_block,
                 num_prompt_tokens=request.num_prompt_tokens,
                 push_timeout_s=remote.push_timeout_s,
+                prompt_digest=prompt_digest(request),
             )
         )
 
@@ -145,7 +158,7 @@ class DisaggConnectorScheduler:
     def _save_spec(
         self, req_id: str, block_ids: tuple, num_computed: int, out: SchedulerOutput, first: bool
     ) -> SaveSpec | None:
-        transfer_id, num_prompt = self._send_reqs[req_id]
+        transfer_id, num_prompt, digest = self._send_reqs[req_id]
         if num_computed >= num_prompt:
             return None  # decode steps of a prefill request carry nothing new to push
         announce = req_id not in self._send_announced
@@ -158,6 +171,7 @@ class DisaggConnectorScheduler:
             num_prompt_tokens=num_prompt,
             transfer_id=transfer_id if announce else None,
             replace_blocks=first,
+            prompt_digest=digest if announce else "",
         )
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -166,7 +180,7 @@ class DisaggConnectorScheduler:
         self._recv_inflight.discard(req_id)
         if req_id not in self._send_reqs:
             return False, None
-        transfer_id, _ = self._send_reqs.pop(req_id)
+        transfer_id, _, _ = self._send_reqs.pop(req_id)
         if req_id not in self._send_announced:
             return False, {"transfer_id": transfer_id, "pushed": False}
         self._send_announced.discard(req_id)

@@ -75,17 +75,22 @@ class DisaggConnectorWorker:
         info = local_handshake_info(self.vllm_config, layers)
         stats = (self._stats, self._stats_lock)
         port = self._port()
+        # The side channel is always tcp on kv_port (a HOST:PORT the router can hand out);
+        # the KV bytes use kv.transport (tcp, shm, nixl, ...).
         if self.is_producer:
             from vllm_disagg.kv.push_sender import PushSender
 
-            self.sender = PushSender(self._make_transport(self.kv, self.token, port), info, self.token,
-                                     layers, self.kv, stats)
+            self.sender = PushSender(self._make_transport(self.kv, self.token, "tcp", port),
+                                     self._make_transport(self.kv, self.token, self.kv.transport, 0),
+                                     info, self.token, layers, self.kv, stats)
         if self.is_consumer:
             from vllm_disagg.kv.push_receiver import PushReceiver
 
-            rx_port = 0 if self.is_producer else port
-            self.receiver = PushReceiver(self._make_transport(self.kv, self.token, rx_port), info, self.token,
-                                         layers, stats, self.vllm_config.kv_transfer_config.kv_load_failure_policy)
+            rx_port = 0 if self.is_producer or self.kv.transport != "tcp" else port
+            self.receiver = PushReceiver(self._make_transport(self.kv, self.token, "tcp", 0),
+                                         self._make_transport(self.kv, self.token, self.kv.transport, rx_port),
+                                         info, self.token, layers, stats,
+                                         self.vllm_config.kv_transfer_config.kv_load_failure_policy)
 
     def _port(self) -> int:
         """kv_port + this worker's TP rank (each rank serves its own shard); 0 stays 0 (any port)."""
@@ -131,10 +136,10 @@ class DisaggConnectorWorker:
                 side.close()
 
 
-def _default_transport(kv: KVTransferSection, token: str, port: int) -> Any:
+def _default_transport(kv: KVTransferSection, token: str, kind: str, port: int) -> Any:
     from vllm_disagg.transport import TransportOptions, get_transport
 
     host = os.environ.get("VLLM_HOST_IP") or "127.0.0.1"
     options = TransportOptions(auth_token=token, host=host, port=port, num_streams=kv.num_streams,
                                timeout_s=kv.push_timeout_s)
-    return get_transport(kv.transport, options)
+    return get_transport(kind, options)

@@ -137,10 +137,14 @@ def vllm_serve_prefix() -> list[str]:
     return [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry"]
 
 
-def instance_env(spec: InstanceSpec, kv_cache_gib: int, base: dict[str, str] | None = None) -> dict[str, str]:
+def instance_env(spec: InstanceSpec, kv_cache_gib: int | None, base: dict[str, str] | None = None) -> dict[str, str]:
+    """None for `kv_cache_gib` leaves the KV size to vLLM's own `--kv-cache-memory-bytes`."""
     env = dict(os.environ if base is None else base)
-    env.update(VLLM_CPU_OMP_THREADS_BIND=spec.cores, VLLM_HOST_IP=HOST, VLLM_NO_USAGE_STATS="1",
-               DO_NOT_TRACK="1", VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib))
+    env.update(VLLM_CPU_OMP_THREADS_BIND=spec.cores, VLLM_HOST_IP=HOST, VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
+    if kv_cache_gib is None:
+        env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override --kv-cache-memory-bytes
+    else:
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
     env.update(spec.env)
     return env
 
@@ -154,7 +158,7 @@ class LocalCluster:
     transport: str = "tcp"
     extra_args: list[str] = field(default_factory=list)
     served_name: str | None = None
-    kv_cache_gib: int = 1
+    kv_cache_gib: int | None = 1
     log_dir: Path = field(default_factory=lambda: Path.cwd() / "vllm-disagg-logs")
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
 

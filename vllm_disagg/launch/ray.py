@@ -137,8 +137,9 @@ class InstanceServer:
 
     Plain class (wrapped by `ray.remote` in `instance_actor_class`) so its logic runs without Ray."""
 
-    def __init__(self, spec_dict: dict, host: str | None = None) -> None:
+    def __init__(self, spec_dict: dict, host: str | None = None, exit_with_server: bool = True) -> None:
         self.spec = ActorSpec(**spec_dict)
+        self.exit_with_server = exit_with_server
         self.host = host or _node_ip()
         self.log_dir = Path(tempfile.mkdtemp(prefix=f"vllm-disagg-{self.spec.role}{self.spec.index}-"))
         self.log_path = self.log_dir / "server.log"
@@ -161,7 +162,7 @@ class InstanceServer:
         from vllm_disagg.launch.local import core_slices
 
         cmd = server_command(self.spec, self.host, self.http_port, self.kv_port)
-        ordinal = POOLS.index(self.spec.role) * 64 + self.spec.index
+        ordinal = POOLS.index(self.spec.role) + self.spec.index * len(POOLS)  # P0, D0 on different cores
         cores = core_slices(ordinal + 1, self.spec.cores_per_instance)[ordinal]
         env = {**os.environ, **self.spec.env, "VLLM_HOST_IP": self.host, "VLLM_NO_USAGE_STATS": "1",
                "DO_NOT_TRACK": "1", "VLLM_CPU_KVCACHE_SPACE": str(max(1, int(self.spec.kv_cache_gib))),
@@ -191,7 +192,7 @@ class InstanceServer:
     def _exit_with_server(self) -> None:
         """The server died on its own: end the actor process so Ray restarts the whole instance."""
         rc = self.proc.wait()
-        if not self._stopping:
+        if not self._stopping and self.exit_with_server:
             logger.error("%s: server exited with %s; exiting so Ray restarts the actor", self.spec.name, rc)
             os._exit(1)
 

@@ -47,6 +47,7 @@ class _Step:
         self.tokens: dict[OpKey, Any] = {}
         self.error: BaseException | None = None
         self.lock = threading.Lock()
+        self.start_token: Any = None
 
     def fail(self, err: BaseException) -> None:
         with self.lock:
@@ -95,6 +96,7 @@ class _UnitThread:
                 return
             step, keys, finished = item
             try:
+                self.unit.wait(step.start_token)  # GPU: the caller's inputs are ready
                 with torch.inference_mode():
                     for key in keys:
                         if step.error is not None:
@@ -144,6 +146,8 @@ class OpGraphExecutor:
         missing = set(schedule.order) - set(self._threads)
         if missing:
             raise ValueError(f"schedule uses units {sorted(missing)} that this executor lacks")
+        any_unit = next(iter(self.units.values()))
+        step.start_token = any_unit.caller_token()
         waits = []
         for name, keys in schedule.order.items():
             finished = threading.Event()
@@ -155,6 +159,9 @@ class OpGraphExecutor:
                 raise step.error  # type: ignore[misc]
         if step.error is not None:
             raise step.error
+        for name, keys in schedule.order.items():
+            if keys:
+                self.units[name].join_caller(step.tokens.get(keys[-1]))
 
     def shutdown(self) -> None:
         for t in self._threads.values():

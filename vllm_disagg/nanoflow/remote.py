@@ -13,8 +13,7 @@ from __future__ import annotations
 from vllm_disagg.attention import backend as remote_backend
 from vllm_disagg.attention.worker import DisaggAttentionWorker
 from vllm_disagg.nanoflow.overlap import NETWORK_BOUND_ATTR
-from vllm_disagg.nanoflow.runner import nanoflow_runner_cls
-from vllm_disagg.nanoflow.worker import _runner_stats, enable_nano_ubatching
+from vllm_disagg.nanoflow.runner import enable_nano_ubatching, nanoflow_runner_cls, runner_stats
 
 
 def mark_remote_impl_network_bound() -> None:
@@ -35,4 +34,4 @@ class NanoFlowRemoteAttentionWorker(DisaggAttentionWorker):
         runner.init_nanoflow(self.vllm_config)
 
     def nanoflow_stats(self) -> dict:
-        return _runner_stats(self.model_runner)
+        return runner_stats(self.model_runner)

@@ -14,11 +14,11 @@ Achieved throughput is logged as a fraction of the cost model's optimum (`throug
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import Any
 
 import torch
+from vllm.logger import init_logger
 
 from vllm_disagg.nanoflow.executor import OpGraphExecutor
 from vllm_disagg.nanoflow.graph import ATTN, DENSE, NET, list_schedule
@@ -27,7 +27,7 @@ from vllm_disagg.nanoflow.plan import NanoFlowPlan
 from vllm_disagg.nanoflow.throughput import ThroughputLog
 from vllm_disagg.nanoflow.units import make_units, set_num_threads
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 
 def nanoflow_plan_of(vllm_config: Any) -> NanoFlowPlan | None:
@@ -40,6 +40,39 @@ def nanoflow_plan_of(vllm_config: Any) -> NanoFlowPlan | None:
         return None
     nf = cfg.nanoflow
     return resolve_plan(nf.nano_batches, nf.plan, vllm_config.model_config.model)
+
+
+def enable_nano_ubatching(vllm_config: Any) -> int:
+    """Turn on vLLM's ubatch plumbing in this worker for the configured plan; returns the fine
+    nano-batch count (0 when nanoflow is off or the count is 1)."""
+    plan = nanoflow_plan_of(vllm_config)
+    if plan is None or plan.nano_batches.attn < 2:
+        return 0
+    pc = vllm_config.parallel_config
+    if pc.data_parallel_size > 1 or pc.enable_dbo or pc.pipeline_parallel_size > 1:
+        raise ValueError(
+            "nanoflow: nano-batching does not combine with data/pipeline parallelism or DBO "
+            f"(dp={pc.data_parallel_size}, pp={pc.pipeline_parallel_size}, dbo={pc.enable_dbo}); "
+            'remove additional_config["disagg"]["nanoflow"] or those flags'
+        )
+    n = plan.nano_batches.attn
+    pc.ubatch_size = n
+    pc.dbo_decode_token_threshold = max(n, 1)
+    pc.dbo_prefill_token_threshold = max(n, 1)
+    return n
+
+
+def runner_stats(runner: Any) -> dict:
+    stats = dict(getattr(runner, "nano_stats", {}) or {})
+    tput = getattr(runner, "_nano_tput", None)
+    if tput is not None:
+        stats.update(tput.summary())
+    executor = getattr(runner, "nano_executor", None)
+    if executor is not None:
+        stats["units"] = [u.describe() for u in executor.units.values()]
+        stats["inline"] = executor.inline
+    stats["pipeline"] = getattr(runner, "nano_pipeline", None) is not None
+    return stats
 
 
 class NanoFlowRunnerMixin:

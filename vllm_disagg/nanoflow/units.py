@@ -48,6 +48,13 @@ class ExecutionUnit(ABC):
     def wait(self, token: Any) -> None:  # noqa: B027 - a no-op where launch is synchronous
         """Make later work on this unit wait for `token` (from any unit)."""
 
+    def caller_token(self) -> Any:
+        """A token for the work the calling thread has issued so far (GPU: an event on its stream)."""
+        return None
+
+    def join_caller(self, token: Any) -> None:  # noqa: B027 - nothing to join on CPU
+        """Make the calling thread's later work wait for `token` from this unit."""
+
     def describe(self) -> dict:
         return {"name": self.name, "share": self.share, "kind": type(self).__name__}
 
@@ -99,6 +106,15 @@ class CudaSmStream(ExecutionUnit):
     def wait(self, token: Any) -> None:
         if token is not None:
             self.stream.wait_event(token)
+
+    def caller_token(self) -> Any:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def join_caller(self, token: Any) -> None:
+        if token is not None:
+            torch.cuda.current_stream(self.device).wait_event(token)
 
     def describe(self) -> dict:
         return {**super().describe(), "sm_capped": self.capped}

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """Nano-batch workers: `--worker-cls vllm_disagg.nanoflow.worker.NanoFlowCPUWorker` (CPU) or
-`vllm_disagg.nanoflow.worker.NanoFlowGPUWorker` (CUDA; needs `VLLM_USE_V2_MODEL_RUNNER=0` and
+`vllm_disagg.nanoflow.gpu_worker.NanoFlowGPUWorker` (CUDA; needs `VLLM_USE_V2_MODEL_RUNNER=0` and
 `enforce_eager`, untested here).
 
 Both are inert unless `additional_config["disagg"]["nanoflow"]` is set. When it is, the worker sets
@@ -11,48 +11,12 @@ validated, which sidesteps the DBO-only all2all assertion in `VllmConfig.__post_
 
 from __future__ import annotations
 
-import logging
-from typing import Any
-
+from vllm.logger import init_logger
 from vllm.v1.worker.cpu_worker import CPUWorker
-from vllm.v1.worker.gpu_worker import Worker
 
-from vllm_disagg.nanoflow.runner import nanoflow_plan_of, nanoflow_runner_cls
+from vllm_disagg.nanoflow.runner import enable_nano_ubatching, nanoflow_runner_cls, runner_stats
 
-logger = logging.getLogger(__name__)
-
-
-def enable_nano_ubatching(vllm_config: Any) -> int:
-    """Turn on vLLM's ubatch plumbing in this worker for the configured plan; returns the fine
-    nano-batch count (0 when nanoflow is off or the count is 1)."""
-    plan = nanoflow_plan_of(vllm_config)
-    if plan is None or plan.nano_batches.attn < 2:
-        return 0
-    pc = vllm_config.parallel_config
-    if pc.data_parallel_size > 1 or pc.enable_dbo or pc.pipeline_parallel_size > 1:
-        raise ValueError(
-            "nanoflow: nano-batching does not combine with data/pipeline parallelism or DBO "
-            f"(dp={pc.data_parallel_size}, pp={pc.pipeline_parallel_size}, dbo={pc.enable_dbo}); "
-            'remove additional_config["disagg"]["nanoflow"] or those flags'
-        )
-    n = plan.nano_batches.attn
-    pc.ubatch_size = n
-    pc.dbo_decode_token_threshold = max(n, 1)
-    pc.dbo_prefill_token_threshold = max(n, 1)
-    return n
-
-
-def _runner_stats(runner: Any) -> dict:
-    stats = dict(getattr(runner, "nano_stats", {}) or {})
-    tput = getattr(runner, "_nano_tput", None)
-    if tput is not None:
-        stats.update(tput.summary())
-    executor = getattr(runner, "nano_executor", None)
-    if executor is not None:
-        stats["units"] = [u.describe() for u in executor.units.values()]
-        stats["inline"] = executor.inline
-    stats["pipeline"] = getattr(runner, "nano_pipeline", None) is not None
-    return stats
+logger = init_logger(__name__)
 
 
 class NanoFlowCPUWorker(CPUWorker):
@@ -81,27 +45,10 @@ class NanoFlowCPUWorker(CPUWorker):
 
     def nanoflow_stats(self) -> dict:
         """collective_rpc("nanoflow_stats"): step counters, units and throughput vs optimal."""
-        return _runner_stats(self.model_runner)
+        return runner_stats(self.model_runner)
 
 
-class NanoFlowGPUWorker(Worker):
-    """GPU Worker with the nano-batch runner; units are SM-limited streams (green contexts)."""
+# GPU: its own module, so a CUDA wheel never imports the CPU worker (and vice versa)
+from vllm_disagg.nanoflow.gpu_worker import NanoFlowGPUWorker  # noqa: E402
 
-    def runner_base_cls(self) -> type:
-        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-        return GPUModelRunner
-
-    def init_device(self) -> None:
-        enable_nano_ubatching(self.vllm_config)
-        super().init_device()
-
-    def _make_model_runner(self):
-        if nanoflow_plan_of(self.vllm_config) is None:
-            return super()._make_model_runner()
-        if self.use_v2_model_runner:
-            raise ValueError("nanoflow needs the V1 model runner: set VLLM_USE_V2_MODEL_RUNNER=0")
-        return nanoflow_runner_cls(self.runner_base_cls())(self.vllm_config, self.device)
-
-    def nanoflow_stats(self) -> dict:
-        return _runner_stats(self.model_runner)
+__all__ = ["NanoFlowCPUWorker", "NanoFlowGPUWorker", "enable_nano_ubatching"]

@@ -144,15 +144,16 @@ def _load_json(path: Path) -> dict:
         raise ValueError(f"cannot read catalog {path}: {exc}") from exc
 
 
-def _user_files(extra: tuple[str, ...]) -> list[Path]:
-    env = os.environ.get(CATALOG_ENV, "")
-    return [Path(p) for p in (*env.split(os.pathsep), *extra) if p]
+def _catalog(extra: tuple[str, ...] = ()) -> dict:
+    """Built-in data, then $VLLM_DISAGG_PLANNER_CATALOG files, then `extra`."""
+    return _load_catalog(os.environ.get(CATALOG_ENV, ""), tuple(extra))
 
 
 @lru_cache(maxsize=8)
-def _catalog(extra: tuple[str, ...] = ()) -> dict:
+def _load_catalog(env: str, extra: tuple[str, ...]) -> dict:
     out = {"devices": {}, "machines": {}, "models": {}}
-    for path in [_DATA / "hardware.json", _DATA / "models.json", *_user_files(extra)]:
+    user = [Path(p) for p in (*env.split(os.pathsep), *extra) if p]
+    for path in [_DATA / "hardware.json", _DATA / "models.json", *user]:
         data = _load_json(path)
         for key in out:
             out[key].update(data.get(key, {}))

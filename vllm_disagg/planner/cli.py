@@ -9,6 +9,8 @@ Splitwise Fig. 12).
 from __future__ import annotations
 
 import argparse
+import functools
+import sys
 
 from vllm_disagg.planner import lamina as la
 from vllm_disagg.planner import nanoflow as nf
@@ -20,13 +22,26 @@ from vllm_disagg.planner.profile import load_profile
 def add_parser(subparsers) -> None:
     plan = subparsers.add_parser("plan", help="size a deployment with the papers' models",
                                  description=__doc__.splitlines()[0])
-    sub = plan.add_subparsers(dest="plan_command", metavar="MODEL")
+    sub = plan.add_subparsers(dest="plan_command", metavar="PAPER")
     _nanoflow_parser(sub)
     _lamina_parser(sub)
     from vllm_disagg.planner.cli_splitwise import add_splitwise_parser
 
-    add_splitwise_parser(sub, _common)
+    add_splitwise_parser(sub, _common, guard)
     plan.set_defaults(func=lambda args: (plan.print_help(), 2)[1])
+
+
+def guard(fn):
+    """Bad names, files or profiles end with one clear line, not a traceback."""
+    @functools.wraps(fn)
+    def run(args) -> int:
+        try:
+            return fn(args)
+        except (KeyError, ValueError, OSError) as exc:
+            msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+            print(f"vllm-disagg plan: error: {msg}", file=sys.stderr)
+            return 2
+    return run
 
 
 def _common(p: argparse.ArgumentParser, model_default: str) -> None:
@@ -58,7 +73,7 @@ def _nanoflow_parser(sub) -> None:
     p.add_argument("--prompt", type=float, default=512, help="average prompt tokens p")
     p.add_argument("--output", type=float, default=1024, help="average output tokens d")
     p.add_argument("--tflops", type=float, help="achievable TFLOP/s per GPU (e.g. 260)")
-    p.set_defaults(func=run_nanoflow)
+    p.set_defaults(func=guard(run_nanoflow))
 
 
 def nanoflow_summary(args) -> dict:
@@ -125,7 +140,7 @@ def _lamina_parser(sub) -> None:
     p.add_argument("--batch", type=int, default=300)
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--alpha", type=float, default=0.2)
-    p.set_defaults(func=run_lamina)
+    p.set_defaults(func=guard(run_lamina))
 
 
 def parse_dops(values: list[str]) -> list[tuple[int, int]]:

@@ -20,6 +20,7 @@ from vllm_disagg.planner.provision import (
 from vllm_disagg.planner.slo import slo_report
 from vllm_disagg.planner.splitwise_sim import MachineGroup, SimOptions, simulate
 from vllm_disagg.planner.traces import (
+    TRACE_STATS,
     TraceRequest,
     load_azure_csv,
     rescale_rate,
@@ -28,11 +29,11 @@ from vllm_disagg.planner.traces import (
 from vllm_disagg.router.policy import Pool, SchedulerConfig
 
 
-def add_splitwise_parser(sub, common) -> None:
+def add_splitwise_parser(sub, common, guard) -> None:
     p = sub.add_parser("splitwise", help="Splitwise cluster simulator and provisioning (§IV-V)")
     common(p, "llama-2-70b")
     p.add_argument("--design", default="HA", help="AA, HH, HA, HHcap, baseline-a100/h100")
-    p.add_argument("--trace", default="coding", help="coding, conversation, or an Azure CSV")
+    p.add_argument("--trace", default="coding", help="coding, conversation, splitwise, lmsys, sharegpt, or an Azure CSV")
     p.add_argument("--target-rps", type=float, default=70.0)
     p.add_argument("--objective", choices=["cost", "power", "throughput"], default="cost")
     p.add_argument("--constraint", choices=["none", "iso-power", "iso-cost"], default="none")
@@ -52,7 +53,7 @@ def add_splitwise_parser(sub, common) -> None:
                    help="pending prefill tokens before the mixed pool is used (0 = off)")
     p.add_argument("--decode-threshold", type=int, default=65536,
                    help="pending decode tokens before the mixed pool is used (0 = off)")
-    p.set_defaults(func=run_splitwise)
+    p.set_defaults(func=guard(run_splitwise))
 
 
 def _options(args) -> SimOptions:
@@ -62,7 +63,7 @@ def _options(args) -> SimOptions:
 
 def trace_source(args):
     """rps -> trace, from a synthetic kind or an Azure CSV rescaled to rps."""
-    if args.trace in ("coding", "conversation"):
+    if args.trace in TRACE_STATS:
         return lambda rps: synthetic_trace(args.trace, rps, duration_s=args.duration,
                                            seed=args.seed)
     base = load_azure_csv(args.trace)
@@ -170,6 +171,7 @@ def run_splitwise(args: argparse.Namespace) -> int:
     if args.plot and "evaluated" in out:
         title = f"Splitwise-{out['design']} {args.trace} @ {args.target_rps:g} RPS"
         if out["objective"] == "throughput":
+            title = f"Splitwise-{out['design']} {args.trace}, {args.constraint} ({args.budget})"
             report.plot_throughput(out["evaluated"], args.plot, title)
         else:
             metric = "cost_per_hour" if out["objective"] == "cost" else "power_w"

@@ -6,7 +6,8 @@ Azure format (AzurePublicDataset, AzureLLMInferenceDataset2023):
 `2023-11-16 18:15:46.6805900` or plain seconds.
 
 Synthetic traces draw prompt and output lengths from log-normals whose median
-and mean match the papers (Splitwise §III medians, Lamina Table 4 means) and
+and mean match the papers (Splitwise §III medians, Lamina Table 4 means; or
+NanoFlow Table 3 means and standard deviations) and
 Poisson arrivals at the target rate (Splitwise §V-B), from a seeded RNG.
 """
 
@@ -36,6 +37,11 @@ class LengthStats:
     median: float
     mean: float
 
+    @classmethod
+    def from_mean_std(cls, mean: float, std: float) -> LengthStats:
+        """Log-normal with this mean and std: median = mean/sqrt(1 + cv^2)."""
+        return cls(mean / math.sqrt(1 + (std / mean) ** 2), mean)
+
     @property
     def sigma(self) -> float:
         """Log-normal sigma with mean/median = exp(sigma^2/2)."""
@@ -46,6 +52,10 @@ class LengthStats:
 TRACE_STATS = {
     "coding": (LengthStats(1500, 2047.8), LengthStats(13, 27.9)),
     "conversation": (LengthStats(1020, 1154.7), LengthStats(129, 211.1)),
+    # NanoFlow Table 3: mean (std) of input and output tokens.
+    "splitwise": (LengthStats.from_mean_std(1155, 1109), LengthStats.from_mean_std(211, 163)),
+    "lmsys": (LengthStats.from_mean_std(102, 169), LengthStats.from_mean_std(222, 210)),
+    "sharegpt": (LengthStats.from_mean_std(246, 547), LengthStats.from_mean_std(322, 244)),
 }
 MAX_PROMPT_TOKENS = 32768
 

@@ -199,8 +199,9 @@ class RayActorSource:
     def _members_blocking(self) -> list[Member]:
         from vllm_disagg.launch.ray import instance_endpoints
 
-        return [Member(e["role"], e["url"], e.get("kv")) for e in
-                instance_endpoints(self.namespace, self.timeout_s) if e.get("up")]
+        return [Member(e["role"], e["url"], e.get("kv") if e["role"] == "prefill" else None)
+                for e in instance_endpoints(self.namespace, self.timeout_s)
+                if e.get("up") and e["role"] in ROLES]
 
 
 # ------------------------------------------------------------------------------------------ sync
@@ -248,7 +249,7 @@ def apply_members(pools, members: list[Member], health=None) -> tuple[list[str],
     removed = []
     for iid, inst in list(pools.instances.items()):
         m = wanted.get(iid)
-        if m is None or m.role != inst.pool.value or _kv_of(inst) != m.kv:
+        if m is None or m.role != inst.pool.value or (m.role == "prefill" and _kv_of(inst) != m.kv):
             _remove(pools, iid)
             removed.append(iid)
     added = []

@@ -57,6 +57,7 @@ _BACKENDS = {
     TransportKind.SHM: "vllm_disagg.transport.shm:ShmTransport",
     TransportKind.NIXL: "vllm_disagg.transport.nixl:NixlTransport",
     TransportKind.RDMA: "vllm_disagg.transport.rdma:RdmaTransport",
+    TransportKind.MSCCLPP: "vllm_disagg.transport.mscclpp:MscclppTransport",
     TransportKind.LOOPBACK: "vllm_disagg.transport.loopback:LoopbackTransport",
 }
 

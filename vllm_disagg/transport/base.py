@@ -30,6 +30,7 @@ Backends are chosen with `get_transport(kind, options)` (see `__init__.py`), imp
 from __future__ import annotations
 
 import enum
+import os
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -63,6 +64,7 @@ class TransportKind(str, enum.Enum):
     SHM = "shm"
     NIXL = "nixl"
     RDMA = "rdma"
+    MSCCLPP = "mscclpp"
     LOOPBACK = "loopback"
 
 
@@ -72,11 +74,15 @@ class XferState(enum.Enum):
     FAILED = "failed"
 
 
+def _default_spin_us() -> float:
+    return 0.0 if (os.cpu_count() or 1) <= 2 else 50.0
+
+
 @dataclass(frozen=True)
 class TransportOptions:
     """Settings shared by all backends; backends ignore what does not apply to them."""
 
-    auth_token: str
+    auth_token: str = field(repr=False)
     """Shared secret every peer must prove (HMAC challenge); required, never logged."""
     host: str = "127.0.0.1"
     """Interface listeners bind to (tcp, nixl control channel)."""
@@ -86,8 +92,9 @@ class TransportOptions:
     """Parallel TCP connections per KV peer (tcp backend)."""
     timeout_s: float = 30.0
     """Default bound on every wait (connect, send, recv, notification, transfer)."""
-    spin_us: float = 50.0
-    """shm: busy-poll this long before sleeping on the eventfd (lower latency, burns a core)."""
+    spin_us: float = field(default_factory=lambda: _default_spin_us())
+    """shm/nixl: busy-poll this long before sleeping (lower latency, burns a core). Default 50 µs,
+    0 on machines with <= 2 CPUs, where a spinning peer only delays the process it waits for."""
     max_msg_bytes: int = 1 << 30
     """Largest accepted message payload; bigger frames are rejected as malformed."""
     chunk_bytes: int = 4 << 20

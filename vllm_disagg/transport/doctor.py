@@ -22,7 +22,9 @@ _NOTES = {
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("doctor", help="report which transports can run here and why not")
-    p.add_argument("--probe", action="store_true", help="also push a few KV blocks through each available backend")
+    p.add_argument(
+        "--probe", action="store_true", help="also push a few KV blocks through each available backend"
+    )
     p.set_defaults(func=run)
 
 

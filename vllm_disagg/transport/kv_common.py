@@ -36,7 +36,9 @@ def region_from_tensor(name: str, tensor: Any) -> Region:
     if not name or len(name.encode()) > MAX_NAME_BYTES:
         raise ValueError(f"region name must be 1..{MAX_NAME_BYTES} bytes, got {name!r}")
     if tensor.dim() < 1 or tensor.shape[0] < 1:
-        raise ValueError(f"region {name!r} must be [num_blocks, ...] with num_blocks >= 1, got {tuple(tensor.shape)}")
+        raise ValueError(
+            f"region {name!r} must be [num_blocks, ...] with num_blocks >= 1, got {tuple(tensor.shape)}"
+        )
     blocks = block_view(tensor)
     return Region(RegionInfo(name, blocks.shape[0], blocks.shape[1]), tensor, blocks)
 
@@ -167,15 +169,21 @@ def plan_writes(writes: list[BlockWrite], regions: dict[str, tuple[int, RegionIn
         idx, info = regions[w.region]
         src = block_view(w.src)
         if src.shape[1] != info.block_nbytes:
-            raise ValueError(f"region {w.region!r}: source block is {src.shape[1]} bytes, peer's is {info.block_nbytes}")
+            raise ValueError(
+                f"region {w.region!r}: source block is {src.shape[1]} bytes, peer's is {info.block_nbytes}"
+            )
         src_ids = np.asarray(w.src_block_ids, dtype=np.int64).reshape(-1)
         dst_ids = np.asarray(w.dst_block_ids, dtype=np.int64).reshape(-1)
         if len(src_ids) != len(dst_ids):
-            raise ValueError(f"region {w.region!r}: {len(src_ids)} source ids but {len(dst_ids)} destination ids")
+            raise ValueError(
+                f"region {w.region!r}: {len(src_ids)} source ids but {len(dst_ids)} destination ids"
+            )
         if len(src_ids) and (src_ids.min() < 0 or src_ids.max() >= src.shape[0]):
             raise ValueError(f"region {w.region!r}: source block id out of range 0..{src.shape[0] - 1}")
         if len(dst_ids) and (dst_ids.min() < 0 or dst_ids.max() >= info.num_blocks):
-            raise ValueError(f"region {w.region!r}: destination block id out of range 0..{info.num_blocks - 1}")
+            raise ValueError(
+                f"region {w.region!r}: destination block id out of range 0..{info.num_blocks - 1}"
+            )
         plans.append(PlannedWrite(idx, src, src_ids, dst_ids))
     return plans
 
@@ -203,12 +211,16 @@ class PeerSequencer:
     def chunk_done(self, m: WriteMeta, nbytes: int) -> list[Notification]:
         with self._lock:
             if m.seq < self.next_seq or m.seq >= self.next_seq + MAX_INFLIGHT_SEQS:
-                raise ProtocolError(f"KV_WRITE from {self.name}: seq {m.seq} outside window at {self.next_seq}")
+                raise ProtocolError(
+                    f"KV_WRITE from {self.name}: seq {m.seq} outside window at {self.next_seq}"
+                )
             entry = self._pending.setdefault(m.seq, [m.num_chunks, set(), m.transfer_id, m.layer, 0])
             if entry[0] != m.num_chunks or entry[2] != m.transfer_id or entry[3] != m.layer:
                 raise ProtocolError(f"KV_WRITE from {self.name}: chunks of seq {m.seq} disagree")
             if m.chunk_idx in entry[1]:
-                raise ProtocolError(f"KV_WRITE from {self.name}: duplicate chunk {m.chunk_idx} of seq {m.seq}")
+                raise ProtocolError(
+                    f"KV_WRITE from {self.name}: duplicate chunk {m.chunk_idx} of seq {m.seq}"
+                )
             entry[1].add(m.chunk_idx)
             entry[4] += nbytes
             return self._release()

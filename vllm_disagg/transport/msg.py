@@ -42,7 +42,9 @@ def pack_msg(header: bytes, views: Sequence[memoryview]) -> tuple[bytes, int]:
     return pack_frame(T_MSG, meta, sum(lengths)), sum(lengths)
 
 
-def parse_msg_meta(meta: bytes | bytearray, payload_len: int, max_bytes: int, peer: str) -> tuple[bytes, list[int]]:
+def parse_msg_meta(
+    meta: bytes | bytearray, payload_len: int, max_bytes: int, peer: str
+) -> tuple[bytes, list[int]]:
     if len(meta) < _COUNT.size:
         raise ProtocolError(f"MSG frame from {peer} too short ({len(meta)} meta bytes)")
     (count,) = _COUNT.unpack_from(meta)

@@ -62,7 +62,9 @@ def _run_writes(peer, seed: int, plan: list[tuple], forever: bool = False) -> li
             key = (layer, nsrc, elems)
             if key not in sources:
                 sources[key] = layer_data(seed, layer, nsrc, elems)
-            handles.append(peer.write_blocks([BlockWrite(region, sources[key], src_ids, dst_ids)], tid, layer))
+            handles.append(
+                peer.write_blocks([BlockWrite(region, sources[key], src_ids, dst_ids)], tid, layer)
+            )
         states = []
         for h in handles:
             try:
@@ -74,7 +76,9 @@ def _run_writes(peer, seed: int, plan: list[tuple], forever: bool = False) -> li
             return states
 
 
-def kv_receiver_child(kind: str, token: str, conn, num_layers: int, num_blocks: int, block_elems: int) -> None:
+def kv_receiver_child(
+    kind: str, token: str, conn, num_layers: int, num_blocks: int, block_elems: int
+) -> None:
     """Registers regions `layer.{i}`, sends ("addr", address), then reports notifications until killed."""
     import torch
 

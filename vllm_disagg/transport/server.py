@@ -48,7 +48,9 @@ class AuthServer:
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
         self.sock, self.address = _bind(host, port, unix, service)
-        self._thread = threading.Thread(target=self._accept_loop, name=f"disagg-{service.decode()}-accept", daemon=True)
+        self._thread = threading.Thread(
+            target=self._accept_loop, name=f"disagg-{service.decode()}-accept", daemon=True
+        )
         self._thread.start()
 
     def _accept_loop(self) -> None:

@@ -11,7 +11,6 @@ connection only; the listener keeps serving.
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import select
 import threading
@@ -81,7 +80,9 @@ class StreamKVReceiver(KVReceiver):
                 port=self.options.port,
                 unix=self.unix,
             )
-            logger.info("KV receiver %s serving %d regions on %s", self.name, len(self._regions), self.address)
+            logger.info(
+                "KV receiver %s serving %d regions on %s", self.name, len(self._regions), self.address
+            )
         return self.address
 
     @property
@@ -170,7 +171,9 @@ class StreamKVReceiver(KVReceiver):
         nbytes = len(m.dst_ids) * block_nbytes
         expected = nbytes if self.inline_data else 0
         if payload_len != expected:
-            raise ProtocolError(f"KV_WRITE from {stream.peer}: payload {payload_len} bytes, expected {expected}")
+            raise ProtocolError(
+                f"KV_WRITE from {stream.peer}: payload {payload_len} bytes, expected {expected}"
+            )
         if self.inline_data and nbytes:
             blocks = self._regions[m.region_idx].blocks
             for _, first, length in runs(m.dst_ids):
@@ -186,7 +189,3 @@ class StreamKVReceiver(KVReceiver):
         self._closed.set()
         if self._server is not None:
             self._server.close()
-
-
-def fd_path(fd: int) -> str:
-    return os.readlink(f"/proc/self/fd/{fd}")

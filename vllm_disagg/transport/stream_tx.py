@@ -125,7 +125,9 @@ class StreamKVPeer(KVPeer):
                 self._fail(err)
                 op.handle._finish(err)
 
-    def _send_chunk(self, stream: SockStream, seq, chunk_idx, num_chunks, layer, tid, c: PlannedWrite) -> None:
+    def _send_chunk(
+        self, stream: SockStream, seq, chunk_idx, num_chunks, layer, tid, c: PlannedWrite
+    ) -> None:
         """tcp: frame + block bytes straight from the source tensor's memory."""
         meta = pack_write_meta(seq, chunk_idx, num_chunks, layer, c.region_idx, tid, c.dst_ids)
         nbytes = len(c.src_ids) * c.src.shape[1]
@@ -180,7 +182,9 @@ class StreamKVSender(KVSender):
         try:
             for i in range(self.num_streams):
                 stream = SockStream(connect_socket(address, timeout), address, timeout)
-                info = client_handshake(stream, self.options.auth_token.encode(), b"kv", pack_hello(session, i, self.name))
+                info = client_handshake(
+                    stream, self.options.auth_token.encode(), b"kv", pack_hello(session, i, self.name)
+                )
                 streams.append(stream)
                 if i == 0:
                     infos, _ = parse_region_table(info, address)
@@ -192,7 +196,13 @@ class StreamKVSender(KVSender):
         for s in streams:
             s.timeout = self.options.timeout_s
         self._peers.append(peer)
-        logger.info("KV sender %s connected to %s (%d streams, %d regions)", self.name, address, len(streams), len(infos))
+        logger.info(
+            "KV sender %s connected to %s (%d streams, %d regions)",
+            self.name,
+            address,
+            len(streams),
+            len(infos),
+        )
         return peer
 
     def _make_peer(self, address: str, streams: list[SockStream], infos: list[RegionInfo]) -> KVPeer:

@@ -20,6 +20,7 @@ import os
 import select
 import socket
 import struct
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -53,19 +54,23 @@ MAX_TID_BYTES = 128
 
 def as_byte_view(obj: Any) -> memoryview:
     """A flat, writable-if-possible byte view over a tensor's or buffer's own memory (no copy)."""
-    if hasattr(obj, "untyped_storage"):  # torch.Tensor
-        if obj.device.type != "cpu":
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(obj, torch.Tensor):
+        if not obj.is_cpu:
             raise ValueError(f"tensor on {obj.device} needs a host staging buffer for this backend")
         if not obj.is_contiguous():
             raise ValueError(f"tensor {tuple(obj.shape)} is not contiguous; pass .contiguous()")
-        import torch
-
-        arr = obj.detach().reshape(-1).view(torch.uint8).numpy()
-        return memoryview(arr)
+        try:
+            arr = obj.detach().numpy()
+        except TypeError:  # dtypes numpy lacks (bfloat16, fp8): reinterpret the bytes
+            arr = obj.detach().reshape(-1).view(torch.uint8).numpy()
+        return memoryview(arr).cast("B") if arr.ndim != 1 or arr.itemsize != 1 else memoryview(arr)
     view = memoryview(obj)
+    if view.format == "B" and view.ndim == 1:
+        return view
     if not view.c_contiguous:
         raise ValueError("buffer is not C-contiguous")
-    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+    return view.cast("B")
 
 
 def pack_frame(ftype: int, meta: bytes = b"", payload_len: int = 0) -> bytes:
@@ -112,7 +117,9 @@ class SockStream:
                         views[i] = views[i][sent:]
                         sent = 0
         except TimeoutError:
-            raise TransportTimeout(f"send to {self.peer} blocked longer than {self.sock.gettimeout()}s") from None
+            raise TransportTimeout(
+                f"send to {self.peer} blocked longer than {self.sock.gettimeout()}s"
+            ) from None
         except OSError as err:
             raise PeerLostError(f"connection to {self.peer} lost during send: {err}") from None
         return total
@@ -124,7 +131,9 @@ class SockStream:
             while got < n:
                 k = self.sock.recv_into(view[got:], n - got)
                 if k == 0:
-                    raise PeerLostError(f"{self.peer} closed the connection ({got}/{n} bytes of a frame read)")
+                    raise PeerLostError(
+                        f"{self.peer} closed the connection ({got}/{n} bytes of a frame read)"
+                    )
                 got += k
         except TimeoutError:
             raise TransportTimeout(f"no data from {self.peer} within {self.sock.gettimeout()}s") from None
@@ -208,7 +217,9 @@ def client_handshake(stream: SockStream, token: bytes, service: bytes, hello: by
     ftype, meta, payload_len = read_frame(stream)
     if ftype != T_WELCOME or len(meta) < MAC_BYTES or payload_len:
         raise ProtocolError(f"expected WELCOME from {stream.peer}, got type {ftype}")
-    if not hmac.compare_digest(bytes(meta[:MAC_BYTES]), _mac(token, b"s", service, client_nonce, server_nonce)):
+    if not hmac.compare_digest(
+        bytes(meta[:MAC_BYTES]), _mac(token, b"s", service, client_nonce, server_nonce)
+    ):
         raise AuthError(f"server {stream.peer} failed to prove the shared token")
     return bytes(meta[MAC_BYTES:])
 

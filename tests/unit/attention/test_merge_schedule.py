@@ -58,11 +58,11 @@ def test_merge_with_an_empty_side_returns_the_other_side_and_both_empty_gives_ze
     lse = torch.randn(2, 4)
     empty_out = torch.zeros(2, 4, 8)
     empty_lse = torch.full((2, 4), float("-inf"))
-    out, l = merge_attn_states(empty_out, empty_lse, a, lse)
+    out, merged_lse = merge_attn_states(empty_out, empty_lse, a, lse)
     torch.testing.assert_close(out, a)
-    torch.testing.assert_close(l, lse)
-    out, l = merge_attn_states(empty_out, empty_lse, empty_out, empty_lse)
-    assert torch.count_nonzero(out) == 0 and torch.isinf(l).all()
+    torch.testing.assert_close(merged_lse, lse)
+    out, merged_lse = merge_attn_states(empty_out, empty_lse, empty_out, empty_lse)
+    assert torch.count_nonzero(out) == 0 and torch.isinf(merged_lse).all()
 
 
 def test_partial_attention_masks_absent_keys():

@@ -22,11 +22,17 @@ GEOM = dict(num_layers=2, num_heads=4, num_kv_heads=2, head_size=32, block_size=
 
 
 @pytest.fixture(scope="module")
-def server():
-    srv = DisaggAttentionServer(transport="tcp", kv_cache_bytes=4 << 20, auth_token=TOKEN)
-    info = srv.start()
-    yield srv, info
-    srv.stop()
+def servers():
+    both = [DisaggAttentionServer(transport="tcp", kv_cache_bytes=4 << 20, auth_token=TOKEN) for _ in range(2)]
+    infos = [s.start() for s in both]
+    yield list(zip(both, infos))
+    for s in both:
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def server(servers):
+    return servers[0]
 
 
 def _prefill_meta(length: int, first_block: int) -> ClientMeta:
@@ -50,9 +56,8 @@ def _decode_meta(lengths: list[int], tables: list[torch.Tensor]) -> ClientMeta:
 
 
 @pytest.mark.parametrize(("partition", "early"), [("head", False), ("head", True), ("request", True)])
-def test_client_and_server_compute_exact_attention_for_prefill_then_decode(server, partition, early):
-    srv, info = server
-    client = DisaggAttentionClient([info["http"], info["http"]] if partition == "head" else [info["http"]] * 2,
+def test_client_and_server_compute_exact_attention_for_prefill_then_decode(servers, partition, early):
+    client = DisaggAttentionClient([info["http"] for _, info in servers],
                                    transport="tcp", partition=partition, send_q_early=early, auth_token=TOKEN)
     assert client.connect(**GEOM) > 0
     lengths, metas, keys, values = [40, 70], [], [], []
@@ -159,3 +164,11 @@ def _concat(metas: list[ClientMeta]) -> wire.StepMeta:
     qsl = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
     return wire.StepMeta(qsl, torch.tensor(lens, dtype=torch.int32), table,
                          torch.cat([m.step.slot_mapping for m in metas]))
+
+
+def test_executor_health_wait_names_the_servers_that_do_not_answer(server):
+    from vllm_disagg.attention.executor import wait_healthy
+
+    srv, info = server
+    assert wait_healthy([info["http"]], timeout_s=2) == []
+    assert wait_healthy([info["http"], "127.0.0.1:1"], timeout_s=0.5) == ["127.0.0.1:1"]

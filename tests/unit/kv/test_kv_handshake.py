@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import struct
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import given, settings
@@ -91,3 +92,28 @@ def test_corrupting_a_valid_frame_never_escapes_as_another_exception(junk, pos):
         decode_msg(bytes(frame))
     except ProtocolError:
         pass
+
+
+def test_stats_aggregate_reduce_and_export_the_disagg_kv_prometheus_metrics():
+    import prometheus_client as prom
+
+    from vllm_disagg.kv.stats import DisaggKVConnectorStats, DisaggKVPromMetrics
+
+    a, b = DisaggKVConnectorStats(), DisaggKVConnectorStats()
+    a.record_layer(1 << 20, 0.01)
+    a.record_request(0.05, 0.002)
+    b.record_fallback()
+    b.record_handshake_failure()
+    merged = a.aggregate(b.clone_and_reset())
+    assert b.is_empty() and not merged.is_empty()
+    summary = merged.reduce()
+    assert summary["MB pushed"] == 1.0 and summary["Num fallbacks"] == 1
+    types = {prom.Gauge: prom.Gauge, prom.Counter: prom.Counter, prom.Histogram: prom.Histogram}
+    metrics = DisaggKVPromMetrics(SimpleNamespace(kv_transfer_config=None), types, ["engine"], {0: ["0"]})
+    metrics.observe(merged.data, engine_idx=0)
+    text = prom.generate_latest().decode()
+    for name in ("vllm:disagg_kv_bytes_pushed_total", "vllm:disagg_kv_layer_transfer_seconds_bucket",
+                 "vllm:disagg_kv_request_transfer_seconds_count", "vllm:disagg_kv_exposed_transfer_seconds_sum",
+                 "vllm:disagg_kv_fallbacks_total", "vllm:disagg_kv_handshake_failures_total"):
+        assert name in text
+    assert 'vllm:disagg_kv_bytes_pushed_total{engine="0"} 1.048576e+06' in text

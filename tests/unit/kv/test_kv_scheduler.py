@@ -104,3 +104,15 @@ def test_preempted_prefill_requests_are_passed_to_the_worker():
     s.update_state_after_alloc(req, _blocks([]), 0)
     s.build_connector_meta(_out(new=[("p1", [3], 0)], sched={"p1": 32}))
     assert s.build_connector_meta(_out(preempted={"p1", "other"})).preempted_req_ids == ["p1"]
+
+
+def test_both_sides_carry_the_same_prompt_digest():
+    s = DisaggConnectorScheduler(BS, push_timeout_s=30)
+    d_req = _req("d", 40, **D_PARAMS)
+    p_req = _req("p", 40, do_remote_decode=True, transfer_id="t1")
+    d_req.prompt_token_ids = p_req.prompt_token_ids = list(range(40))
+    s.get_num_new_matched_tokens(d_req, 0)
+    s.update_state_after_alloc(d_req, _blocks([1, 2]), 40)
+    s.update_state_after_alloc(p_req, _blocks([]), 0)
+    meta = s.build_connector_meta(_out(new=[("p", [5, 6], 0)], sched={"p": 40}))
+    assert meta.recv_specs[0].prompt_digest == meta.save_specs[0].prompt_digest != ""

@@ -63,3 +63,23 @@ def test_router_command_parses_pool_membership():
 
     cfg = config_from_args(args)
     assert cfg.decode_urls == ["http://b:2", "http://c:3"] and args.port == 9000
+
+
+def test_instance_env_pins_cores_and_sizes_the_kv_cache_or_leaves_it_to_vllm_flags():
+    from vllm_disagg.launch.local import InstanceSpec, instance_env
+
+    spec = InstanceSpec("decode", 0, 1, 2, "1", env={"UCX_NET_DEVICES": "lo"})
+    env = instance_env(spec, 2, base={"VLLM_CPU_KVCACHE_SPACE": "9", "PATH": "/bin"})
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "1" and env["VLLM_HOST_IP"] == "127.0.0.1"
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "2" and env["UCX_NET_DEVICES"] == "lo" and env["PATH"] == "/bin"
+    assert "VLLM_CPU_KVCACHE_SPACE" not in instance_env(spec, None, base={"VLLM_CPU_KVCACHE_SPACE": "9"})
+
+
+def test_layerwise_threshold_and_per_instance_args_reach_the_command_line():
+    from vllm_disagg.launch.local import InstanceSpec
+
+    spec = InstanceSpec("prefill", 0, 1, 2, "0", kv_extra={"layerwise_threshold_tokens": 0}, args=["--seed", "1"])
+    cmd = serve_command(spec, "/m", "tcp", ["--dtype", "float32"], vllm_cmd=["vllm", "serve"])
+    kv = json.loads(cmd[cmd.index("--additional-config") + 1])["disagg"]["kv"]
+    assert kv["layerwise_threshold_tokens"] == 0
+    assert cmd[-4:] == ["--dtype", "float32", "--seed", "1"]

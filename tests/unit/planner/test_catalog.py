@@ -61,12 +61,10 @@ def test_user_catalog_files_add_and_override_entries(tmp_path, monkeypatch):
     assert get_hardware("h100", (str(extra),)).fp16_tflops == 1000
     assert get_hardware("h100").fp16_tflops == 989
     monkeypatch.setenv(catalog.CATALOG_ENV, str(extra))
-    catalog._catalog.cache_clear()
-    try:
-        assert get_model("tiny").num_params > 0
-    finally:
-        monkeypatch.delenv(catalog.CATALOG_ENV)
-        catalog._catalog.cache_clear()
+    assert get_model("tiny").num_params > 0
+    monkeypatch.delenv(catalog.CATALOG_ENV)
+    with pytest.raises(KeyError):
+        get_model("tiny")
 
 
 def test_unknown_names_fail_with_the_known_choices():

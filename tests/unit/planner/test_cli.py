@@ -97,3 +97,9 @@ def test_the_planner_imports_without_vllm_or_torch():
             "print('vllm' in sys.modules or 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_an_unknown_model_is_one_clear_error_line(capsys):
+    assert main(["plan", "lamina", "--model", "gpt-7"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown model 'gpt-7'" in err and "Traceback" not in err

@@ -47,3 +47,18 @@ def test_a_malformed_azure_row_is_reported_with_the_file(tmp_path):
     path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\nnot-a-time,1,x\n")
     with pytest.raises(ValueError, match="bad.csv"):
         load_azure_csv(path)
+
+
+@pytest.mark.parametrize("kind,p_mean,p_std,o_mean,o_std", [
+    ("splitwise", 1155, 1109, 211, 163), ("lmsys", 102, 169, 222, 210),
+    ("sharegpt", 246, 547, 322, 244)])
+def test_nanoflow_table3_datasets_match_their_mean_and_spread(kind, p_mean, p_std, o_mean, o_std):
+    import numpy as np
+
+    trace = synthetic_trace(kind, rps=10, num_requests=60000, seed=2)
+    p = np.array([r.num_prompt_tokens for r in trace])
+    o = np.array([r.num_output_tokens for r in trace])
+    assert p.mean() == pytest.approx(p_mean, rel=0.06)
+    assert o.mean() == pytest.approx(o_mean, rel=0.06)
+    assert p.std() == pytest.approx(p_std, rel=0.25)  # heavy tails: loose on spread
+    assert o.std() == pytest.approx(o_std, rel=0.25)

@@ -35,11 +35,19 @@ def transport(kind, options):
     return get_transport(kind, options)
 
 
+def _context():
+    """forkserver with torch preloaded: a real separate process that starts in ~0.1 s instead of
+    re-importing torch (seconds on a busy 2-core box); the server forks before any test threads."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "numpy", "vllm_disagg.transport.peers"])
+    return ctx
+
+
 class Child:
-    """A spawn child plus the parent's end of its Pipe; killed and reaped at teardown."""
+    """A child process plus the parent's end of its Pipe; killed and reaped at teardown."""
 
     def __init__(self, target, *args):
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         self.conn, child_conn = ctx.Pipe()
         self.proc = ctx.Process(target=target, args=(*args[:2], child_conn, *args[2:]), daemon=True)
         self.proc.start()

@@ -58,8 +58,10 @@ frames = st.one_of(
         st.sampled_from([MAGIC, b"VDTX", b"\0\0\0\0"]),
         st.sampled_from([PROTOCOL_VERSION, 0, 2, 65535]),
     ),
-    st.builds(lambda mac: _frame(T_AUTH, os.urandom(32) + mac + pack_hello(b"s" * 16, 0, "x"), 0),
-              st.binary(min_size=32, max_size=32)),  # AUTH with a forged MAC
+    st.builds(
+        lambda mac: _frame(T_AUTH, os.urandom(32) + mac + pack_hello(b"s" * 16, 0, "x"), 0),
+        st.binary(min_size=32, max_size=32),
+    ),  # AUTH with a forged MAC
 )
 
 # KV_WRITE from an authenticated peer with fields out of bounds.
@@ -67,11 +69,17 @@ bad_writes = st.builds(
     lambda seq, chunk, num_chunks, region, ids, tid_len, extra: _frame(
         T_KV_WRITE,
         KV_WRITE_META.pack(seq, chunk, num_chunks, 0, region, len(ids), tid_len)
-        + b"t" * min(tid_len, 300) + struct.pack(f"<{len(ids)}I", *ids),
+        + b"t" * min(tid_len, 300)
+        + struct.pack(f"<{len(ids)}I", *ids),
         max(0, len(ids) * BLOCK_ELEMS * 4 + extra),
     ),
-    st.integers(0, 1 << 62), st.integers(0, 5), st.integers(0, 5), st.integers(0, 3),
-    st.lists(st.integers(0, 2**32 - 1), max_size=6), st.integers(0, 400), st.sampled_from([0, 0, 1, -1]),
+    st.integers(0, 1 << 62),
+    st.integers(0, 5),
+    st.integers(0, 5),
+    st.integers(0, 3),
+    st.lists(st.integers(0, 2**32 - 1), max_size=6),
+    st.integers(0, 400),
+    st.sampled_from([0, 0, 1, -1]),
 )
 
 

@@ -23,7 +23,7 @@ def test_selecting_rdma_without_a_device_fails_at_start_up_with_one_line():
 
 
 def test_an_unknown_transport_name_lists_the_known_ones():
-    with pytest.raises(ValueError, match="known: tcp, shm, nixl, rdma, loopback"):
+    with pytest.raises(ValueError, match="known: tcp, shm, nixl, rdma, mscclpp, loopback"):
         get_transport("mooncake", OPTS)
 
 
@@ -40,17 +40,21 @@ def test_importing_the_package_does_not_import_optional_backends():
 
 def test_available_transports_reports_every_kind_with_a_reason_when_it_cannot_run():
     report = available_transports()
-    assert set(report) == {"tcp", "shm", "nixl", "rdma", "loopback"}
+    assert set(report) == {"tcp", "shm", "nixl", "rdma", "mscclpp", "loopback"}
     assert report["tcp"] is None and report["loopback"] is None
     assert isinstance(report["rdma"], str) and report["rdma"]
 
 
 def test_doctor_prints_one_line_per_transport_and_exits_zero():
-    out = subprocess.run([sys.executable, "-m", "vllm_disagg.cli.main", "doctor"], capture_output=True,
-                         text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "vllm_disagg.cli.main", "doctor"], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
-    lines = [ln for ln in out.stdout.splitlines() if ln.split(":")[0].strip() in
-             {"tcp", "shm", "nixl", "rdma", "loopback"}]
+    lines = [
+        ln
+        for ln in out.stdout.splitlines()
+        if ln.split(":")[0].strip() in {"tcp", "shm", "nixl", "rdma", "loopback"}
+    ]
     assert len(lines) == 5 and any(ln.startswith("rdma") and "no" in ln for ln in lines)
 
 

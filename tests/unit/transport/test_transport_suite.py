@@ -96,7 +96,9 @@ def test_each_notification_arrives_only_after_its_data_has_landed(transport, kin
     for k, (layer, dst) in enumerate(expected):
         n = rx.wait_notification(timeout=20)
         assert (n.transfer_id, n.seq) == (f"w{k}", k)
-        assert torch.equal(caches[layer][dst], src[layer][dst]), f"data of write {k} not there at its notification"
+        assert torch.equal(caches[layer][dst], src[layer][dst]), (
+            f"data of write {k} not there at its notification"
+        )
     wait_for(child.conn, "done")
     rx.close()
 
@@ -154,7 +156,9 @@ def test_a_killed_message_peer_surfaces_as_peer_lost_on_recv(transport, kind, sp
     ch = transport.connect_msg(wait_for(child.conn, "addr")[1], timeout=10)
     ch.send(b"ping", [torch.arange(8.0)])
     m = ch.recv(timeout=10)
-    assert m.header == b"ping" and torch.equal(torch.frombuffer(m.buffers[0], dtype=torch.float32), torch.arange(8.0))
+    assert m.header == b"ping" and torch.equal(
+        torch.frombuffer(m.buffers[0], dtype=torch.float32), torch.arange(8.0)
+    )
     child.kill()
     t0 = time.monotonic()
     with pytest.raises(PeerLostError):
@@ -185,7 +189,11 @@ def test_messages_land_in_preallocated_buffers_and_too_small_ones_are_refused(tr
 def test_garbage_on_the_listener_is_rejected_and_a_good_peer_is_still_served(transport, kind, spawn):
     rx, caches = _receiver(transport, num_layers=1)
     family, addr = parse_address(_control_address(kind, rx))
-    for garbage in [b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", b"VDTP" + b"\xff" * 40, FRAME_HDR.pack(b"VDTP", 1, 2, 1 << 30, 0)]:
+    for garbage in [
+        b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
+        b"VDTP" + b"\xff" * 40,
+        FRAME_HDR.pack(b"VDTP", 1, 2, 1 << 30, 0),
+    ]:
         with socket.socket(family, socket.SOCK_STREAM) as s:
             s.settimeout(10)
             s.connect(addr)

@@ -170,7 +170,9 @@ class LoopbackChannel(MsgChannel):
             return Message(header, [memoryview(bytearray(p)) for p in payloads])
         views = [as_byte_view(o) for o in out[: len(payloads)]]
         if len(views) < len(payloads) or any(v.nbytes < len(p) for v, p in zip(views, payloads, strict=True)):
-            raise ValueError(f"recv(out=...) buffers too small or too few for payload lengths {list(map(len, payloads))}")
+            raise ValueError(
+                f"recv(out=...) buffers too small or too few for payload lengths {list(map(len, payloads))}"
+            )
         for v, p in zip(views, payloads, strict=True):
             v[: len(p)] = p
         return Message(header, [v[: len(p)] for v, p in zip(views, payloads, strict=True)])

@@ -29,12 +29,19 @@ class NixlMsgListener(MsgListener):
         self._local = threading.local()
 
         def welcome(hello: bytes) -> bytes:
-            self._local.ep = NixlEndpoint()  # same handler thread runs serve() next
+            self._local.ep = NixlEndpoint(options.host)  # same handler thread runs serve() next
             return self._local.ep.describe()
 
-        self._server = AuthServer(token=options.auth_token.encode(), service=SERVICE, serve=self._serve,
-                                  welcome_info=welcome, stats=self.stats, timeout_s=options.timeout_s,
-                                  host=options.host, port=options.port)
+        self._server = AuthServer(
+            token=options.auth_token.encode(),
+            service=SERVICE,
+            serve=self._serve,
+            welcome_info=welcome,
+            stats=self.stats,
+            timeout_s=options.timeout_s,
+            host=options.host,
+            port=options.port,
+        )
 
     def _serve(self, stream, hello: bytes) -> None:
         from vllm_disagg.transport.nixl.msg import NixlMsgChannel
@@ -73,12 +80,12 @@ class NixlTransport(Transport):
         return cls._reason
 
     def kv_receiver(self, name: str = "receiver") -> KVReceiver:
-        from vllm_disagg.transport.nixl.kv import NixlKVReceiver
+        from vllm_disagg.transport.nixl.kv_rx import NixlKVReceiver
 
         return NixlKVReceiver(self.options, name)
 
     def kv_sender(self, name: str = "sender") -> KVSender:
-        from vllm_disagg.transport.nixl.kv import NixlKVSender
+        from vllm_disagg.transport.nixl.kv_tx import NixlKVSender
 
         return NixlKVSender(self.options, name)
 
@@ -90,7 +97,7 @@ class NixlTransport(Transport):
         from vllm_disagg.transport.wire import SockStream, client_handshake, connect_socket
 
         timeout = self.options.timeout_s if timeout is None else timeout
-        ep = NixlEndpoint()
+        ep = NixlEndpoint(self.options.host)
         stream = SockStream(connect_socket(address, timeout), address, timeout)
         try:
             info = client_handshake(stream, self.options.auth_token.encode(), SERVICE, ep.describe())

@@ -23,6 +23,7 @@ from vllm_disagg.transport.base import RegionInfo
 from vllm_disagg.transport.kv_common import pack_region_table, parse_region_table
 from vllm_disagg.transport.wire import MAX_TID_BYTES
 
+KV_SERVICE = b"nixl-kv"  # control-channel service tag of the KV push
 _ADDR = struct.Struct("<QI")  # base address, device id
 _NOTIF = struct.Struct("<QiQH")  # seq, layer, nbytes, tid_len; then tid
 _LEN = struct.Struct("<I")
@@ -37,13 +38,36 @@ def import_reason() -> str | None:
     return None
 
 
-def make_agent(role: str) -> tuple[Any, str]:
+def make_agent(role: str, host: str = "127.0.0.1") -> tuple[Any, str]:
     """A fresh agent with a unique name, UCX backend, no progress thread."""
+    _ucx_env_defaults(host)
     from nixl._api import nixl_agent, nixl_agent_config
 
     name = f"vd-{role}-{os.getpid()}-{os.urandom(4).hex()}"
     config = nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False, backends=["UCX"])
     return nixl_agent(name, config), name
+
+
+def _ucx_env_defaults(host: str) -> None:
+    """UCX settings for machines without an RDMA device (explicit env vars always win).
+
+    * UCX_MODULES=^ib: the wheel's bundled libnl-route crashes in its ELF destructor
+      (rtnl_tc_unregister) at process exit once UCX loaded its ib module, so every process that
+      made an agent died with SIGSEGV (exit code 139) after finishing its work. Without a device
+      the ib module has nothing to drive; where /sys/class/infiniband lists devices we keep it.
+    * UCX_NET_DEVICES=lo when our host is loopback: keep UCX's tcp lanes on 127.0.0.1.
+    """
+    if not _has_rdma_device():
+        os.environ.setdefault("UCX_MODULES", "^ib")
+    if host.startswith("127.") or host == "localhost":
+        os.environ.setdefault("UCX_NET_DEVICES", "lo")
+
+
+def _has_rdma_device() -> bool:
+    try:
+        return bool(os.listdir("/sys/class/infiniband"))
+    except OSError:
+        return False
 
 
 def mem_type(tensor: Any) -> str:
@@ -53,7 +77,9 @@ def mem_type(tensor: Any) -> str:
 def tensor_region(name: str, tensor: Any) -> tuple[RegionInfo, int, int]:
     """(info, base address, device id) of a contiguous `[num_blocks, ...]` tensor (CPU or GPU)."""
     if not tensor.is_contiguous() or tensor.dim() < 1 or tensor.shape[0] < 1:
-        raise ValueError(f"region {name!r} must be a contiguous [num_blocks, ...] tensor, got {tuple(tensor.shape)}")
+        raise ValueError(
+            f"region {name!r} must be a contiguous [num_blocks, ...] tensor, got {tuple(tensor.shape)}"
+        )
     nbytes = tensor.numel() * tensor.element_size()
     num_blocks = int(tensor.shape[0])
     dev = tensor.get_device() if tensor.device.type == "cuda" else 0
@@ -95,7 +121,9 @@ def parse_notif(raw: bytes, peer: str) -> tuple[int, int, int, str]:
         raise ProtocolError(f"nixl notification from {peer}: transfer_id is not UTF-8") from None
 
 
-def block_descs(base: int, block_nbytes: int, first_ids: list[int], lengths: list[int], dev: int) -> np.ndarray:
+def block_descs(
+    base: int, block_nbytes: int, first_ids: list[int], lengths: list[int], dev: int
+) -> np.ndarray:
     """Nx3 (addr, len, dev) descriptors, one per run of consecutive blocks."""
     out = np.empty((len(first_ids), 3), dtype=np.uint64)
     out[:, 0] = base + np.asarray(first_ids, dtype=np.uint64) * np.uint64(block_nbytes)

@@ -43,16 +43,18 @@ _DRIVE_AFTER_SEND_S = 0.005
 class NixlEndpoint:
     """This side's agent and registered buffers, created before the handshake."""
 
-    def __init__(self):
+    def __init__(self, host: str):
         import torch
 
-        self.agent, self.name = make_agent("msg")
+        self.agent, self.name = make_agent("msg", host)
         self.recv_buf = torch.zeros(NUM_SLOTS * SLOT_BYTES, dtype=torch.uint8)
         self.send_buf = torch.zeros(NUM_SLOTS * SLOT_BYTES, dtype=torch.uint8)
         self.agent.register_memory([self.recv_buf, self.send_buf])
 
     def describe(self) -> bytes:
-        return _ENDPOINT.pack(self.recv_buf.data_ptr(), SLOT_BYTES, NUM_SLOTS) + self.agent.get_agent_metadata()
+        return (
+            _ENDPOINT.pack(self.recv_buf.data_ptr(), SLOT_BYTES, NUM_SLOTS) + self.agent.get_agent_metadata()
+        )
 
 
 def parse_endpoint(raw: bytes, peer: str) -> tuple[int, bytes]:
@@ -60,7 +62,9 @@ def parse_endpoint(raw: bytes, peer: str) -> tuple[int, bytes]:
         raise ProtocolError(f"nixl-msg endpoint info from {peer} too short")
     addr, slot_bytes, slots = _ENDPOINT.unpack_from(raw)
     if slot_bytes != SLOT_BYTES or slots != NUM_SLOTS:
-        raise ProtocolError(f"nixl-msg peer {peer} uses {slots}x{slot_bytes} slots, we use {NUM_SLOTS}x{SLOT_BYTES}")
+        raise ProtocolError(
+            f"nixl-msg peer {peer} uses {slots}x{slot_bytes} slots, we use {NUM_SLOTS}x{SLOT_BYTES}"
+        )
     return addr, raw[_ENDPOINT.size :]
 
 
@@ -155,10 +159,13 @@ class NixlMsgChannel(MsgChannel):
         if ftype != T_MSG or FRAME_HDR.size + meta_len + payload_len != size:
             raise ProtocolError(f"nixl message from {peer}: type {ftype}, sizes do not add up to {size}")
         start = FRAME_HDR.size + meta_len
-        header, lengths = parse_msg_meta(bytes(buf[FRAME_HDR.size : start]), payload_len,
-                                         self.options.max_msg_bytes, peer)
-        if out is not None and (len(out) < len(lengths) or any(
-                as_byte_view(o).nbytes < n for o, n in zip(out, lengths, strict=False))):
+        header, lengths = parse_msg_meta(
+            bytes(buf[FRAME_HDR.size : start]), payload_len, self.options.max_msg_bytes, peer
+        )
+        if out is not None and (
+            len(out) < len(lengths)
+            or any(as_byte_view(o).nbytes < n for o, n in zip(out, lengths, strict=False))
+        ):
             raise ValueError(f"recv(out=...) buffers too small or too few for payload lengths {lengths}")
         dsts = []
         for i, n in enumerate(lengths):
@@ -185,7 +192,9 @@ class NixlMsgChannel(MsgChannel):
             self._poll_pending()
         for agent_name, msgs in self._ep.agent.get_new_notifs().items():
             if agent_name != self._remote:
-                logger.warning("nixl channel ignored %d notifications from unknown agent %r", len(msgs), agent_name)
+                logger.warning(
+                    "nixl channel ignored %d notifications from unknown agent %r", len(msgs), agent_name
+                )
                 continue
             for raw in msgs:
                 self._on_notif(raw)

@@ -127,8 +127,9 @@ class RdmaMsgChannel(MsgChannel):
                 filled, pos = filled + k, pos + k
                 if pos == parts[part].nbytes:
                     part, pos = part + 1, 0
-            self._side.ep.post_writes(w.writes(filled), w.next_seq - 1)
-            self._pending_wrs += 2
+            with self._lock:  # send and recv may run in different threads: one poster at a time
+                self._side.ep.post_writes(w.writes(filled), w.next_seq - 1)
+                self._pending_wrs += 2
             off += n
 
     # ---- recv ----------------------------------------------------------------------------------
@@ -197,8 +198,9 @@ class RdmaMsgChannel(MsgChannel):
     def _consume(self) -> None:
         side = self._side
         side.reader.consume()
-        if side.reader.return_credits(side.ep, side.remote):
-            self._pending_wrs += 1
+        with self._lock:
+            if side.reader.return_credits(side.ep, side.remote):
+                self._pending_wrs += 1
 
     # ---- shared ---------------------------------------------------------------------------------
     def _wait(self, cond, deadline: float, what: str) -> None:
@@ -219,8 +221,11 @@ class RdmaMsgChannel(MsgChannel):
             time.sleep(0 if idle < 50 else min(1e-3, 2e-5 * idle))
 
     def _reap(self) -> None:
-        for wr_id, status in self._side.ep.poll(32):
-            self._pending_wrs -= 1 if wr_id == CREDIT_WR_ID else 2
+        with self._lock:
+            done = self._side.ep.poll(32)
+            for wr_id, _ in done:
+                self._pending_wrs -= 1 if wr_id == CREDIT_WR_ID else 2
+        for _, status in done:
             if status:
                 raise PeerLostError(f"RDMA WRITE to {self._stream.peer} failed: {wc_status_name(status)}")
 

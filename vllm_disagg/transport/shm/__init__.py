@@ -91,7 +91,9 @@ class ShmKVPeer(StreamKVPeer):
         self._dst = dst_blocks
         super().__init__(address, streams, infos, options, stats)
 
-    def _send_chunk(self, stream: SockStream, seq, chunk_idx, num_chunks, layer, tid, c: PlannedWrite) -> None:
+    def _send_chunk(
+        self, stream: SockStream, seq, chunk_idx, num_chunks, layer, tid, c: PlannedWrite
+    ) -> None:
         if len(c.src_ids):
             dst = self._dst[c.region_idx]
             for s, d, n in joint_runs(c.src_ids, c.dst_ids):
@@ -106,7 +108,9 @@ class ShmKVSender(StreamKVSender):
 
     def _make_peer(self, address: str, streams: list[SockStream], infos: list[RegionInfo]) -> ShmKVPeer:
         maps = _recv_region_maps(streams[0], len(infos))
-        return ShmKVPeer(address, streams, infos, self.options, self.stats, _map_regions(maps, infos, address))
+        return ShmKVPeer(
+            address, streams, infos, self.options, self.stats, _map_regions(maps, infos, address)
+        )
 
 
 def _recv_region_maps(stream: SockStream, num_regions: int) -> tuple[list[int], list[tuple[int, int, int]]]:
@@ -124,7 +128,9 @@ def _recv_region_maps(stream: SockStream, num_regions: int) -> tuple[list[int], 
         (num_fds,) = struct.unpack_from("<I", meta)
         maps = [_REGION_MAP.unpack_from(meta, 4 + i * _REGION_MAP.size) for i in range(num_regions)]
         if ftype != T_SHM_SETUP or num_fds != len(fds) or any(m[0] >= num_fds for m in maps):
-            raise ProtocolError(f"bad shm setup from {stream.peer}: {num_fds} fds announced, {len(fds)} received")
+            raise ProtocolError(
+                f"bad shm setup from {stream.peer}: {num_fds} fds announced, {len(fds)} received"
+            )
     except (struct.error, ProtocolError):
         for fd in fds:
             os.close(fd)
@@ -154,10 +160,16 @@ class ShmTransport(Transport):
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
-        missing = [n for n, ok in [("os.memfd_create", hasattr(os, "memfd_create")),
-                                   ("os.eventfd", hasattr(os, "eventfd")),
-                                   ("socket.send_fds", hasattr(socket, "send_fds")),
-                                   ("AF_UNIX", hasattr(socket, "AF_UNIX"))] if not ok]
+        missing = [
+            n
+            for n, ok in [
+                ("os.memfd_create", hasattr(os, "memfd_create")),
+                ("os.eventfd", hasattr(os, "eventfd")),
+                ("socket.send_fds", hasattr(socket, "send_fds")),
+                ("AF_UNIX", hasattr(socket, "AF_UNIX")),
+            ]
+            if not ok
+        ]
         return f"needs Linux with Python >= 3.10: missing {', '.join(missing)}" if missing else None
 
     def kv_receiver(self, name: str = "receiver") -> KVReceiver:

@@ -43,8 +43,17 @@ class _Ring:
 class RingStream:
     """The stream interface of `SockStream` (send_parts/recv_into/recv_exact) over shm rings."""
 
-    def __init__(self, sock: socket.socket, mm: mmap.mmap, cap: int, efds: list[int], server: bool, peer: str,
-                 timeout: float, spin_us: float):
+    def __init__(
+        self,
+        sock: socket.socket,
+        mm: mmap.mmap,
+        cap: int,
+        efds: list[int],
+        server: bool,
+        peer: str,
+        timeout: float,
+        spin_us: float,
+    ):
         self.sock, self.peer, self.timeout = sock, peer, timeout
         self._mm, self._spin_s = mm, spin_us * 1e-6
         buf = memoryview(mm)
@@ -86,7 +95,9 @@ class RingStream:
         tx = self._tx
         tx.ctrl[_WAITING] = 1
         try:
-            self._wait(lambda: tx.cap - (self._tail - tx.ctrl[_HEAD]) > 0, self._tx_space, deadline, _SPACE_SLICE_S)
+            self._wait(
+                lambda: tx.cap - (self._tail - tx.ctrl[_HEAD]) > 0, self._tx_space, deadline, _SPACE_SLICE_S
+            )
         finally:
             tx.ctrl[_WAITING] = 0
 
@@ -165,8 +176,9 @@ def _drain_eventfd(efd: int) -> None:
         pass
 
 
-def create_rings(sock: socket.socket, peer: str, timeout: float, spin_us: float,
-                 cap: int = DEFAULT_RING_BYTES) -> RingStream:
+def create_rings(
+    sock: socket.socket, peer: str, timeout: float, spin_us: float, cap: int = DEFAULT_RING_BYTES
+) -> RingStream:
     """Server side: make the memfd + eventfds, pass them over the unix socket, return our end."""
     size = 2 * (CTRL_BYTES + cap)
     memfd = os.memfd_create("vllm-disagg-ring", os.MFD_CLOEXEC)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import queue
-import select
 import threading
 import time
 from collections import deque
@@ -22,31 +21,26 @@ from typing import Any
 
 import numpy as np
 
-from vllm_disagg.errors import DisaggError, PeerLostError, ProtocolError, TransportTimeout
+from vllm_disagg.errors import DisaggError, PeerLostError, TransportTimeout
 from vllm_disagg.transport.base import (
     BlockWrite,
     KVPeer,
-    KVReceiver,
     KVSender,
-    Notification,
-    RegionInfo,
     TransportOptions,
     TransportStats,
     XferHandle,
 )
-from vllm_disagg.transport.kv_common import MAX_NAME_BYTES, PeerSequencer, WriteMeta, joint_runs
+from vllm_disagg.transport.kv_common import joint_runs
 from vllm_disagg.transport.nixl.agent import (
+    KV_SERVICE,
     Backoff,
     block_descs,
     make_agent,
     mem_type,
     pack_notif,
-    pack_regions,
-    parse_notif,
     parse_regions,
     tensor_region,
 )
-from vllm_disagg.transport.server import AuthServer
 from vllm_disagg.transport.wire import (
     MAX_TID_BYTES,
     T_BYE,
@@ -54,140 +48,9 @@ from vllm_disagg.transport.wire import (
     client_handshake,
     connect_socket,
     pack_frame,
-    read_frame,
 )
 
 logger = logging.getLogger(__name__)
-SERVICE = b"nixl-kv"
-
-
-class NixlKVReceiver(KVReceiver):
-    def __init__(self, options: TransportOptions, name: str):
-        self.options, self.name = options, name
-        self.stats = TransportStats()
-        self._tensors: list[Any] = []
-        self._infos: list[RegionInfo] = []
-        self._addrs: list[tuple[int, int]] = []
-        self._notifs: queue.Queue[Notification] = queue.Queue()
-        self._peers: dict[str, PeerSequencer] = {}
-        self._lost: list[str] = []
-        self._lock = threading.Lock()
-        self._closed = threading.Event()
-        self._server: AuthServer | None = None
-
-    def register_region(self, name: str, tensor: Any) -> RegionInfo:
-        if self._server is not None or any(i.name == name for i in self._infos):
-            raise ValueError(f"region {name!r}: register each name once, before start()")
-        info, base, dev = tensor_region(name, tensor)
-        self._tensors.append(tensor)
-        self._infos.append(info)
-        self._addrs.append((base, dev))
-        return info
-
-    def start(self) -> str:
-        if self._server is not None:
-            return self.address
-        self._agent, self._agent_name = make_agent("kv-rx")
-        if self._tensors:
-            self._agent.register_memory(self._tensors)
-        self._welcome = pack_regions(self._infos, self._addrs, self._agent.get_agent_metadata())
-        self._poller = threading.Thread(target=self._poll_loop, name="disagg-nixl-rx", daemon=True)
-        self._poller.start()
-        self._server = AuthServer(token=self.options.auth_token.encode(), service=SERVICE, serve=self._serve_ctrl,
-                                  welcome_info=self._admit, stats=self.stats, timeout_s=self.options.timeout_s,
-                                  host=self.options.host, port=self.options.port)
-        return self.address
-
-    @property
-    def address(self) -> str:
-        if self._server is None:
-            raise RuntimeError("KV receiver not started")
-        return self._server.address
-
-    def _admit(self, hello: bytes) -> bytes:
-        """Runs before WELCOME: the sender's agent name becomes an accepted notification source."""
-        try:
-            agent_name, _, peer_name = hello.decode().partition("\n")
-        except UnicodeDecodeError:
-            raise ProtocolError("nixl-kv hello is not UTF-8") from None
-        if not agent_name or len(hello) > 2 * MAX_NAME_BYTES:
-            raise ProtocolError("bad nixl-kv hello")
-        with self._lock:
-            if agent_name in self._peers:
-                raise ProtocolError(f"nixl agent {agent_name!r} is already connected")
-            self._peers[agent_name] = PeerSequencer(peer_name or agent_name)
-        return self._welcome
-
-    def _serve_ctrl(self, stream: SockStream, hello: bytes) -> None:
-        """Hold the control socket: BYE is a clean goodbye, EOF means the sender died."""
-        agent_name = hello.decode().partition("\n")[0]
-        clean = False
-        try:
-            while not self._closed.is_set():
-                if select.select([stream.sock], [], [], 0.5)[0]:
-                    clean = read_frame(stream)[0] == T_BYE
-                    break
-        except DisaggError as err:
-            logger.info("nixl KV sender %s control channel: %s", stream.peer, err)
-        finally:
-            with self._lock:
-                seqr = self._peers.pop(agent_name, None)
-                if seqr and not clean and not self._closed.is_set():
-                    self._lost.append(seqr.name)
-
-    def _poll_loop(self) -> None:
-        backoff = Backoff(self.options.spin_us * 1e-6)
-        while not self._closed.is_set():
-            got = self._agent.get_new_notifs()
-            if not got:
-                backoff.pause()
-                continue
-            backoff.active()
-            for agent_name, msgs in got.items():
-                for raw in msgs:
-                    self._on_notif(agent_name, raw)
-
-    def _on_notif(self, agent_name: str, raw: bytes) -> None:
-        with self._lock:
-            seqr = self._peers.get(agent_name)
-        try:
-            if seqr is None:
-                raise ProtocolError(f"notification from unauthenticated nixl agent {agent_name!r}")
-            seq, layer, nbytes, tid = parse_notif(raw, agent_name)
-            ready = seqr.chunk_done(WriteMeta(seq, 0, 1, layer, 0, tid, None), nbytes)
-        except ProtocolError as err:
-            self.stats.record_rejected()
-            logger.warning("KV receiver %s rejected a notification: %s", self.name, err)
-            return
-        for n in ready:
-            self.stats.record_received(n.nbytes, notifications=1)
-            self._notifs.put(n)
-
-    def poll_notifications(self) -> list[Notification]:
-        out = []
-        while not self._notifs.empty():
-            out.append(self._notifs.get_nowait())
-        return out
-
-    def wait_notification(self, timeout: float | None = None) -> Notification:
-        timeout = self.options.timeout_s if timeout is None else timeout
-        try:
-            return self._notifs.get(timeout=timeout)
-        except queue.Empty:
-            raise TransportTimeout(f"no KV notification on {self.address} within {timeout}s") from None
-
-    def lost_peers(self) -> list[str]:
-        with self._lock:
-            out, self._lost = self._lost, []
-        return out
-
-    def close(self) -> None:
-        if self._closed.is_set():
-            return
-        self._closed.set()
-        if self._server is not None:
-            self._server.close()
-            self._poller.join(timeout=2)
 
 
 class NixlKVPeer(KVPeer):
@@ -222,13 +85,21 @@ class NixlKVPeer(KVPeer):
         _, info, (dst_base, dst_dev) = self._index[w.region]
         src_info, src_base, src_dev = tensor_region("src", w.src)
         if src_info.block_nbytes != info.block_nbytes:
-            raise ValueError(f"region {w.region!r}: source block {src_info.block_nbytes} B, peer's {info.block_nbytes} B")
+            raise ValueError(
+                f"region {w.region!r}: source block {src_info.block_nbytes} B, peer's {info.block_nbytes} B"
+            )
         src_ids = np.asarray(w.src_block_ids, dtype=np.int64).reshape(-1)
         dst_ids = np.asarray(w.dst_block_ids, dtype=np.int64).reshape(-1)
         if len(src_ids) != len(dst_ids):
-            raise ValueError(f"region {w.region!r}: {len(src_ids)} source ids but {len(dst_ids)} destination ids")
-        if len(src_ids) and not (0 <= src_ids.min() and src_ids.max() < src_info.num_blocks
-                                 and 0 <= dst_ids.min() and dst_ids.max() < info.num_blocks):
+            raise ValueError(
+                f"region {w.region!r}: {len(src_ids)} source ids but {len(dst_ids)} destination ids"
+            )
+        if len(src_ids) and not (
+            0 <= src_ids.min()
+            and src_ids.max() < src_info.num_blocks
+            and 0 <= dst_ids.min()
+            and dst_ids.max() < info.num_blocks
+        ):
             raise ValueError(f"region {w.region!r}: block id out of range")
         jr = joint_runs(src_ids, dst_ids)
         bn = info.block_nbytes
@@ -260,7 +131,7 @@ class NixlKVSender(KVSender):
     def __init__(self, options: TransportOptions, name: str):
         self.options, self.name = options, name
         self.stats = TransportStats()
-        self._agent, self._agent_name = make_agent("kv-tx")
+        self._agent, self._agent_name = make_agent("kv-tx", self.options.host)
         self._lock = threading.Lock()
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._registered: dict[tuple[int, int], Any] = {}
@@ -275,7 +146,8 @@ class NixlKVSender(KVSender):
         try:
             hello = f"{self._agent_name}\n{self.name}".encode()
             infos, addrs, metadata = parse_regions(
-                client_handshake(stream, self.options.auth_token.encode(), SERVICE, hello), address)
+                client_handshake(stream, self.options.auth_token.encode(), KV_SERVICE, hello), address
+            )
             done = threading.Event()
             result: list = []
             self._jobs.put(("add_remote", metadata, result, done))
@@ -332,7 +204,9 @@ class NixlKVSender(KVSender):
         else:
             self._submit(*job, inflight)
 
-    def _submit(self, peer: NixlKVPeer, handle: XferHandle, plans: list, notif: bytes, inflight: deque) -> None:
+    def _submit(
+        self, peer: NixlKVPeer, handle: XferHandle, plans: list, notif: bytes, inflight: deque
+    ) -> None:
         if peer.error is not None:
             handle._finish(peer.error)
             return
@@ -384,8 +258,11 @@ class NixlKVSender(KVSender):
             if all(s == "DONE" for s in states):
                 handle._finish()
             elif "ERR" in states or peer.error is not None or time.monotonic() > deadline:
-                err = peer.error or (PeerLostError(f"nixl WRITE to {peer.address} failed") if "ERR" in states
-                                     else TransportTimeout(f"nixl WRITE to {peer.address} not done in time"))
+                err = peer.error or (
+                    PeerLostError(f"nixl WRITE to {peer.address} failed")
+                    if "ERR" in states
+                    else TransportTimeout(f"nixl WRITE to {peer.address} not done in time")
+                )
                 peer._fail(err)
                 handle._finish(err)
             else:

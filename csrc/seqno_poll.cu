@@ -1,0 +1,58 @@
+// SPDX-License-Identifier: Apache-2.0
+// The seqno-polling kernel of the rdma backend (vllm_disagg/transport/rdma/gpu.py: SeqnoWaiter).
+//
+// Launched on the consumer's stream AHEAD of the data: the stream holds at this kernel until the
+// sender's post lands (its seqno WRITE fills the word), then the consumer kernel queued behind it
+// starts. Launch latency is therefore paid while the data is still in flight, not after it.
+// Build: csrc/build.sh (shared library with a C ABI for ctypes); CI compiles it with nvcc -c.
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "seqno_poll.cuh"
+
+namespace {
+
+// One warp, one polling thread: the word is 8 bytes; more threads would only add memory traffic.
+__global__ void seqno_wait_kernel(const volatile unsigned long long* seqword, unsigned long long expect,
+                                  unsigned long long max_spins, unsigned int* timed_out) {
+  if (threadIdx.x != 0) return;
+  if (!vllm_disagg::wait_seqno(seqword, expect, max_spins) && timed_out != nullptr) {
+    atomicExch(timed_out, 1u);  // the host checks this flag: a dead peer never hangs the GPU forever
+  }
+}
+
+// Wait for several words at once (e.g. one per layer or per peer): thread i polls word i.
+__global__ void seqno_wait_many_kernel(const volatile unsigned long long* seqwords,
+                                       const unsigned long long* expect, int n,
+                                       unsigned long long max_spins, unsigned int* timed_out) {
+  int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  if (!vllm_disagg::wait_seqno(seqwords + i, expect[i], max_spins) && timed_out != nullptr) {
+    atomicExch(timed_out, 1u);
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Enqueue "wait until *seqword >= expect" on `stream` (cudaStream_t; nullptr = legacy default).
+// Returns the cudaError_t of the launch (0 = success).
+int vd_seqno_wait_async(const void* seqword, uint64_t expect, uint64_t max_spins, void* timed_out, void* stream) {
+  seqno_wait_kernel<<<1, 32, 0, static_cast<cudaStream_t>(stream)>>>(
+      static_cast<const volatile unsigned long long*>(seqword), expect, max_spins,
+      static_cast<unsigned int*>(timed_out));
+  return static_cast<int>(cudaGetLastError());
+}
+
+int vd_seqno_wait_many_async(const void* seqwords, const void* expect, int n, uint64_t max_spins, void* timed_out,
+                             void* stream) {
+  if (n <= 0) return 0;
+  int threads = n < 256 ? n : 256;
+  seqno_wait_many_kernel<<<(n + threads - 1) / threads, threads, 0, static_cast<cudaStream_t>(stream)>>>(
+      static_cast<const volatile unsigned long long*>(seqwords), static_cast<const unsigned long long*>(expect), n,
+      max_spins, static_cast<unsigned int*>(timed_out));
+  return static_cast<int>(cudaGetLastError());
+}
+
+}  // extern "C"

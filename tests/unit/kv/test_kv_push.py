@@ -1,0 +1,201 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Prefill sender and decode receiver of the KV push, over real tcp sockets in one process.
+
+No engine: the tests play the engine's part (bind metadata, mark layers saved, poll results) and
+check the bytes that land in the decode side's blocks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+
+import pytest
+import torch
+
+from vllm_disagg.config import KVTransferSection
+from vllm_disagg.kv.handshake import HandshakeInfo
+from vllm_disagg.kv.metadata import DisaggConnectorMetadata, RecvSpec, SaveSpec
+from vllm_disagg.kv.push_receiver import PushReceiver
+from vllm_disagg.kv.push_sender import PushSender
+from vllm_disagg.kv.stats import DisaggKVConnectorStats
+from vllm_disagg.transport import TransportOptions, get_transport
+
+BS, NUM_LAYERS, NUM_BLOCKS = 16, 3, 32
+SHAPE = (NUM_BLOCKS, 2, BS, 8)
+INFO = HandshakeInfo(model="m", dtype="float32", block_size=BS, kv_layout="cpu:float32(2, 16, 8)",
+                     num_layers=NUM_LAYERS, num_kv_heads=2, head_size=4, block_nbytes=2 * BS * 8 * 4)
+
+
+def _until(cond, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(0.01)
+    raise AssertionError("condition not met in time")
+
+
+def _transport(kind="tcp"):
+    return get_transport(kind, TransportOptions(auth_token="tok", timeout_s=5.0))
+
+
+class Pair:
+    def __init__(self, threshold=0, timeout=5.0, d_info=INFO, data="tcp"):
+        self.p_layers = [torch.randn(SHAPE) for _ in range(NUM_LAYERS)]
+        self.d_layers = [torch.zeros(SHAPE) for _ in range(NUM_LAYERS)]
+        cfg = KVTransferSection(layerwise_threshold_tokens=threshold, push_timeout_s=timeout)
+        self.p_stats = DisaggKVConnectorStats()
+        self.d_stats = DisaggKVConnectorStats()
+        self.sender = PushSender(_transport(), _transport(data), INFO, "tok", self.p_layers, cfg,
+                                 (self.p_stats, threading.Lock()))
+        self.receiver = PushReceiver(_transport(), _transport(data), d_info, "tok", self.d_layers,
+                                     (self.d_stats, threading.Lock()))
+        self.done, self.failed = set(), set()
+
+    def prefill_step(self, specs, layers=range(NUM_LAYERS), release=()):
+        self.sender.bind(DisaggConnectorMetadata(save_specs=specs, release_req_ids=list(release)))
+        for layer in layers:
+            self.sender.layer_saved(layer)
+
+    def register(self, tid, dst, timeout=5.0, num_tokens=100, start_block=0):
+        spec = RecvSpec("d-" + tid, tid, self.sender.address, tuple(dst), start_block, num_tokens, timeout)
+        self.receiver.start([spec])
+
+    def poll(self):
+        done, failed = self.receiver.poll()
+        self.done |= done - failed
+        self.failed |= failed
+        return self.done | self.failed
+
+    def close(self):
+        self.sender.close()
+        self.receiver.close()
+
+
+@pytest.fixture
+def pair(request):
+    p = Pair(**getattr(request, "param", {}))
+    yield p
+    p.close()
+
+
+def _landed(pair, src_ids, dst_ids):
+    return all(
+        torch.equal(pair.d_layers[layer][d], pair.p_layers[layer][s])
+        for layer in range(NUM_LAYERS) for s, d in zip(src_ids, dst_ids, strict=True)
+    )
+
+
+@pytest.mark.parametrize("pair", [{"data": "tcp"}, {"data": "shm"}], indirect=True)
+def test_layerwise_push_copies_every_whole_block_of_every_layer_as_each_layer_is_written(pair):
+    pair.register("t1", [10, 11, 12, 13, 14, 15, 16])
+    # STEP (1) chunk 1: 40 tokens -> blocks 0,1 are whole, block 2 is partial and must wait
+    pair.prefill_step([SaveSpec("p1", (3, 4, 5), 40, 100, "t1", True)], layers=[0])
+    _until(lambda: pair.d_stats is not None and torch.equal(pair.d_layers[0][11], pair.p_layers[0][4]))
+    assert not pair.d_layers[0][12].any() and not pair.d_layers[1][10].any()
+    pair.sender.step_done()
+    # STEP (2) chunk 2: the remaining 60 tokens, then the request finishes and is released
+    pair.prefill_step([SaveSpec("p1", (6, 7, 8, 9), 100, 100)])
+    pair.sender.step_done()
+    assert _until(lambda: pair.poll()) == {"d-t1"} and not pair.failed
+    assert _landed(pair, [3, 4, 5, 6, 7, 8, 9], [10, 11, 12, 13, 14, 15, 16])
+    assert pair.sender.finished_sending() == set()  # not released yet: blocks stay
+    pair.prefill_step([], release=["p1"])
+    assert _until(pair.sender.finished_sending) == {"p1"}
+    (push,) = pair.sender.timeline
+    assert push["layerwise"] and push["num_writes"] >= NUM_LAYERS + 1
+    assert sum(pair.p_stats.data["bytes_pushed"]) == 7 * NUM_LAYERS * INFO.block_nbytes
+
+
+@pytest.mark.parametrize("pair", [{"threshold": 1000}], indirect=True)
+def test_short_prompts_go_in_one_serialized_send_after_the_last_layer(pair):
+    pair.prefill_step([SaveSpec("p1", (1, 2, 3, 4, 5, 6, 7), 100, 100, "t1", True)], layers=[0, 1])
+    pair.register("t1", [20, 21, 22, 23, 24, 25, 26])  # registration after part of prefill: fine
+    time.sleep(0.2)
+    assert not pair.poll() and not pair.d_layers[0].any()
+    pair.sender.step_done()
+    assert _until(pair.poll) == {"d-t1"} and _landed(pair, range(1, 8), range(20, 27))
+    pair.prefill_step([], release=["p1"])
+    assert _until(pair.sender.finished_sending) == {"p1"}
+    assert pair.sender.timeline[0]["num_writes"] == 1
+
+
+def test_decode_registered_with_a_local_prefix_hit_receives_only_the_missing_blocks(pair):
+    pair.register("t1", [30, 31], num_tokens=100, start_block=5)
+    pair.prefill_step([SaveSpec("p1", (1, 2, 3, 4, 5, 6, 7), 100, 100, "t1", True)])
+    assert _until(pair.poll) == {"d-t1"} and _landed(pair, [6, 7], [30, 31])
+    assert not pair.d_layers[0][:30].any()
+
+
+@pytest.mark.parametrize("pair", [{"d_info": dataclasses.replace(INFO, dtype="bfloat16")}], indirect=True)
+def test_a_handshake_mismatch_fails_both_sides_at_once_and_moves_no_bytes(pair, caplog):
+    pair.prefill_step([SaveSpec("p1", (1, 2, 3, 4, 5, 6, 7), 100, 100, "t1", True)])
+    t0 = time.monotonic()
+    pair.register("t1", range(10, 17))
+    assert _until(pair.poll) == {"d-t1"} and pair.failed == {"d-t1"}
+    assert time.monotonic() - t0 < 2.0
+    assert not any(layer.any() for layer in pair.d_layers)
+    assert pair.d_stats.data["num_handshake_failures"] == 1 and pair.p_stats.data["num_handshake_failures"] == 1
+    pair.prefill_step([], release=["p1"])
+    assert _until(pair.sender.finished_sending) == {"p1"}  # the prefill side frees its blocks
+
+
+def test_a_registration_with_no_prefill_request_times_out_and_is_cancelled():
+    pair = Pair(timeout=0.5)
+    try:
+        pair.register("ghost", [1, 2], timeout=0.5)
+        assert _until(pair.poll) == {"d-ghost"} and pair.failed == {"d-ghost"}
+        assert pair.d_stats.data["num_fallbacks"] == 1
+    finally:
+        pair.close()
+
+
+def test_a_prefill_request_nobody_registers_for_is_abandoned_and_freed():
+    pair = Pair(timeout=0.3)
+    try:
+        pair.prefill_step([SaveSpec("p1", (1, 2), 40, 40, "lonely", True)], release=[])
+        pair.prefill_step([], release=["p1"])
+        assert _until(pair.sender.finished_sending) == {"p1"}
+    finally:
+        pair.close()
+
+
+def test_a_dead_prefill_instance_fails_the_receive_fast():
+    pair = Pair()
+    address = pair.sender.address
+    pair.sender.close()
+    try:
+        t0 = time.monotonic()
+        pair.receiver.start([RecvSpec("d1", "t1", address, (1, 2), 0, 40, 30.0)])
+        assert _until(pair.poll) == {"d1"} and pair.failed == {"d1"}
+        assert time.monotonic() - t0 < 5.0
+    finally:
+        pair.receiver.close()
+
+
+def test_preempting_a_prefill_request_abandons_its_push():
+    pair = Pair(timeout=0.5)
+    try:
+        pair.register("t1", range(10, 17), timeout=0.5)
+        pair.prefill_step([SaveSpec("p1", (1, 2), 40, 100, "t1", True)])
+        pair.sender.bind(DisaggConnectorMetadata(preempted_req_ids=["p1"], release_req_ids=["p1"]))
+        assert _until(pair.sender.finished_sending) == {"p1"}
+        assert _until(pair.poll) == {"d-t1"} and pair.failed == {"d-t1"}
+    finally:
+        pair.close()
+
+
+def test_a_registration_for_a_different_prompt_is_never_pushed():
+    pair = Pair(timeout=0.5)
+    try:
+        pair.register("t1", range(10, 17), timeout=0.5, num_tokens=99)
+        pair.prefill_step([SaveSpec("p1", tuple(range(1, 8)), 100, 100, "t1", True)], release=["p1"])
+        pair.prefill_step([], release=["p1"])
+        assert _until(pair.sender.finished_sending) == {"p1"}
+        assert _until(pair.poll) == {"d-t1"} and pair.failed == {"d-t1"}
+        assert not any(layer.any() for layer in pair.d_layers)
+    finally:
+        pair.close()

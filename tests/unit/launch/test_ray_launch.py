@@ -1,0 +1,119 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The Ray launcher's parts that need no Ray cluster: specs, the real server command lines, placement
+bundles, the instance body running a real attention server, and the reaper killing an orphaned group.
+(The whole path on a real two-node Ray cluster: tests/integration/test_ray.py.)"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from dataclasses import asdict
+
+import pytest
+
+from vllm_disagg.launch.ray import (
+    ActorSpec,
+    InstanceServer,
+    RayCluster,
+    add_ray_args,
+    build_parser,
+    plan_actor_specs,
+    server_command,
+)
+
+
+def up_args(*argv: str) -> argparse.Namespace:
+    return build_parser().parse_args(["up", *argv])
+
+
+def test_up_flags_and_ray_flags_parse_together_and_unknown_args_go_to_vllm():
+    args = up_args("--backend", "ray", "--address", "ray://head:10001", "--prefill", "2", "--decode", "1",
+                   "--attention", "2", "--dtype", "float32")
+    assert (args.backend, args.address, args.prefill, args.decode, args.attention) == (
+        "ray", "ray://head:10001", 2, 1, 2)
+    assert args.vllm_args == ["--dtype", "float32"]
+
+
+def test_specs_start_attention_first_and_share_one_token(monkeypatch):
+    monkeypatch.delenv("VLLM_DISAGG_AUTH_TOKEN", raising=False)
+    specs = plan_actor_specs(up_args("--prefill", "1", "--decode", "2", "--attention", "2"), "/m")
+    assert [s.name for s in specs] == ["vllm-disagg:attention0", "vllm-disagg:attention1", "vllm-disagg:prefill0",
+                                       "vllm-disagg:decode0", "vllm-disagg:decode1"]
+    assert [s.http_port for s in specs[:2]] == [8300, 8301] and specs[2].http_port == 0
+    assert len({s.env["VLLM_DISAGG_AUTH_TOKEN"] for s in specs}) == 1
+    assert plan_actor_specs(up_args("--prefill", "0", "--decode", "0"), "/m")[0].role == "mixed"
+    with pytest.raises(ValueError, match="--decode"):
+        plan_actor_specs(up_args("--prefill", "1", "--decode", "0"), "/m")
+
+
+def test_instances_run_the_plugins_real_commands():
+    p = ActorSpec("prefill", 0, "/m", served_name="tiny", vllm_args=["--dtype", "float32"])
+    cmd = server_command(p, "10.0.0.7", 8100, 9100)
+    assert cmd[1:3] == ["serve", "/m"] and cmd[0].endswith("/vllm")
+    joined = " ".join(cmd)
+    assert "--host 10.0.0.7 --port 8100 --served-model-name tiny" in joined
+    assert "--plugin disagg --disagg-role prefill --disagg-kv-port 9100 --disagg-transport tcp" in joined
+    assert cmd[-2:] == ["--dtype", "float32"]
+    d = ActorSpec("decode", 0, "/m", attention_servers=["10.0.0.9:8300"])
+    dcmd = server_command(d, "10.0.0.8", 8200, 9200)
+    assert dcmd[dcmd.index("--disagg-attention-servers") + 1] == "10.0.0.9:8300"
+    assert json.loads(dcmd[dcmd.index("--additional-config") + 1])["disagg"]["remote_attention"]["transport"] == "tcp"
+    a = server_command(ActorSpec("attention", 1, "/m", kv_cache_gib=0.5), "10.0.0.9", 8301, None)
+    assert a[0].endswith("/vllm-disagg") and a[1:] == ["attn-server", "--transport", "tcp", "--host", "10.0.0.9",
+                                                        "--http-port", "8301", "--kv-cache-gib", "0.5"]
+    assert "--plugin" not in server_command(ActorSpec("mixed", 0, "/m"), "h", 1, None)
+
+
+def test_bundles_ask_for_the_pools_custom_resource_and_optional_gpus():
+    parser = argparse.ArgumentParser()
+    add_ray_args(parser)
+    args = parser.parse_args(["--gpus-per-instance", "1", "--accelerator-type", "H100", "--cpus-per-instance", "4"])
+    cluster = RayCluster([], args)
+    assert cluster.bundle("prefill") == {"CPU": 4.0, "prefill": 1, "GPU": 1.0, "accelerator_type:H100": 0.001}
+    assert cluster.bundle("attention") == {"CPU": 4.0, "attention": 1}
+    assert cluster.bundle("mixed") == {"CPU": 4.0, "GPU": 1.0, "accelerator_type:H100": 0.001}
+
+
+@pytest.mark.slow
+def test_the_instance_body_serves_a_real_attention_server_and_reports_its_endpoint():
+    spec = ActorSpec("attention", 0, "/unused", kv_cache_gib=0.125, http_port=0,
+                     env={"VLLM_DISAGG_AUTH_TOKEN": uuid.uuid4().hex})
+    inst = InstanceServer(asdict(spec), host="127.0.0.1", exit_with_server=False)
+    try:
+        deadline = time.monotonic() + 120
+        while not inst.endpoint()["up"]:
+            assert inst.proc.poll() is None, inst.log_tail()
+            assert time.monotonic() < deadline, inst.log_tail()
+            time.sleep(0.5)
+        ep = inst.endpoint()
+        assert ep["role"] == "attention" and ep["kv"] is None and ep["starts"] == 1
+        with urllib.request.urlopen(f"{ep['url']}/health", timeout=5) as resp:
+            assert json.loads(resp.read())["transport"] == "tcp"
+    finally:
+        assert inst.stop() is not None
+    assert inst.endpoint()["up"] is False
+
+
+def test_the_reaper_kills_the_server_group_when_its_owner_dies():
+    server = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    read_fd, write_fd = os.pipe()
+    reaper = subprocess.Popen([sys.executable, "-m", "vllm_disagg.launch.reaper", str(read_fd), str(server.pid)],
+                              pass_fds=(read_fd,), start_new_session=True)
+    os.close(read_fd)
+    try:
+        time.sleep(0.5)
+        assert server.poll() is None  # owner alive: nothing happens
+        os.close(write_fd)  # what the kernel does when the owner dies
+        assert server.wait(timeout=20) == -signal.SIGTERM
+        assert reaper.wait(timeout=20) == 0
+    finally:
+        for p in (server, reaper):
+            if p.poll() is None:
+                p.kill()
