@@ -46,130 +46,183 @@ def _spawn(target, before: tuple, after: tuple = ()):
     return proc, parent
 
 
-def bench_memcpy(nbytes: int, repeats: int) -> float:
-    src = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
-    dst = np.empty_like(src)
-    np.copyto(dst, src)
-    times = []
-    for _ in range(repeats):
+class Memcpy:
+    """numpy copy of the same bytes inside one process: the physical ceiling."""
+
+    def __init__(self, nbytes: int):
+        self.src = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+        self.dst = np.empty_like(self.src)
+        np.copyto(self.dst, self.src)
+
+    def bw_once(self, rep: int) -> float:
         t0 = time.perf_counter()
-        np.copyto(dst, src)
-        times.append(time.perf_counter() - t0)
-    return nbytes / min(times) / 1e9
+        np.copyto(self.dst, self.src)
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        pass
 
 
-def bench_raw_tcp(nbytes: int, repeats: int, rtt_iters: int) -> tuple[float, float]:
-    """(GB/s, 16 KiB round-trip p50 in µs) of plain sockets between two processes."""
-    import socket
+class RawTcp:
+    """Plain sockets between two processes: sendall + recv_into a preallocated buffer, 1-byte ack;
+    then 16 KiB ping-pong on the same connection."""
 
-    proc, conn = _spawn(raw_tcp_child, (), (nbytes, repeats, MSG_BYTES))
-    port = wait_for(conn, "addr")[1]
-    sock = socket.create_connection(("127.0.0.1", port))
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    payload = memoryview(np.ones(nbytes, dtype=np.uint8))
-    times = []
-    for _ in range(repeats):
+    def __init__(self, nbytes: int, repeats: int):
+        import socket
+
+        self.proc, conn = _spawn(raw_tcp_child, (), (nbytes, repeats, MSG_BYTES))
+        self.sock = socket.create_connection(("127.0.0.1", wait_for(conn, "addr")[1]))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.payload = memoryview(np.ones(nbytes, dtype=np.uint8))
+        self.ping, self.pong = memoryview(bytearray(MSG_BYTES)), memoryview(bytearray(MSG_BYTES))
+
+    def bw_once(self, rep: int) -> float:
         t0 = time.perf_counter()
-        sock.sendall(payload)
-        sock.recv(1)
-        times.append(time.perf_counter() - t0)
-    ping, pong = memoryview(bytearray(MSG_BYTES)), memoryview(bytearray(MSG_BYTES))
-    rtts = []
-    for i in range(rtt_iters):
-        t0 = time.perf_counter()
-        sock.sendall(ping)
-        got = 0
-        while got < MSG_BYTES:
-            got += sock.recv_into(pong[got:], MSG_BYTES - got)
-        if i >= rtt_iters // 10:
-            rtts.append(time.perf_counter() - t0)
-    sock.close()
-    proc.join(10)
-    return nbytes / statistics.median(times) / 1e9, statistics.median(rtts) * 1e6
+        self.sock.sendall(self.payload)
+        self.sock.recv(1)
+        return time.perf_counter() - t0
 
-
-def bench_kv_bandwidth(kind: str, nbytes: int, repeats: int) -> float:
-    """GB/s of write_blocks to a receiver process, clocked until its last notification."""
-    num_blocks = 64
-    num_layers = max(1, nbytes // (num_blocks * BLOCK_ELEMS * 4))
-    proc, conn = _spawn(kv_receiver_child, (kind, TOKEN), (num_layers, num_blocks, BLOCK_ELEMS))
-    try:
-        address = wait_for(conn, "addr", timeout=120)[1]
-        tx = get_transport(kind, TransportOptions(auth_token=TOKEN, timeout_s=60)).kv_sender(name="bench")
-        peer = tx.connect(address, timeout=60)
-        srcs = [torch.randn(num_blocks, BLOCK_ELEMS) for _ in range(num_layers)]
-        ids = list(range(num_blocks))
-        times = []
-        for rep in range(repeats + 1):  # the first round warms up connections and registrations
+    def rtt_batch(self, n: int) -> list[float]:
+        out = []
+        for _ in range(n):
             t0 = time.perf_counter()
-            handles = [
-                peer.write_blocks([BlockWrite(f"layer.{i}", srcs[i], ids, ids)], f"r{rep}", i)
-                for i in range(num_layers)
-            ]
-            last_seq = (rep + 1) * num_layers - 1
-            while wait_for(conn, "notif", timeout=120)[3] != last_seq:
-                pass
-            for h in handles:
-                h.wait(60)
-            if rep:
-                times.append(time.perf_counter() - t0)
-        tx.close()
-        return num_layers * num_blocks * BLOCK_ELEMS * 4 / statistics.median(times) / 1e9
-    finally:
-        conn.send(("exit",))
-        proc.join(10)
-        if proc.is_alive():
-            proc.kill()
+            self.sock.sendall(self.ping)
+            got = 0
+            while got < MSG_BYTES:
+                got += self.sock.recv_into(self.pong[got:], MSG_BYTES - got)
+            out.append(time.perf_counter() - t0)
+        return out
+
+    def close(self) -> None:
+        self.sock.close()
+        self.proc.join(10)
 
 
-def bench_rtt(kind: str, iters: int) -> float:
-    """p50 µs of a 16 KiB send + echo recv into a preallocated buffer."""
-    proc, conn = _spawn(msg_echo_child, (kind, TOKEN), ({}, MSG_BYTES))
-    try:
-        ch = get_transport(kind, TransportOptions(auth_token=TOKEN, timeout_s=30)).connect_msg(
-            wait_for(conn, "addr", timeout=120)[1], timeout=60
+class KVPush:
+    """`write_blocks` of one layer per call to a receiver process; clocked until its last
+    notification (all bytes landed)."""
+
+    def __init__(self, kind: str, nbytes: int, num_streams: int, num_blocks: int = 64):
+        self.num_layers = max(1, nbytes // (num_blocks * BLOCK_ELEMS * 4))
+        self.proc, self.conn = _spawn(
+            kv_receiver_child, (kind, TOKEN), (self.num_layers, num_blocks, BLOCK_ELEMS)
         )
-        x, out = torch.ones(MSG_BYTES // 4), torch.empty(MSG_BYTES // 4)
-        rtts = []
-        for i in range(iters + iters // 10):
+        address = wait_for(self.conn, "addr", timeout=120)[1]
+        self.tx = get_transport(kind, TransportOptions(auth_token=TOKEN, timeout_s=60)).kv_sender(
+            name="bench"
+        )
+        self.peer = self.tx.connect(address, timeout=60)
+        self.srcs = [torch.randn(num_blocks, BLOCK_ELEMS) for _ in range(self.num_layers)]
+        self.ids = list(range(num_blocks))
+        self.rounds = 0
+        self.bw_once(-1)  # warm up connections, registrations, page mappings
+
+    def bw_once(self, rep: int) -> float:
+        t0 = time.perf_counter()
+        handles = [
+            self.peer.write_blocks([BlockWrite(f"layer.{i}", self.srcs[i], self.ids, self.ids)], f"r{rep}", i)
+            for i in range(self.num_layers)
+        ]
+        self.rounds += 1
+        last_seq = self.rounds * self.num_layers - 1
+        while wait_for(self.conn, "notif", timeout=120)[3] != last_seq:
+            pass
+        for h in handles:
+            h.wait(60)
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.tx.close()
+        self.conn.send(("exit",))
+        self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+
+class MsgEcho:
+    """16 KiB `send` + echo `recv(out=...)` against a server process."""
+
+    def __init__(self, kind: str):
+        self.proc, conn = _spawn(msg_echo_child, (kind, TOKEN), ({}, MSG_BYTES))
+        tr = get_transport(kind, TransportOptions(auth_token=TOKEN, timeout_s=30))
+        self.ch = tr.connect_msg(wait_for(conn, "addr", timeout=120)[1], timeout=60)
+        self.x, self.out = torch.ones(MSG_BYTES // 4), torch.empty(MSG_BYTES // 4)
+        self.rtt_batch(20)
+
+    def rtt_batch(self, n: int) -> list[float]:
+        out = []
+        for _ in range(n):
             t0 = time.perf_counter()
-            ch.send(b"q", [x])
-            ch.recv(out=[out])
-            if i >= iters // 10:
-                rtts.append(time.perf_counter() - t0)
-        ch.close()
-        return statistics.median(rtts) * 1e6
-    finally:
-        proc.join(10)
-        if proc.is_alive():
-            proc.kill()
+            self.ch.send(b"q", [self.x])
+            self.ch.recv(out=[self.out])
+            out.append(time.perf_counter() - t0)
+        return out
+
+    def close(self) -> None:
+        self.ch.close()
+        self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
 
 
-def run(quick: bool, mib: int) -> dict:
+def run(quick: bool, mib: int, num_streams: int) -> dict:
+    """All measurements interleaved round-robin, so load changes on a shared box hit every
+    contender alike; medians over rounds."""
     nbytes = mib << 20
-    repeats, rtt_iters = (3, 300) if quick else (7, 2000)
-    kinds = [k for k in ("tcp", "shm", "nixl") if available_transports()[k] is None]
-    out: dict = {
-        "memcpy_gbps": bench_memcpy(nbytes, repeats * 2),
-        "bytes_per_transfer": nbytes,
-        "box": {"cpus": os.cpu_count(), "load1": os.getloadavg()[0], "python": platform.python_version()},
-        "skipped": {k: r for k, r in available_transports().items() if r and k in ("tcp", "shm", "nixl")},
+    repeats, rtt_rounds, rtt_per_round = (5, 5, 60) if quick else (11, 10, 200)
+    report = available_transports()
+    kinds = [k for k in ("tcp", "shm", "nixl") if report[k] is None]
+    load_before = os.getloadavg()[0]
+    raw = RawTcp(nbytes, repeats)
+    bw_subjects = {
+        "memcpy": Memcpy(nbytes),
+        "raw_tcp": raw,
+        **{k: KVPush(k, nbytes, num_streams) for k in kinds},
     }
-    out["raw_tcp_gbps"], out["rtt_us_raw_tcp"] = bench_raw_tcp(nbytes, repeats, rtt_iters)
-    out["bw_gbps"], out["rtt_us"] = {}, {}
-    for kind in kinds:
-        out["bw_gbps"][kind] = bench_kv_bandwidth(kind, nbytes, repeats)
-        out["rtt_us"][kind] = bench_rtt(kind, rtt_iters)
-        out[f"rtt_us_{kind}"] = out["rtt_us"][kind]
-        print(
-            f"# {kind}: {out['bw_gbps'][kind]:.2f} GB/s, rtt p50 {out['rtt_us'][kind]:.0f} us",
-            file=sys.stderr,
-        )
-    bw = out["bw_gbps"]
-    out["tcp_vs_raw_tcp_ratio"] = bw["tcp"] / out["raw_tcp_gbps"] if "tcp" in bw else None
-    out["shm_vs_nixl_bw_ratio"] = bw["shm"] / bw["nixl"] if {"shm", "nixl"} <= set(bw) else None
-    out["shm_vs_memcpy_ratio"] = bw["shm"] / out["memcpy_gbps"] if "shm" in bw else None
-    out["load1_after"] = os.getloadavg()[0]
+    times: dict[str, list[float]] = {name: [] for name in bw_subjects}
+    for rep in range(repeats):
+        for name, subject in bw_subjects.items():
+            times[name].append(subject.bw_once(rep))
+    rtt_subjects = {"raw_tcp": raw, **{k: MsgEcho(k) for k in kinds}}
+    rtts: dict[str, list[float]] = {name: [] for name in rtt_subjects}
+    for _ in range(rtt_rounds):
+        for name, subject in rtt_subjects.items():
+            rtts[name] += subject.rtt_batch(rtt_per_round)
+    for subject in [*bw_subjects.values(), *rtt_subjects.values()]:
+        if subject is not raw:
+            subject.close()
+    raw.close()
+    gbps = {name: nbytes / statistics.median(t) / 1e9 for name, t in times.items()}
+    if "memcpy" in gbps:
+        gbps["memcpy"] = nbytes / min(times["memcpy"]) / 1e9  # ceiling: best of
+    rtt_us = {name: statistics.median(r) * 1e6 for name, r in rtts.items()}
+    rtt_p90 = {name: sorted(r)[int(0.9 * len(r))] * 1e6 for name, r in rtts.items()}
+    out: dict = {
+        "memcpy_gbps": gbps["memcpy"],
+        "raw_tcp_gbps": gbps["raw_tcp"],
+        "rtt_us_raw_tcp": rtt_us["raw_tcp"],
+        "bw_gbps": {k: gbps[k] for k in kinds},
+        "rtt_us": {k: rtt_us[k] for k in kinds},
+        "rtt_p90_us": rtt_p90,
+        **{f"rtt_us_{k}": rtt_us[k] for k in kinds},
+        "tcp_vs_raw_tcp_ratio": gbps["tcp"] / gbps["raw_tcp"] if "tcp" in gbps else None,
+        "shm_vs_nixl_bw_ratio": gbps["shm"] / gbps["nixl"] if {"shm", "nixl"} <= set(gbps) else None,
+        "shm_vs_nixl_rtt_ratio": rtt_us["shm"] / rtt_us["nixl"] if {"shm", "nixl"} <= set(rtt_us) else None,
+        "shm_vs_memcpy_ratio": gbps["shm"] / gbps["memcpy"] if "shm" in gbps else None,
+        "bytes_per_transfer": nbytes,
+        "repeats": repeats,
+        "tcp_streams": num_streams,
+        "rtt_samples": rtt_rounds * rtt_per_round,
+        "skipped": {k: r for k, r in report.items() if r and k in ("tcp", "shm", "nixl")},
+        "box": {
+            "cpus": os.cpu_count(),
+            "load1_before": load_before,
+            "load1_after": os.getloadavg()[0],
+            "python": platform.python_version(),
+        },
+    }
+    for k in kinds:
+        print(f"# {k}: {gbps[k]:.2f} GB/s, rtt p50 {rtt_us[k]:.0f} us", file=sys.stderr)
     return out
 
 
@@ -188,7 +241,8 @@ def plot(result: dict, path: Path) -> None:
     names = ["raw tcp", *result["rtt_us"]]
     vals = [result["rtt_us_raw_tcp"], *result["rtt_us"].values()]
     b.bar(names, vals, color=["grey"] + ["C1"] * len(result["rtt_us"]))
-    b.set_ylabel("µs (p50)")
+    b.set_ylabel("µs (p50, log scale)")
+    b.set_yscale("log")
     b.set_title("16 KiB round trip")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -200,8 +254,11 @@ def main() -> int:
         "--quick", action="store_true", help="fewer repeats; prints one JSON object (< 2 min)"
     )
     parser.add_argument("--mib", type=int, default=64, help="bytes per bandwidth transfer, MiB")
+    parser.add_argument(
+        "--streams", type=int, default=2, help="tcp streams per KV peer (TransportOptions.num_streams)"
+    )
     args = parser.parse_args()
-    result = run(args.quick, args.mib)
+    result = run(args.quick, args.mib, args.streams)
     if not args.quick:
         RESULTS.mkdir(parents=True, exist_ok=True)
         (RESULTS / "transport_bench.json").write_text(json.dumps(result, indent=2))

@@ -255,7 +255,8 @@ def _by_role(status: dict, role: str) -> list[dict]:
 def test_the_instances_are_actors_placed_by_their_pool_resources(deployment):
     roles = {i["name"]: i["role"] for i in deployment.state["instances"]}
     assert roles == {"vllm-disagg:prefill0": "prefill", "vllm-disagg:decode0": "decode"}
-    assert all(i["node_ip"] == "127.0.0.1" and i["starts"] == 1 for i in deployment.state["instances"])
+    # starts > 1 only if a server died while starting (an OOM kill on a shared box): Ray restarted it.
+    assert all(i["node_ip"] == "127.0.0.1" and i["starts"] >= 1 and i["up"] for i in deployment.state["instances"])
 
 
 def test_requests_take_the_pd_path_and_match_plain_vllm_token_for_token(deployment, expected):
@@ -285,8 +286,8 @@ def _pid_alive(pid: int) -> bool:
 
 
 def test_a_killed_decode_actor_is_restarted_and_no_request_is_lost(deployment, expected):
-    (old,) = [i for i in deployment.state["instances"] if i["role"] == "decode"]
-    kill = deployment.ns.run(sys.executable, "-c", KILL, deployment.address, old["name"], env=deployment.env)
+    (old,) = [i for i in _by_role(deployment.status(), "decode")]
+    kill = deployment.ns.run(sys.executable, "-c", KILL, deployment.address, old["actor"], env=deployment.env)
     assert kill.returncode == 0, kill.stderr[-2000:]
     deadline = time.monotonic() + 60
     while _pid_alive(old["pid"]):  # the server cannot outlive its actor (reaper)
@@ -306,7 +307,7 @@ def test_a_killed_decode_actor_is_restarted_and_no_request_is_lost(deployment, e
             break
         assert time.monotonic() < deadline, f"no restarted decode member: {decode}\n{deployment.log()}"
         time.sleep(5)
-    assert new[0]["actor"] == old["name"] and new[0]["starts"] == 2
+    assert new[0]["actor"] == old["actor"] and new[0]["starts"] > old["starts"]
     assert [i["url"] for i in decode] == [new[0]["url"]]  # the dead member left the pool
 
     after = deployment.complete(PROMPTS)

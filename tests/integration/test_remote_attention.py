@@ -87,6 +87,13 @@ def test_four_attention_servers_match_plain_vllm_on_a_four_kv_head_model(kv4_mod
     _assert_same(_generate(kv4_model_dir, remote), plain_kv4)
 
 
+def test_preemption_under_a_small_remote_kv_pool_still_matches_plain_vllm(tiny_model_dir, servers):
+    # The prompts need 14 blocks at full length; 8 forces the scheduler to preempt and recompute.
+    plain_small = _generate(tiny_model_dir, num_gpu_blocks_override=8)
+    remote = {"servers": [s.http for s in servers[:2]], "partition": "request", "send_q_early": True}
+    _assert_same(_generate(tiny_model_dir, remote, num_gpu_blocks_override=8), plain_small)
+
+
 def test_n2_pipelining_on_the_nano_batch_executor_matches_plain_vllm(tiny_model_dir, plain, servers):
     remote = {"servers": [s.http for s in servers[:2]], "partition": "head", "send_q_early": False, "pipeline": 2}
     got = _generate(tiny_model_dir, remote, worker_cls="vllm_disagg.nanoflow.remote.NanoFlowRemoteAttentionWorker",

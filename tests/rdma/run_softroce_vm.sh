@@ -85,6 +85,7 @@ download() {
 build_base() {
   [[ -f "$BASE/initramfs-base.cpio" && -f "$BASE/vmlinuz" ]] && return 0
   log "building base initramfs for $KERNEL_PKG in $BASE"
+  find "$CACHE" -maxdepth 1 -name 'base-*' ! -name "base-$KEY" -exec rm -rf {} +  # stale package sets
   local stage="$BASE.tmp"
   rm -rf "$stage" && mkdir -p "$stage/root" "$stage/kernel"
   for p in "${PKGS[@]}"; do

@@ -17,6 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
 )
 
 from vllm_disagg.kv.metadata import DisaggConnectorMetadata
@@ -69,6 +70,10 @@ class DisaggConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         self.connector_scheduler.update_connector_output(connector_output)
 
+    def is_fatal_load_failure(self, req_id: str) -> bool:
+        """True when a decode request's push failed for a configuration error (handshake mismatch)."""
+        return self.connector_scheduler is not None and self.connector_scheduler.is_fatal_load_failure(req_id)
+
     def has_pending_push_work(self) -> bool:
         return self.connector_scheduler is not None and self.connector_scheduler.has_pending_push_work()
 
@@ -114,6 +119,9 @@ class DisaggConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         results = self.connector_worker.get_transfer_results()
         return results.finished_sending, results.finished_recving
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self.connector_worker.build_worker_meta()
 
     def get_kv_connector_stats(self) -> DisaggKVConnectorStats | None:
         return self.connector_worker.get_kv_connector_stats() if self.connector_worker else None

@@ -11,15 +11,17 @@ the worker before the forward pass:
 * `release_req_ids` (prefill side): requests whose `request_finished` returned delay_free=True;
   the worker reports them in `finished_sending` once their push is over (done, failed or timed out).
 * `preempted_req_ids` (prefill side): pushes to abandon before their blocks are rewritten.
+
+`DisaggWorkerMetadata` goes the other way (worker -> scheduler): failure reasons of decode requests.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
-__all__ = ["RecvSpec", "SaveSpec", "DisaggConnectorMetadata"]
+__all__ = ["RecvSpec", "SaveSpec", "DisaggConnectorMetadata", "DisaggWorkerMetadata"]
 
 
 @dataclass(frozen=True)
@@ -63,3 +65,21 @@ class DisaggConnectorMetadata(KVConnectorMetadata):
     save_specs: list[SaveSpec] = field(default_factory=list)
     release_req_ids: list[str] = field(default_factory=list)
     preempted_req_ids: list[str] = field(default_factory=list)
+
+
+@dataclass
+class DisaggWorkerMetadata(KVConnectorWorkerMetadata):
+    """Worker -> scheduler, per step: why a decode request's push failed (req_id -> reason).
+
+    `fatal` holds the requests whose failure is a configuration error (handshake mismatch); they are
+    announced here one step before they appear in failed_recving, so a scheduler-side policy can
+    fail them instead of recomputing (see DisaggConnectorScheduler.is_fatal_load_failure)."""
+
+    errors: dict[str, str] = field(default_factory=dict)
+    fatal: set[str] = field(default_factory=set)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> DisaggWorkerMetadata:
+        if isinstance(other, DisaggWorkerMetadata):
+            self.errors.update(other.errors)
+            self.fatal |= other.fatal
+        return self

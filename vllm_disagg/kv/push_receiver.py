@@ -50,6 +50,8 @@ class _Recv:
     landed_bytes: int = 0
     state: str = "registering"
     error: str | None = None
+    fatal: bool = False
+    announced: bool = False
 
 
 class PushReceiver:
@@ -70,6 +72,7 @@ class PushReceiver:
         self._lock = threading.Lock()
         self._recvs: dict[str, _Recv] = {}
         self._late: dict[str, float] = {}  # transfer ids given up on; their notifications are dropped
+        self._errors: dict[str, tuple[str, bool]] = {}
         logger.info("KV push receiver listening on %s", self.address)
 
     # ------------------------------------------------------------ engine thread
@@ -82,13 +85,21 @@ class PushReceiver:
             self._pool.submit(self._register, recv)
 
     def poll(self) -> tuple[set[str], set[str]]:
-        """(finished_recving, failed_recving) since the last call; failed ones are in both."""
+        """(finished_recving, failed_recving) since the last call; failed ones are in both.
+
+        A fatal failure (handshake mismatch) is first announced through `take_errors()` and
+        reported here one poll later, so the scheduler knows why before it sees the failure."""
         self._drain_notifications()
         self._fail_lost_peers()
         self._expire(time.monotonic())
         done, failed = set(), set()
         with self._lock:
             for tid, recv in list(self._recvs.items()):
+                if recv.state == "failed" and not recv.announced:
+                    recv.announced = True
+                    self._errors[recv.spec.req_id] = (recv.error or "", recv.fatal)
+                    if recv.fatal:
+                        continue
                 if recv.state in ("done", "failed"):
                     del self._recvs[tid]
                     (done if recv.state == "done" else failed).add(recv.spec.req_id)
@@ -97,6 +108,12 @@ class PushReceiver:
         if failed:
             self._record(lambda s: [s.record_fallback() for _ in failed])
         return done | failed, failed
+
+    def take_errors(self) -> dict[str, tuple[str, bool]]:
+        """req_id -> (reason, fatal) for failures announced since the last call."""
+        with self._lock:
+            errors, self._errors = self._errors, {}
+        return errors
 
     def has_pending(self) -> bool:
         with self._lock:
@@ -151,6 +168,7 @@ class PushReceiver:
             self._on_reply(recv, reply)
         except HandshakeMismatch as err:  # our check of the prefill side's ACCEPT
             self._log_refused(recv, str(err))
+            recv.fatal = True
             self._cancel(recv, reason=str(err))
         except (DisaggError, OSError) as err:
             with self._lock:
@@ -163,6 +181,7 @@ class PushReceiver:
             message = str(reply.body.get("message", "refused by the prefill instance"))
             self._log_refused(recv, message)
             with self._lock:
+                recv.fatal = True
                 self._set_failed(recv, message)
             return
         if reply.type is not MsgType.ACCEPT:

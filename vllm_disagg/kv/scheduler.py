@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from vllm.logger import init_logger
 
-from vllm_disagg.kv.metadata import DisaggConnectorMetadata, RecvSpec, SaveSpec
+from vllm_disagg.kv.metadata import DisaggConnectorMetadata, DisaggWorkerMetadata, RecvSpec, SaveSpec
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -80,6 +80,8 @@ class DisaggConnectorScheduler:
         self._recv_seen: set[str] = set()  # requests that got one load attempt (never retried)
         self._recv_inflight: set[str] = set()
         self._pending_recv: list[RecvSpec] = []
+        self._recv_errors: dict[str, str] = {}  # req_id -> why its push failed
+        self._fatal: set[str] = set()
         # prefill side
         self._send_reqs: dict[str, tuple[str, int, str]] = {}  # req_id -> (transfer_id, #prompt, digest)
         self._send_announced: set[str] = set()
@@ -178,6 +180,10 @@ class DisaggConnectorScheduler:
         req_id = request.request_id
         self._recv_seen.discard(req_id)
         self._recv_inflight.discard(req_id)
+        self._fatal.discard(req_id)
+        error = self._recv_errors.pop(req_id, None)
+        if error is not None:
+            return False, {"disagg_kv_error": error}  # the router can tell a local-prefill fallback
         if req_id not in self._send_reqs:
             return False, None
         transfer_id, _, _ = self._send_reqs.pop(req_id)
@@ -188,7 +194,14 @@ class DisaggConnectorScheduler:
         self._awaiting_send.add(req_id)
         return True, {"transfer_id": transfer_id, "pushed": True}
 
+    def is_fatal_load_failure(self, req_id: str) -> bool:
+        return req_id in self._fatal
+
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(meta, DisaggWorkerMetadata):
+            self._recv_errors.update(meta.errors)
+            self._fatal |= meta.fatal
         for req_id in connector_output.finished_sending or ():
             self._awaiting_send.discard(req_id)
         for req_id in connector_output.finished_recving or ():

@@ -22,7 +22,7 @@ from vllm.logger import init_logger
 from vllm_disagg import envs
 from vllm_disagg.config import DisaggConfigError, KVTransferSection, disagg_config_from_vllm
 from vllm_disagg.kv.handshake import local_handshake_info
-from vllm_disagg.kv.metadata import DisaggConnectorMetadata
+from vllm_disagg.kv.metadata import DisaggConnectorMetadata, DisaggWorkerMetadata
 from vllm_disagg.kv.stats import DisaggKVConnectorStats
 
 if TYPE_CHECKING:
@@ -123,6 +123,13 @@ class DisaggConnectorWorker:
         if self.receiver is not None:
             results.finished_recving, results.failed_recving = self.receiver.poll()
         return results
+
+    def build_worker_meta(self) -> DisaggWorkerMetadata | None:
+        errors = self.receiver.take_errors() if self.receiver is not None else {}
+        if not errors:
+            return None
+        return DisaggWorkerMetadata(errors={r: e for r, (e, _) in errors.items()},
+                                    fatal={r for r, (_, fatal) in errors.items() if fatal})
 
     def get_kv_connector_stats(self) -> DisaggKVConnectorStats | None:
         with self._stats_lock:

@@ -250,15 +250,20 @@ def _node_ip() -> str:
     return ray.util.get_node_ip_address()
 
 
+def _starts_key(namespace: str, name: str) -> bytes:
+    return f"{namespace}/{name}:starts".encode()
+
+
 def _count_start(name: str) -> int:
     """How often this instance has started (GCS internal KV survives actor restarts)."""
     try:
+        import ray
         from ray.experimental import internal_kv
     except ImportError:
         return 1
     if not internal_kv._internal_kv_initialized():
         return 1
-    key = f"{name}:starts".encode()
+    key = _starts_key(ray.get_runtime_context().namespace, name)
     n = int(internal_kv._internal_kv_get(key) or 0) + 1
     internal_kv._internal_kv_put(key, str(n).encode(), overwrite=True)
     return n
@@ -348,10 +353,12 @@ class RayCluster:
 
     def launch(self, specs: list[ActorSpec]) -> None:
         """Start the instance actors of `specs`, each in its pool's bundle (same index as in the pool)."""
+        from ray.experimental import internal_kv
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         cls = instance_actor_class(self.args.max_restarts)
         for spec in specs:
+            internal_kv._internal_kv_del(_starts_key(self.namespace, spec.name))  # a new deployment: count from 1
             strategy = PlacementGroupSchedulingStrategy(self.groups[spec.role],
                                                        placement_group_bundle_index=spec.index)
             self.actors[spec.name] = cls.options(
@@ -401,6 +408,10 @@ class RayCluster:
         for pg in self.groups.values():
             with contextlib.suppress(Exception):
                 remove_placement_group(pg)
+        with contextlib.suppress(Exception):
+            from ray.experimental import internal_kv
+
+            internal_kv._internal_kv_del(ROUTER_KEY)
 
 
 # ------------------------------------------------------------------------------------ `up` body

@@ -73,7 +73,7 @@ async def collect(router: str | None, actors: list[dict], timeout_s: float = 5.0
             if a.get("url"):
                 by_url.setdefault(a["url"], {"url": a["url"], "pool": a.get("role")})
                 by_url[a["url"]].update(actor=a["name"], node=a.get("node_ip"), starts=a.get("starts"),
-                                        actor_up=a.get("up"))
+                                        actor_up=a.get("up"), pid=a.get("pid"))
         loads = await asyncio.gather(*(_load(session, url) for url in by_url))
     for inst, load in zip(by_url.values(), loads, strict=True):
         inst.update(load)

@@ -8,6 +8,7 @@ from tensor memory and received straight into the caller's buffers.
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import struct
@@ -34,11 +35,16 @@ _COUNT = struct.Struct("<H")
 _DRAIN_CHUNK = 1 << 20
 
 
+@functools.lru_cache(maxsize=MAX_TENSORS + 1)
+def _lengths_struct(count: int) -> struct.Struct:
+    return struct.Struct(f"<{count}Q")
+
+
 def pack_msg(header: bytes, views: Sequence[memoryview]) -> tuple[bytes, int]:
     if len(header) > MAX_HEADER_BYTES or len(views) > MAX_TENSORS:
         raise ValueError(f"message header must be <= {MAX_HEADER_BYTES} bytes and <= {MAX_TENSORS} tensors")
     lengths = [v.nbytes for v in views]
-    meta = _COUNT.pack(len(views)) + struct.pack(f"<{len(views)}Q", *lengths) + bytes(header)
+    meta = _COUNT.pack(len(views)) + _lengths_struct(len(views)).pack(*lengths) + bytes(header)
     return pack_frame(T_MSG, meta, sum(lengths)), sum(lengths)
 
 
@@ -51,7 +57,7 @@ def parse_msg_meta(
     end = _COUNT.size + 8 * count
     if count > MAX_TENSORS or len(meta) < end or len(meta) - end > MAX_HEADER_BYTES:
         raise ProtocolError(f"MSG frame from {peer}: bad tensor count {count} or header size")
-    lengths = list(struct.unpack_from(f"<{count}Q", meta, _COUNT.size))
+    lengths = list(_lengths_struct(count).unpack_from(meta, _COUNT.size))
     if sum(lengths) != payload_len or payload_len > max_bytes:
         raise ProtocolError(
             f"MSG frame from {peer}: payload {payload_len} != sum of lengths {sum(lengths)} or > {max_bytes}"

@@ -54,6 +54,10 @@ MAX_TID_BYTES = 128
 
 def as_byte_view(obj: Any) -> memoryview:
     """A flat, writable-if-possible byte view over a tensor's or buffer's own memory (no copy)."""
+    if type(obj) is memoryview and obj.ndim == 1 and obj.format == "B":
+        return obj  # hot path: already a byte view
+    if type(obj) is bytes:
+        return memoryview(obj)
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(obj, torch.Tensor):
         if not obj.is_cpu:

@@ -135,6 +135,9 @@ def test_a_handshake_mismatch_fails_both_sides_at_once_and_moves_no_bytes(pair, 
     pair.prefill_step([SaveSpec("p1", (1, 2, 3, 4, 5, 6, 7), 100, 100, "t1", True)])
     t0 = time.monotonic()
     pair.register("t1", range(10, 17))
+    _until(lambda: pair.poll() or pair.receiver._errors)
+    errors = pair.receiver.take_errors()  # announced (with the reason) one poll before failed_recving
+    assert errors["d-t1"][1] is True and "'dtype'" in errors["d-t1"][0]
     assert _until(pair.poll) == {"d-t1"} and pair.failed == {"d-t1"}
     assert time.monotonic() - t0 < 2.0
     assert not any(layer.any() for layer in pair.d_layers)

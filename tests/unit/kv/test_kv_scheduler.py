@@ -116,3 +116,19 @@ def test_both_sides_carry_the_same_prompt_digest():
     s.update_state_after_alloc(p_req, _blocks([]), 0)
     meta = s.build_connector_meta(_out(new=[("p", [5, 6], 0)], sched={"p": 40}))
     assert meta.recv_specs[0].prompt_digest == meta.save_specs[0].prompt_digest != ""
+
+
+def test_a_failed_push_reason_reaches_the_decode_response_and_marks_mismatches_fatal():
+    from vllm_disagg.kv.metadata import DisaggWorkerMetadata
+
+    s = DisaggConnectorScheduler(BS, push_timeout_s=30)
+    req = _req("r1", 100, **D_PARAMS)
+    s.get_num_new_matched_tokens(req, 0)
+    s.update_state_after_alloc(req, _blocks([1, 2, 3, 4]), 100)
+    meta = DisaggWorkerMetadata(errors={"r1": "handshake mismatch on 'dtype'"}, fatal={"r1"})
+    meta = meta.aggregate(DisaggWorkerMetadata())
+    s.update_connector_output(SimpleNamespace(finished_sending=set(), finished_recving=set(),
+                                              kv_connector_worker_meta=meta))
+    assert s.is_fatal_load_failure("r1") and not s.is_fatal_load_failure("r2")
+    assert s.request_finished(req, []) == (False, {"disagg_kv_error": "handshake mismatch on 'dtype'"})
+    assert not s.is_fatal_load_failure("r1")

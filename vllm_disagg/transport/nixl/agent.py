@@ -11,6 +11,7 @@ here is bounded by a deadline.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import struct
 import time
@@ -43,6 +44,8 @@ def make_agent(role: str, host: str = "127.0.0.1") -> tuple[Any, str]:
     _ucx_env_defaults(host)
     from nixl._api import nixl_agent, nixl_agent_config
 
+    _quiet_nixl_logging()
+
     name = f"vd-{role}-{os.getpid()}-{os.urandom(4).hex()}"
     config = nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False, backends=["UCX"])
     return nixl_agent(name, config), name
@@ -61,6 +64,13 @@ def _ucx_env_defaults(host: str) -> None:
         os.environ.setdefault("UCX_MODULES", "^ib")
     if host.startswith("127.") or host == "localhost":
         os.environ.setdefault("UCX_NET_DEVICES", "lo")
+
+
+def _quiet_nixl_logging() -> None:
+    """nixl logs every agent creation at INFO to stdout; keep warnings and errors only."""
+    for name in list(logging.root.manager.loggerDict):
+        if name == "nixl" or name.startswith("nixl."):
+            logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def _has_rdma_device() -> bool:

@@ -128,8 +128,9 @@ class Device:
 
     @classmethod
     def get(cls) -> Device:
+        """The process's device; a forked child opens its own (verbs contexts do not survive fork)."""
         with cls._lock:
-            if cls._instance is None:
+            if cls._instance is None or cls._instance.pid != os.getpid():
                 cls._instance = cls()
             return cls._instance
 
@@ -156,6 +157,7 @@ class Device:
         self.gid = gid_to_bytes(self.ctx.query_gid(self.port, self.gid_index).gid)
         self.pd = PD(self.ctx)
         self.lock = threading.Lock()
+        self.pid = os.getpid()
 
     def _pick_gid(self) -> int:
         """Env override, else an IPv4-mapped RoCEv2 GID if any, else the first non-zero GID."""
