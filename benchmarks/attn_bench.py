@@ -101,13 +101,24 @@ def measure_rtt(kind: str, iters: int, batch: int = 1, context: int = 32) -> dic
             client.attend(0, q, k, v, meta, 0.088, out)
             times.append(time.perf_counter() - t0)
         wire_bytes = (ch.stats.bytes_sent - sent0 + ch.stats.bytes_received - recv0) / iters
+        kernel_s = _server_layer_seconds(srv.http) / (iters + 1)
         client.close()
     finally:
         srv.stop()
     payload = sum(t.numel() * t.element_size() for t in (q, k, v, out))
     raw = _raw_pingpong(kind, q.numel() * 4 + 2 * k.numel() * 4, out.numel() * 4, iters)
     return {"rtt_us": statistics.median(times) * 1e6, "rtt_p90_us": _pct(times, 0.9) * 1e6,
+            "server_kernel_us": kernel_s * 1e6, "rtt_minus_kernel_us": statistics.median(times) * 1e6 - kernel_s * 1e6,
             "raw_pingpong_us": raw, "payload_bytes": payload, "wire_bytes": wire_bytes, "batch": batch}
+
+
+def _server_layer_seconds(http: str) -> float:
+    """Total server-side compute seconds (all calls so far), from its Prometheus histogram."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://{http}/metrics", timeout=10) as r:
+        lines = r.read().decode().splitlines()
+    return sum(float(x.split()[-1]) for x in lines if x.startswith("vllm:disagg_attention_layer_seconds_sum"))
 
 
 def _raw_pingpong(kind: str, send_bytes: int, reply_bytes: int, iters: int) -> float:
@@ -146,34 +157,39 @@ def _pct(xs: list[float], p: float) -> float:
 
 # ------------------------------------------------------------------ engine decode
 def decode_run(model_dir: str, batch: int, max_tokens: int, reps: int, **extra) -> dict:
-    """Decode tokens/s and TBT: generate(max_tokens) minus generate(1) (the prefill), best of reps."""
+    """Decode tokens/s and TBT from the engine's own per-request timestamps (first and last token),
+    best of `reps`; the prefill step is excluded."""
     from vllm import LLM
 
     from vllm_disagg.testing import tiny_llm_kwargs, token_prompts
 
     prompts = token_prompts(batch, 128, vocab=MEDIUM["vocab_size"], seed=batch)
-    llm = LLM(**tiny_llm_kwargs(model_dir, max_num_batched_tokens=4096, max_num_seqs=64, **extra))
+    llm = LLM(**tiny_llm_kwargs(model_dir, max_num_batched_tokens=4096, max_num_seqs=64, disable_log_stats=False,
+                                **extra))
     try:
-        _timed(llm, prompts, 2)  # warm-up
-        prefill = min(_timed(llm, prompts, 1)[0] for _ in range(reps))
-        full, ids = min((_timed(llm, prompts, max_tokens) for _ in range(reps)), key=lambda r: r[0])
-        decode = max(full - prefill, 1e-9)
+        _generate(llm, prompts, 2)  # warm-up
+        best = None
+        for _ in range(reps):
+            outs = _generate(llm, prompts, max_tokens)
+            first = min(o.metrics.first_token_ts for o in outs)
+            last = max(o.metrics.last_token_ts for o in outs)
+            window = max(last - first, 1e-9)
+            if best is None or window < best[0]:
+                best = (window, [list(o.outputs[0].token_ids) for o in outs])
         steps = max_tokens - 1
-        return {"batch": batch, "decode_tokens_per_s": batch * steps / decode, "tbt_ms": decode / steps * 1e3,
-                "token_ids": ids}
+        return {"batch": batch, "decode_tokens_per_s": batch * steps / best[0], "tbt_ms": best[0] / steps * 1e3,
+                "token_ids": best[1]}
     finally:
         llm.llm_engine.engine_core.shutdown()
         del llm
         gc.collect()
 
 
-def _timed(llm, prompts: list, n: int) -> tuple[float, list]:
+def _generate(llm, prompts: list, n: int) -> list:
     from vllm import SamplingParams
 
     sp = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, sp, use_tqdm=False)
-    return time.perf_counter() - t0, [list(o.outputs[0].token_ids) for o in outs]
+    return llm.generate(prompts, sp, use_tqdm=False)
 
 
 def engine_configs(servers: list[str]) -> dict[str, dict]:
@@ -215,13 +231,13 @@ def main() -> int:
     from vllm_disagg.testing import apply_test_env
 
     apply_test_env(in_process=True)
-    iters = 300 if args.quick else 2000
+    iters = 200 if args.quick else 2000
     rtt = {kind: measure_rtt(kind, iters) for kind in ("shm", "tcp")}
     g = RTT_GEOM
     d, group, e = g["num_heads"] * g["head_size"], g["num_heads"] // g["num_kv_heads"], 4
     formula = (2 + 2 / group) * d * e
     batches = [16] if args.quick else [1, 4, 16, 32]
-    eng = run_engines(batches, max_tokens=16 if args.quick else 32, reps=1 if args.quick else 2)
+    eng = run_engines(batches, max_tokens=16 if args.quick else 32, reps=2 if args.quick else 3)
     at = batches.index(16)
 
     def tput(name: str) -> float:
@@ -232,6 +248,8 @@ def main() -> int:
         "rtt_us_shm": round(rtt["shm"]["rtt_us"], 1),
         "rtt_us_tcp": round(rtt["tcp"]["rtt_us"], 1),
         "raw_pingpong_us_shm": round(rtt["shm"]["raw_pingpong_us"], 1),
+        "rtt_minus_server_kernel_us_shm": round(rtt["shm"]["rtt_minus_kernel_us"], 1),
+        "server_kernel_us_shm": round(rtt["shm"]["server_kernel_us"], 1),
         "raw_pingpong_us_tcp": round(rtt["tcp"]["raw_pingpong_us"], 1),
         "bytes_per_token_per_layer": rtt["shm"]["payload_bytes"] / rtt["shm"]["batch"],
         "bytes_per_token_per_layer_formula": formula,

@@ -23,6 +23,7 @@ import contextlib
 import json
 import os
 import random
+import signal
 import statistics
 import sys
 import tempfile
@@ -167,17 +168,11 @@ async def exposed_fraction(session, router_url: str, p_url: str, n_tokens: int, 
     return {"num_tokens": n_tokens, "reps": reps, "pushes": pushes, "exposed_s": exposed, "prefill_s": prefill,
             "exposed_fraction": exposed / prefill if prefill else None,
             "transfer_s_per_req": delta.get("vllm:disagg_kv_request_transfer_seconds_sum", 0) / max(pushes, 1),
-            "prefill_s_per_req": prefill / reps, "ttft_s_median": statistics.median(ttfts)}
-
-
-async def ttft_ours(session, router_url: str, n_tokens: int, reps: int) -> list[float]:
-    rng = random.Random(1000 + n_tokens)
-    return [(await stream(session, router_url, {"prompt": prompt(n_tokens, rng), "max_tokens": 2}))["times"][0]
-            for _ in range(reps)]
+            "prefill_s_per_req": prefill / reps, "ttft_s_median": statistics.median(ttfts), "ttft_s": ttfts}
 
 
 async def ttft_nixl(session, p_url: str, d_url: str, n_tokens: int, reps: int) -> dict:
-    rng = random.Random(1000 + n_tokens)  # the same prompts as ttft_ours
+    rng = random.Random(n_tokens)  # the same prompts as exposed_fraction (our TTFTs come from there)
     outs = [await nixl_request(session, p_url, d_url, {"prompt": prompt(n_tokens, rng), "max_tokens": 2})
             for _ in range(reps)]
     return {"ttft": [o["ttft"] for o in outs], "handoff": [o["ttft"] - o["p_latency"] for o in outs]}
@@ -223,16 +218,23 @@ def _pct(xs: list[float], q: float) -> float | None:
 
 
 def push_vs_loopback(quick: bool) -> dict:
-    """tcp KV push vs raw loopback TCP, interleaved rounds, best of each (this box is shared and noisy)."""
-    import transport_bench as tb  # benchmarks/transport_bench.py (the transport helper's)
+    """tcp KV push vs raw loopback TCP, interleaved rounds (shared noisy box), medians; the
+    contenders are benchmarks/transport_bench.py's own (`RawTcp`, `KVPush`)."""
+    import transport_bench as tb
 
-    nbytes, repeats, rounds = (32 << 20, 3, 2) if quick else (64 << 20, 5, 3)
-    raw, tcp = [], []
-    for _ in range(rounds):
-        raw.append(tb.bench_raw_tcp(nbytes, repeats, 10)[0])
-        tcp.append(tb.bench_kv_bandwidth("tcp", nbytes, repeats))
-    return {"raw_tcp_gbps": max(raw), "tcp_push_gbps": max(tcp), "ratio": max(tcp) / max(raw),
-            "rounds": {"raw": raw, "tcp": tcp}, "bytes": nbytes}
+    nbytes, repeats = (32 << 20, 5) if quick else (64 << 20, 11)
+    raw, push = tb.RawTcp(nbytes, repeats), tb.KVPush("tcp", nbytes, num_streams=2)
+    times: dict[str, list[float]] = {"raw": [], "tcp": []}
+    try:
+        for rep in range(repeats):
+            times["raw"].append(raw.bw_once(rep))
+            times["tcp"].append(push.bw_once(rep))
+    finally:
+        push.close()
+        raw.close()
+    gbps = {k: nbytes / statistics.median(v) / 1e9 for k, v in times.items()}
+    return {"raw_tcp_gbps": gbps["raw"], "tcp_push_gbps": gbps["tcp"], "ratio": gbps["tcp"] / gbps["raw"],
+            "bytes": nbytes, "repeats": repeats}
 
 
 # ------------------------------------------------------------------- main
@@ -254,9 +256,11 @@ async def run(quick: bool, model_dir: Path, log_dir: Path) -> dict:
                     out["exposed"]["serialized"] = [await exposed_fraction(session, routers[1].url, specs[2].url,
                                                                            n, reps) for n in sizes]
                 log(f"exposed {out['exposed']}")
-                ours = {n: await ttft_ours(session, routers[0].url, n, reps) for n in ttft_sizes}
+                ours = {e["num_tokens"]: e["ttft_s"] for e in out["exposed"]["layerwise"]}
                 t_prefill = next(e for e in out["exposed"]["layerwise"] if e["num_tokens"] == 1024)["prefill_s_per_req"]
-                load = {"duration_s": 30.0 if quick else 90.0, "rate": round(0.35 / max(t_prefill, 0.05), 3),
+                duration = 30.0 if quick else 90.0
+                # P at ~35% busy with long prompts, but at least ~4 of them in the window
+                load = {"duration_s": duration, "rate": round(max(0.35 / max(t_prefill, 0.05), 4 / duration), 3),
                         "long_tokens": 1024, "num_decoders": 4}
                 out["mixed_load"] = {"offered": load, "pd": await mixed_load(session, routers[0].url, **load)}
                 log(f"pd load {out['mixed_load']['pd']}")
@@ -288,13 +292,17 @@ def summarize(out: dict) -> dict:
         "push_vs_loopback_ratio": out["push"]["ratio"],
         "exposed_fraction_1k_layerwise": lw_1k["exposed_fraction"],
         "ttft_vs_nixl_ratio": ttft_1k["ratio"],
-        "p99_tbt_ratio": ml["pd"]["p99_tbt_s"] / colo[best]["p99_tbt_s"],
+        "p99_tbt_ratio": _ratio(ml["pd"]["p99_tbt_s"], colo[best]["p99_tbt_s"]),
         "throughput_ratio": ml["pd"]["tokens_per_s"] / colo[best]["tokens_per_s"],
-        "p99_ttft_ratio": ml["pd"]["p99_ttft_s"] / colo[best]["p99_ttft_s"] if colo[best]["p99_ttft_s"] else None,
+        "p99_ttft_ratio": _ratio(ml["pd"]["p99_ttft_s"], colo[best]["p99_ttft_s"]),
         "colocated_best_setting": best,
         "load1_end": os.getloadavg()[0],
     }
     return {**summary, "details": out}
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
 
 
 def write_profile(result: dict, path: Path) -> None:
@@ -305,8 +313,8 @@ def write_profile(result: dict, path: Path) -> None:
             "model": "smollm2-135m",
             "prefill": [{"num_tokens": e["num_tokens"], "ms": 1e3 * e["prefill_s_per_req"]} for e in lw],
             "kv_transfer": [{"num_tokens": e["num_tokens"], "ms": 1e3 * e["transfer_s_per_req"]} for e in lw],
-            "measured": {"ttft_ms_p50": 1e3 * d["mixed_load"]["pd"]["p50_ttft_s"],
-                         "tbt_ms_p50": 1e3 * d["mixed_load"]["pd"]["p50_tbt_s"],
+            "measured": {"ttft_ms_p50": 1e3 * (d["mixed_load"]["pd"]["p50_ttft_s"] or float("nan")),
+                         "tbt_ms_p50": 1e3 * (d["mixed_load"]["pd"]["p50_tbt_s"] or float("nan")),
                          "rps": d["mixed_load"]["pd"]["num_requests"] / d["mixed_load"]["pd"]["wall_s"],
                          "prompt_tokens": d["mixed_load"]["offered"]["long_tokens"], "output_tokens": 16,
                          "num_requests": d["mixed_load"]["pd"]["num_requests"]}}
@@ -345,6 +353,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="< 5 min; prints one JSON object")
     args = parser.parse_args()
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # run the `finally`s: stop every server
     log_dir = Path(tempfile.mkdtemp(prefix="pd-bench-logs-"))  # kept: instance logs for post-mortems
     log(f"instance logs in {log_dir}")
     with tempfile.TemporaryDirectory(prefix="pd-bench-") as tmp:

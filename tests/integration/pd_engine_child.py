@@ -115,11 +115,6 @@ def main() -> None:
     from vllm_disagg.testing import apply_test_env
 
     apply_test_env(in_process=True)
-    if opts.get("fatal_patch"):  # manual check of a proposed scheduler patch; not used by the tests
-        sys.path.insert(0, "/tmp")
-        import fatal_patch
-
-        fatal_patch.apply()
     if opts.get("write_delay_s"):
         _slow_writes(opts["write_delay_s"])
     llm = _build_llm(role, model_dir, opts)

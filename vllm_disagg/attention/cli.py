@@ -31,6 +31,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-gib", type=float, default=0.25, help="KV memory of this shard in GiB")
     p.add_argument("--kernel", default="cpu", choices=["cpu", "cuda"],
                    help="attention kernel: vLLM's CPU kernel, or FlashAttention on a GPU (untested)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="intra-op threads of the kernel (default 1: one core per server; more threads on an "
+                        "oversubscribed box cost far more in OpenMP waits than they gain)")
     p.add_argument("--ready-file", default=None, help="write the READY json here once serving")
 
 
@@ -40,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         server = DisaggAttentionServer(
             transport=args.transport, kv_cache_bytes=int(args.kv_cache_gib * (1 << 30)),
-            kernel=args.kernel, http_host=args.host, http_port=args.http_port,
+            kernel=args.kernel, http_host=args.host, http_port=args.http_port, num_threads=args.threads,
         )
     except (ValueError, OSError) as err:
         print(f"vllm-disagg attn-server: {err}", file=sys.stderr)

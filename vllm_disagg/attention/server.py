@@ -53,7 +53,7 @@ class DisaggAttentionServer:
 
     def __init__(self, transport: str = "shm", kv_cache_bytes: int = 256 << 20, kernel: str = "cpu",
                  http_host: str = "127.0.0.1", http_port: int = 0, auth_token: str | None = None,
-                 recv_timeout_s: float = 1.0):
+                 recv_timeout_s: float = 1.0, num_threads: int | None = None):
         from vllm_disagg import envs
 
         token = auth_token or envs.auth_token()
@@ -63,6 +63,7 @@ class DisaggAttentionServer:
         self.transport = get_transport(transport, TransportOptions(auth_token=token, host=http_host))
         self.kv_cache_bytes = kv_cache_bytes
         self.kernel_kind = kernel
+        self.num_threads = num_threads
         self.kernel: AttentionKernel | None = None
         self.metrics = _Metrics()
         self._http_addr = (http_host, http_port)
@@ -75,6 +76,8 @@ class DisaggAttentionServer:
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> dict:
+        if self.num_threads:
+            torch.set_num_threads(self.num_threads)
         preload(self.kernel_kind)
         self.listener = self.transport.listen_msg()
         self.httpd = ThreadingHTTPServer(self._http_addr, _handler_for(self))

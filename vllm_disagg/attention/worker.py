@@ -70,6 +70,9 @@ class DisaggAttentionWorker(CPUWorker):
             raise NotImplementedError(
                 f"remote_attention.pipeline={ra.pipeline}: only n=2 (ping-pong on one replica) has a runtime; "
                 "n>2 needs batch-context migration between model replicas (see attention/schedule.py)")
+        if ra.partition == "request" and self.vllm_config.cache_config.enable_prefix_caching:
+            raise ValueError("remote_attention.partition='request' needs enable_prefix_caching=False: a shared "
+                             "prefix block would live on one server only; use partition='head'")
         if ra.pipeline == 2 and not getattr(self, "nanoflow_stats", None):
             raise ValueError("remote_attention.pipeline=2 runs on the nano-batch executor: use worker_cls "
                              "'vllm_disagg.nanoflow.remote.NanoFlowRemoteAttentionWorker' with "

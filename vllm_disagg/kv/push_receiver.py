@@ -70,7 +70,8 @@ class PushReceiver:
         self._client = SideChannelClient(lambda addr, timeout: control.connect_msg(addr, timeout=timeout))
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="disagg-kv-register")
         self._lock = threading.Lock()
-        self._recvs: dict[str, _Recv] = {}
+        self._recvs: dict[str, _Recv] = {}  # req_id -> receive
+        self._by_tid: dict[str, _Recv] = {}
         self._late: dict[str, float] = {}  # transfer ids given up on; their notifications are dropped
         self._errors: dict[str, tuple[str, bool]] = {}
         logger.info("KV push receiver listening on %s", self.address)
@@ -81,7 +82,11 @@ class PushReceiver:
             expected = len(spec.block_ids) * self.handshake.num_layers * self.handshake.block_nbytes
             recv = _Recv(spec, expected, time.monotonic() + spec.push_timeout_s)
             with self._lock:
-                self._recvs[spec.transfer_id] = recv
+                self._recvs[spec.req_id] = recv
+                if spec.transfer_id in self._by_tid or spec.transfer_id in self._late:
+                    self._set_failed(recv, f"transfer_id {spec.transfer_id} is already in use by another request")
+                    continue
+                self._by_tid[spec.transfer_id] = recv
             self._pool.submit(self._register, recv)
 
     def poll(self) -> tuple[set[str], set[str]]:
@@ -94,17 +99,19 @@ class PushReceiver:
         self._expire(time.monotonic())
         done, failed = set(), set()
         with self._lock:
-            for tid, recv in list(self._recvs.items()):
+            for req_id, recv in list(self._recvs.items()):
                 if recv.state == "failed" and not recv.announced:
                     recv.announced = True
                     self._errors[recv.spec.req_id] = (recv.error or "", recv.fatal)
                     if recv.fatal:
                         continue
                 if recv.state in ("done", "failed"):
-                    del self._recvs[tid]
-                    (done if recv.state == "done" else failed).add(recv.spec.req_id)
-                    if recv.state == "failed":
-                        self._late[tid] = time.monotonic()
+                    del self._recvs[req_id]
+                    (done if recv.state == "done" else failed).add(req_id)
+                    if self._by_tid.get(recv.spec.transfer_id) is recv:
+                        del self._by_tid[recv.spec.transfer_id]
+                        if recv.state == "failed":
+                            self._late[recv.spec.transfer_id] = time.monotonic()
         if failed:
             self._record(lambda s: [s.record_fallback() for _ in failed])
         return done | failed, failed
@@ -122,7 +129,7 @@ class PushReceiver:
     def _drain_notifications(self) -> None:
         for note in self._receiver.poll_notifications():
             with self._lock:
-                recv = self._recvs.get(note.transfer_id)
+                recv = self._by_tid.get(note.transfer_id)
                 if recv is None or recv.state in ("failed", "cancelling"):
                     if note.transfer_id not in self._late:
                         logger.warning("KV push: notification for unknown transfer %s", note.transfer_id)

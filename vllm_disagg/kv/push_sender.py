@@ -101,6 +101,7 @@ class PushSender:
         self._registry: dict[str, _Registration] = {}
         self._rejected: dict[str, str] = {}
         self._step_reqs: list[SaveSpec] = []
+        self._orphans: set[str] = set()
         self._stop = threading.Event()
         self.server = SideChannelServer(control.listen_msg(), self._on_message)
         self.address = self.server.address
@@ -125,6 +126,8 @@ class PushSender:
                 push = self._pushes.get(req_id)
                 if push is not None:
                     push.released = True
+                else:  # never saw it: nothing of ours reads its blocks, free them now
+                    self._orphans.add(req_id)
             self._cond.notify()
         self._wait_quiet(meta.preempted_req_ids)
 
@@ -168,6 +171,8 @@ class PushSender:
             over = {r for r, p in self._pushes.items() if p.released and p.over}
             for req_id in over:
                 self._by_tid.pop(self._pushes.pop(req_id).transfer_id, None)
+            over |= self._orphans
+            self._orphans = set()
         return over
 
     def has_pending(self) -> bool:

@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -215,12 +216,15 @@ class InstanceServer:
             return ""
 
     def stop(self, grace_s: float = 15.0) -> int | None:
+        """Stop the server (group); its log goes too once it exited (a crash keeps it)."""
         self._stopping = True
         for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.proc.pid, sig)
             with contextlib.suppress(subprocess.TimeoutExpired):
-                return self.proc.wait(timeout=wait)
+                rc = self.proc.wait(timeout=wait)
+                shutil.rmtree(self.log_dir, ignore_errors=True)
+                return rc
         return None
 
 

@@ -110,6 +110,7 @@ class KubernetesEndpointsSource:
         self._ca_file = ca_file if ca_file is not None else _existing(SA_DIR / "ca.crt")
         self.http_port_name, self.kv_port_name = http_port_name, kv_port_name
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._missing: set[str] = set()
 
     def _headers(self) -> dict[str, str]:
         # Re-read each time: projected service-account tokens rotate.
@@ -127,9 +128,12 @@ class KubernetesEndpointsSource:
             for role, service in self.services.items():
                 url = f"{self.api_url}/api/v1/namespaces/{self.namespace}/endpoints/{service}"
                 async with session.get(url, ssl=self._ssl()) as resp:
-                    if resp.status == 404:
-                        logger.warning("kubernetes discovery: no Endpoints %s/%s", self.namespace, service)
+                    if resp.status == 404:  # not created (yet): say so once, not every poll
+                        if service not in self._missing:
+                            logger.warning("kubernetes discovery: no Endpoints %s/%s", self.namespace, service)
+                        self._missing.add(service)
                         continue
+                    self._missing.discard(service)
                     if resp.status != 200:
                         raise RuntimeError(f"GET {url}: HTTP {resp.status}: {(await resp.text())[:200]}")
                     out += members_from_endpoints(role, await resp.json(), self.http_port_name,

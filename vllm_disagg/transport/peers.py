@@ -77,9 +77,10 @@ def _run_writes(peer, seed: int, plan: list[tuple], forever: bool = False) -> li
 
 
 def kv_receiver_child(
-    kind: str, token: str, conn, num_layers: int, num_blocks: int, block_elems: int
+    kind: str, token: str, conn, num_layers: int, num_blocks: int, block_elems: int, report_every: int = 1
 ) -> None:
-    """Registers regions `layer.{i}`, sends ("addr", address), then reports notifications until killed."""
+    """Registers regions `layer.{i}`, sends ("addr", address), then consumes notifications until
+    told to exit, reporting every `report_every`-th one (by seq) to the parent."""
     import torch
 
     from vllm_disagg.errors import TransportTimeout
@@ -95,7 +96,8 @@ def kv_receiver_child(
                 n = rx.wait_notification(timeout=0.05)
             except TransportTimeout:
                 continue
-            conn.send(("notif", n.transfer_id, n.layer, n.seq))
+            if (n.seq + 1) % report_every == 0:
+                conn.send(("notif", n.transfer_id, n.layer, n.seq))
         rx.close()
     except Exception:
         conn.send(("error", traceback.format_exc()))

@@ -96,13 +96,19 @@ def parse_frame_header(raw: bytes | bytearray | memoryview, peer: str) -> tuple[
 
 
 class SockStream:
-    """Exact-length send/recv over a connected socket, with timeouts and clean peer errors."""
+    """Exact-length send/recv over a connected socket, with timeouts and clean peer errors.
+
+    The socket stays in blocking mode with kernel timeouts (SO_RCVTIMEO/SO_SNDTIMEO) rather than
+    Python's timeout mode (a non-blocking fd + poll per call): a multi-MiB payload then lands in one
+    `recv_into(..., MSG_WAITALL)` and leaves in one `sendmsg`, with no Python loop per 64 KiB.
+    """
 
     def __init__(self, sock: socket.socket, peer: str, timeout: float):
         self.sock = sock
         self.peer = peer
         self.timeout = timeout
-        sock.settimeout(timeout)
+        self._applied: float | None = None
+        sock.settimeout(None)
 
     def send_parts(self, parts: Sequence[Any], timeout: float | None = None) -> int:
         """sendmsg() all parts (zero-copy from their memory); returns bytes sent."""
@@ -120,10 +126,8 @@ class SockStream:
                     else:
                         views[i] = views[i][sent:]
                         sent = 0
-        except TimeoutError:
-            raise TransportTimeout(
-                f"send to {self.peer} blocked longer than {self.sock.gettimeout()}s"
-            ) from None
+        except (TimeoutError, BlockingIOError):
+            raise TransportTimeout(f"send to {self.peer} blocked longer than {self._applied}s") from None
         except OSError as err:
             raise PeerLostError(f"connection to {self.peer} lost during send: {err}") from None
         return total
@@ -133,14 +137,12 @@ class SockStream:
         try:
             self._settimeout(timeout)
             while got < n:
-                k = self.sock.recv_into(view[got:], n - got)
+                k = self.sock.recv_into(view[got:], n - got, socket.MSG_WAITALL)
                 if k == 0:
-                    raise PeerLostError(
-                        f"{self.peer} closed the connection ({got}/{n} bytes of a frame read)"
-                    )
+                    raise PeerLostError(f"{self.peer} closed the connection ({got}/{n} bytes of a frame read)")
                 got += k
-        except TimeoutError:
-            raise TransportTimeout(f"no data from {self.peer} within {self.sock.gettimeout()}s") from None
+        except (TimeoutError, BlockingIOError):
+            raise TransportTimeout(f"no data from {self.peer} within {self._applied}s") from None
         except OSError as err:
             raise PeerLostError(f"connection to {self.peer} lost during recv: {err}") from None
 
@@ -153,8 +155,9 @@ class SockStream:
         """Non-blocking check whether the peer has hung up (or sent something unexpected)."""
         try:
             readable, _, _ = select.select([self.sock], [], [], 0)
-            # A socket with a timeout waits before recv even with MSG_DONTWAIT: select first.
-            return bool(readable) and self.sock.recv(1, socket.MSG_PEEK) == b""
+            return bool(readable) and self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except BlockingIOError:
+            return False
         except (OSError, ValueError):
             return True
 
@@ -166,8 +169,12 @@ class SockStream:
 
     def _settimeout(self, timeout: float | None) -> None:
         want = self.timeout if timeout is None else timeout
-        if self.sock.gettimeout() != want:
-            self.sock.settimeout(want)
+        if self._applied != want:
+            sec = int(want)
+            tv = struct.pack("ll", sec, max(1, int((want - sec) * 1e6)) if sec == 0 else int((want - sec) * 1e6))
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+            self._applied = want
 
 
 def read_frame(stream: SockStream, timeout: float | None = None) -> tuple[int, bytearray, int]:

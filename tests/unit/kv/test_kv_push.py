@@ -202,3 +202,19 @@ def test_a_registration_for_a_different_prompt_is_never_pushed():
         assert not any(layer.any() for layer in pair.d_layers)
     finally:
         pair.close()
+
+
+def test_a_second_request_with_the_same_transfer_id_fails_alone(pair):
+    pair.register("t1", range(10, 17))
+    pair.receiver.start([RecvSpec("dup", "t1", pair.sender.address, (20,), 0, 100, 5.0)])
+    _until(lambda: "dup" in pair.poll())
+    assert pair.failed == {"dup"}
+    pair.prefill_step([SaveSpec("p1", tuple(range(1, 8)), 100, 100, "t1", True)])
+    assert _until(lambda: "d-t1" in pair.poll()) and pair.done == {"d-t1"}
+    assert not pair.d_layers[0][20].any()
+
+
+def test_releasing_a_request_the_sender_never_saw_frees_it_at_once(pair):
+    pair.prefill_step([], release=["unknown"])
+    assert pair.sender.finished_sending() == {"unknown"}
+    assert pair.sender.finished_sending() == set()

@@ -45,17 +45,20 @@ def test_available_transports_reports_every_kind_with_a_reason_when_it_cannot_ru
     assert isinstance(report["rdma"], str) and report["rdma"]
 
 
-def test_doctor_prints_one_line_per_transport_and_exits_zero():
-    out = subprocess.run(
-        [sys.executable, "-m", "vllm_disagg.cli.main", "doctor"], capture_output=True, text=True, timeout=120
-    )
-    assert out.returncode == 0, out.stderr
-    lines = [
-        ln
-        for ln in out.stdout.splitlines()
-        if ln.split(":")[0].strip() in {"tcp", "shm", "nixl", "rdma", "loopback"}
-    ]
-    assert len(lines) == 5 and any(ln.startswith("rdma") and "no" in ln for ln in lines)
+def test_doctor_prints_one_line_per_transport_and_exits_zero(capsys):
+    import argparse
+
+    from vllm_disagg.cli.main import SUBCOMMAND_MODULES
+    from vllm_disagg.transport import doctor
+
+    assert "vllm_disagg.transport.doctor" in SUBCOMMAND_MODULES
+    sub = argparse.ArgumentParser().add_subparsers()
+    doctor.add_parser(sub)
+    assert doctor.run(argparse.Namespace(probe=False)) == 0
+    kinds = {"tcp", "shm", "nixl", "rdma", "mscclpp", "loopback"}
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.split(":")[0] in kinds]
+    assert len(lines) == 6 and any(ln.startswith("rdma: no - ") for ln in lines)
+    assert any(ln.startswith("tcp: yes") for ln in lines)
 
 
 def test_loopback_completes_the_same_state_machine_in_process():

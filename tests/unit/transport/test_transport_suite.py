@@ -252,3 +252,21 @@ def _read_all(s: socket.socket) -> bytes:
     except (TimeoutError, ConnectionResetError):
         pass
     return out
+
+
+def test_every_wait_is_bounded_by_its_timeout_when_the_peer_is_alive_but_silent(transport, kind):
+    rx, _ = _receiver(transport, num_layers=1)
+    listener = transport.listen_msg()
+    client = transport.connect_msg(listener.address, timeout=10)
+    server = listener.accept(timeout=10)
+    for wait in (lambda: rx.wait_notification(timeout=0.3), lambda: server.recv(timeout=0.3)):
+        t0 = time.monotonic()
+        with pytest.raises(TransportTimeout):
+            wait()
+        assert time.monotonic() - t0 < 5
+    with pytest.raises(TransportTimeout):
+        listener.accept(timeout=0.2)
+    client.close()
+    server.close()
+    listener.close()
+    rx.close()

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from vllm_disagg.errors import ProtocolError, TransportTimeout
+from vllm_disagg.errors import PeerLostError, ProtocolError, TransportTimeout
 from vllm_disagg.transport.base import (
     KVReceiver,
     KVSender,
@@ -116,8 +116,10 @@ class ShmKVSender(StreamKVSender):
 def _recv_region_maps(stream: SockStream, num_regions: int) -> tuple[list[int], list[tuple[int, int, int]]]:
     try:
         data, fds, _, _ = socket.recv_fds(stream.sock, FRAME_HDR.size + MAX_META_BYTES, MAX_FDS)
-    except TimeoutError:
+    except (TimeoutError, BlockingIOError):
         raise TransportTimeout(f"no shm region fds from {stream.peer}") from None
+    except OSError as err:
+        raise PeerLostError(f"shm setup with {stream.peer} failed: {err}") from None
     try:
         if len(data) < FRAME_HDR.size:
             raise ProtocolError(f"short shm setup frame from {stream.peer}")
