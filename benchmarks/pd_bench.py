@@ -48,7 +48,8 @@ SMOLLM2_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=
 VLLM_ARGS = ["--load-format", "dummy", "--skip-tokenizer-init", "--enforce-eager", "--dtype", "bfloat16",
              "--max-model-len", "4096", "--no-enable-prefix-caching", "--disable-uvicorn-access-log",
              "--max-num-seqs", "32", "--kv-cache-memory-bytes", str(384 << 20)]  # 17k tokens each
-NIXL_CFG = {"kv_connector": "NixlConnector", "kv_buffer_device": "cpu"}
+# num_threads=1: NIXL's default 4 UCX threads spin on this 2-core box and starve the engines.
+NIXL_CFG = {"kv_connector": "NixlConnector", "kv_buffer_device": "cpu", "kv_connector_extra_config": {"num_threads": 1}}
 NIXL_P_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                  "remote_block_ids": None, "remote_host": None, "remote_port": None}
 

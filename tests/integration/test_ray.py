@@ -194,6 +194,7 @@ def _up_command(model: Path, state_file: Path) -> list[str]:
               else ["-m", "vllm_disagg.launch.ray"])
     return [sys.executable, *prefix, "--address", f"127.0.0.1:{GCS_PORT}", "--prefill", "1", "--decode", "1",
             "--model", str(model), "--port", str(ROUTER_PORT), "--state-file", str(state_file),
+            "--log-dir", str(state_file.parent / "logs"),
             "--health-timeout-s", str(UP_TIMEOUT_S), *VLLM_ARGS]
 
 

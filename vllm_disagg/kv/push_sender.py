@@ -208,13 +208,14 @@ class PushSender:
                                 float(msg.body.get("push_timeout_s") or self.cfg.push_timeout_s),
                                 int(msg.body["num_prompt_tokens"]), str(msg.body.get("prompt_digest") or ""))
         except HandshakeMismatch as err:
-            logger.error("KV push %s refused: %s", tid, err)
+            why = (f"KV handshake mismatch on {err.field!r}: prefill {self.address} has {err.local!r}, "
+                   f"decode {msg.body.get('address', peer)} has {err.remote!r}")
+            logger.error("KV push %s refused: %s", tid, why)
             self._record(lambda s: s.record_handshake_failure())
             with self._cond:
-                self._rejected[tid] = str(err)
-                self._fail(self._pushes.get(self._by_tid.get(tid, "")), str(err))
-            body = {"transfer_id": tid, "field": err.field, "message": str(err)}
-            return SideMsg(MsgType.REJECT, body)
+                self._rejected[tid] = why
+                self._fail(self._pushes.get(self._by_tid.get(tid, "")), why)
+            return SideMsg(MsgType.REJECT, {"transfer_id": tid, "field": err.field, "message": why})
         except (KeyError, TypeError, ValueError) as err:
             return SideMsg(MsgType.REJECT, {"transfer_id": tid, "field": "register", "message": repr(err)})
         with self._cond:

@@ -61,6 +61,10 @@ class SideChannelServer:
             if not self._answer(channel, msg.header, peer):
                 break
         self._close(channel)
+        try:
+            self._channels.remove(channel)
+        except ValueError:
+            pass
 
     def _answer(self, channel: Any, payload: bytes, peer: str) -> bool:
         try:

@@ -88,6 +88,8 @@ class ActorSpec:
     http_port: int = 0
     """0: pick a free port at every (re)start; attention workers use a fixed one."""
     env: dict[str, str] = field(default_factory=dict)
+    log_dir: str | None = None
+    """Parent of the instance's log folder on its node (default: the node's temp dir)."""
 
     @property
     def name(self) -> str:
@@ -102,7 +104,8 @@ def plan_actor_specs(args: argparse.Namespace, model: str) -> list[ActorSpec]:
     token = os.environ.get(VLLM_DISAGG_AUTH_TOKEN) or secrets.token_hex(16)
     common = dict(model=model, served_name=args.model, transport=args.transport,
                   vllm_args=list(getattr(args, "vllm_args", [])), kv_cache_gib=args.kv_cache_gib,
-                  cores_per_instance=args.cores_per_instance, env={VLLM_DISAGG_AUTH_TOKEN: token})
+                  cores_per_instance=args.cores_per_instance, env={VLLM_DISAGG_AUTH_TOKEN: token},
+                  log_dir=getattr(args, "log_dir", None))
     if not getattr(args, "access_log", False):
         common["vllm_args"].append("--disable-uvicorn-access-log")
     specs = [ActorSpec("attention", i, http_port=args.attention_port + i, **common)
@@ -142,7 +145,10 @@ class InstanceServer:
         self.spec = ActorSpec(**spec_dict)
         self.exit_with_server = exit_with_server
         self.host = host or _node_ip()
-        self.log_dir = Path(tempfile.mkdtemp(prefix=f"vllm-disagg-{self.spec.role}{self.spec.index}-"))
+        if self.spec.log_dir:
+            Path(self.spec.log_dir).mkdir(parents=True, exist_ok=True)
+        self.log_dir = Path(tempfile.mkdtemp(prefix=f"vllm-disagg-{self.spec.role}{self.spec.index}-",
+                                             dir=self.spec.log_dir))
         self.log_path = self.log_dir / "server.log"
         self.starts = _count_start(self.spec.name)
         self.http_port, self.kv_port = self._ports()

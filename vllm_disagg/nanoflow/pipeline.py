@@ -65,27 +65,32 @@ def _all_reduce(x: torch.Tensor) -> torch.Tensor:
     return tensor_model_parallel_all_reduce(x)
 
 
-def _norm(norm: Any, x: torch.Tensor, residual_rows: torch.Tensor) -> torch.Tensor:
-    """Fused add-RMSNorm on row views; keeps `residual_rows` updated whether or not it ran in place."""
-    out, res = norm(x, residual_rows)
-    if res.data_ptr() != residual_rows.data_ptr():
-        residual_rows.copy_(res)
-    return out
-
-
 @dataclass
 class StepState:
-    """Full-batch buffers of one step; ops touch only their nano-batch's rows."""
+    """Per-nano-batch tensors of one step. Coarse tensors are the unit of exchange; a fine op reads
+    a row view of its coarse tensor, and a coarse op concatenates fine results only when the fine
+    count differs (4/2), so equal counts move no data."""
 
-    hidden: torch.Tensor
-    residual: torch.Tensor
-    attn_out: torch.Tensor
     positions: torch.Tensor
     fine: list[slice]
     coarse: list[slice]
     contexts: list[Any]
+    ratio: int
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # coarse b -> layer input
+    residual: dict[int, torch.Tensor] = field(default_factory=dict)  # coarse b -> residual
     qkv: dict[tuple[int, int], tuple] = field(default_factory=dict)
+    fine_residual: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    attn_out: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     partial: dict[tuple[str, int, int], torch.Tensor] = field(default_factory=dict)
+
+    def local_rows(self, a: int) -> slice:
+        """Fine nano-batch `a` as rows of its coarse tensor."""
+        base = self.coarse[a // self.ratio].start
+        return slice(self.fine[a].start - base, self.fine[a].stop - base)
+
+    def gather(self, parts: dict, layer: int, b: int) -> torch.Tensor:
+        pieces = [parts.pop((layer, a)) for a in range(b * self.ratio, (b + 1) * self.ratio)]
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
 
 
 class LlamaPipeline:
@@ -143,23 +148,23 @@ class LlamaPipeline:
 
     # ----------------------------------------------------------------- step
     def begin(self, input_ids, positions, inputs_embeds, fine, coarse, contexts) -> StepState:
-        if inputs_embeds is not None:
-            hidden = inputs_embeds
-        else:
-            hidden = self.inner.embed_input_ids(input_ids)
-        hidden = hidden.contiguous()
-        return StepState(
-            hidden=hidden,
-            residual=hidden.clone() if self.first_is_embedding else torch.empty_like(hidden),
-            attn_out=hidden.new_empty((hidden.shape[0], self.q_size)),
-            positions=positions,
-            fine=fine,
-            coarse=coarse,
-            contexts=contexts,
+        if inputs_embeds is None:
+            inputs_embeds = self.inner.embed_input_ids(input_ids)
+        hidden = inputs_embeds.contiguous()
+        st = StepState(
+            positions=positions, fine=fine, coarse=coarse, contexts=contexts, ratio=len(fine) // len(coarse)
         )
+        for b, rows in enumerate(coarse):
+            st.hidden[b] = hidden[rows]
+            if self.first_is_embedding:
+                st.residual[b] = hidden[rows]  # layer 0: residual = embedding, norm without add
+        return st
 
     def finish(self, st: StepState) -> torch.Tensor:
-        out, _ = self.inner.norm(st.hidden, st.residual)
+        n = len(st.coarse)
+        hidden = torch.cat([st.hidden[b] for b in range(n)], dim=0) if n > 1 else st.hidden[0]
+        residual = torch.cat([st.residual[b] for b in range(n)], dim=0) if n > 1 else st.residual[0]
+        out, _ = self.inner.norm(hidden, residual)
         return out
 
     def op_fns(self, st: StepState, spec: PipelineSpec) -> dict[OpKey, Callable[[], None]]:
@@ -177,16 +182,17 @@ class LlamaPipeline:
         return fns
 
     def _kqv(self, st: StepState, li: int, a: int) -> None:
-        layer, rows = self.layers[li], st.fine[a]
-        h = st.hidden[rows]
+        layer, b, rows = self.layers[li], a // st.ratio, st.local_rows(a)
+        h, r = st.hidden[b][rows], st.residual[b][rows]
         if li == 0 and self.first_is_embedding:
-            x = layer.input_layernorm(h)  # residual rows already hold the embedding
+            x = layer.input_layernorm(h)
         else:
-            x = _norm(layer.input_layernorm, h, st.residual[rows])
+            x, r = layer.input_layernorm(h, r)
+        st.fine_residual[(li, a)] = r
         attn = layer.self_attn
         qkv, _ = attn.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = attn.rotary_emb(st.positions[rows], q, k)
+        q, k = attn.rotary_emb(st.positions[st.fine[a]], q, k)
         st.qkv[(li, a)] = (q, k, v)
 
     def _attn(self, st: StepState, li: int, a: int) -> None:
@@ -195,22 +201,26 @@ class LlamaPipeline:
         q, k, v = st.qkv.pop((li, a))
         with _FWD_CTX_LOCK, override_forward_context(st.contexts[a]):
             out = self.layers[li].self_attn.attn(q, k, v)
-        st.attn_out[st.fine[a]].copy_(out.reshape(q.shape[0], -1))
+        st.attn_out[(li, a)] = out.reshape(q.shape[0], -1)
 
     def _o(self, st: StepState, li: int, b: int) -> None:
-        st.partial[("o", li, b)] = _local_linear(self.layers[li].self_attn.o_proj, st.attn_out[st.coarse[b]])
+        attn_out = st.gather(st.attn_out, li, b)
+        st.partial[("o", li, b)] = _local_linear(self.layers[li].self_attn.o_proj, attn_out)
 
     def _ar(self, st: StepState, which: str, li: int, b: int) -> None:
         key = (which, li, b)
-        st.partial[key] = _all_reduce(st.partial[key])
+        reduced = _all_reduce(st.partial.pop(key))
         if which == "d":
-            st.hidden[st.coarse[b]].copy_(st.partial.pop(key))
+            st.hidden[b] = reduced
+        else:
+            st.partial[key] = reduced
 
     def _ugd(self, st: StepState, li: int, b: int) -> None:
         from vllm.model_executor.layers.fusion.fused_act_quant import maybe_fused_act_quant
 
-        layer, rows = self.layers[li], st.coarse[b]
-        x = _norm(layer.post_attention_layernorm, st.partial.pop(("o", li, b)), st.residual[rows])
+        layer = self.layers[li]
+        residual = st.gather(st.fine_residual, li, b)
+        x, st.residual[b] = layer.post_attention_layernorm(st.partial.pop(("o", li, b)), residual)
         mlp = layer.mlp
         gate_up, _ = mlp.gate_up_proj(x)
         act = maybe_fused_act_quant(mlp.act_fn, gate_up, mlp.down_proj)
@@ -218,7 +228,7 @@ class LlamaPipeline:
         if self.tp_size > 1:
             st.partial[("d", li, b)] = down
         else:
-            st.hidden[rows].copy_(down)
+            st.hidden[b] = down
 
 
 def _bind(fn: Callable, *args: Any) -> Callable[[], None]:

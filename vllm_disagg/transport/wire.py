@@ -139,7 +139,9 @@ class SockStream:
             while got < n:
                 k = self.sock.recv_into(view[got:], n - got, socket.MSG_WAITALL)
                 if k == 0:
-                    raise PeerLostError(f"{self.peer} closed the connection ({got}/{n} bytes of a frame read)")
+                    raise PeerLostError(
+                        f"{self.peer} closed the connection ({got}/{n} bytes of a frame read)"
+                    )
                 got += k
         except (TimeoutError, BlockingIOError):
             raise TransportTimeout(f"no data from {self.peer} within {self._applied}s") from None
@@ -171,7 +173,9 @@ class SockStream:
         want = self.timeout if timeout is None else timeout
         if self._applied != want:
             sec = int(want)
-            tv = struct.pack("ll", sec, max(1, int((want - sec) * 1e6)) if sec == 0 else int((want - sec) * 1e6))
+            tv = struct.pack(
+                "ll", sec, max(1, int((want - sec) * 1e6)) if sec == 0 else int((want - sec) * 1e6)
+            )
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
             self._applied = want

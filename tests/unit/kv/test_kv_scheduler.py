@@ -132,3 +132,17 @@ def test_a_failed_push_reason_reaches_the_decode_response_and_marks_mismatches_f
     assert s.is_fatal_load_failure("r1") and not s.is_fatal_load_failure("r2")
     assert s.request_finished(req, []) == (False, {"disagg_kv_error": "handshake mismatch on 'dtype'"})
     assert not s.is_fatal_load_failure("r1")
+
+
+def test_the_worker_refuses_to_start_without_a_shared_token(monkeypatch):
+    import pytest
+
+    from vllm_disagg.config import DisaggConfigError
+    from vllm_disagg.kv.worker import DisaggConnectorWorker
+
+    monkeypatch.delenv("VLLM_DISAGG_AUTH_TOKEN", raising=False)
+    cfg = SimpleNamespace(additional_config={"disagg": {"role": "prefill", "kv": {"kv_port": 0}}},
+                          kv_transfer_config=SimpleNamespace(kv_role="kv_producer", kv_load_failure_policy="recompute"))
+    worker = DisaggConnectorWorker(cfg)
+    with pytest.raises(DisaggConfigError, match="VLLM_DISAGG_AUTH_TOKEN"):
+        worker.register_kv_caches({})

@@ -82,10 +82,11 @@ def test_bundles_ask_for_the_pools_custom_resource_and_optional_gpus():
 
 
 @pytest.mark.slow
-def test_the_instance_body_serves_a_real_attention_server_and_reports_its_endpoint():
+def test_the_instance_body_serves_a_real_attention_server_and_reports_its_endpoint(tmp_path):
     spec = ActorSpec("attention", 0, "/unused", kv_cache_gib=0.125, http_port=0,
-                     env={"VLLM_DISAGG_AUTH_TOKEN": uuid.uuid4().hex})
+                     env={"VLLM_DISAGG_AUTH_TOKEN": uuid.uuid4().hex}, log_dir=str(tmp_path / "logs"))
     inst = InstanceServer(asdict(spec), host="127.0.0.1", exit_with_server=False)
+    assert inst.log_path.parent.parent == tmp_path / "logs"
     try:
         deadline = time.monotonic() + 120
         while not inst.endpoint()["up"]:
@@ -99,6 +100,7 @@ def test_the_instance_body_serves_a_real_attention_server_and_reports_its_endpoi
     finally:
         assert inst.stop() is not None
     assert inst.endpoint()["up"] is False
+    assert not inst.log_dir.exists()  # a clean stop removes the log; a crash keeps it
 
 
 def test_the_reaper_kills_the_server_group_when_its_owner_dies():
