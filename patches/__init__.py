@@ -17,6 +17,7 @@ logger = logging.getLogger(__name__)
 PATCH_MODULES = [
     "vllm_disagg.patches.cli_plugin_flag",
     "vllm_disagg.patches.engine_config_wiring",
+    "vllm_disagg.patches.scheduler_fatal_kv_failure",
 ]
 
 

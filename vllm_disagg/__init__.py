@@ -33,9 +33,22 @@ def register() -> None:
     _registered = True
     from vllm_disagg.patches import apply_all
 
+    _share_vllm_logging()
     apply_all()
     for name in CONCEPT_REGISTRARS:
         try:
             importlib.import_module(name).register()
         except Exception:  # noqa: BLE001 - one concept failing must not take vLLM down
             logger.exception("vllm-disagg: registering %s failed; that feature is unavailable", name)
+
+
+def _share_vllm_logging() -> None:
+    """Send our `vllm_disagg.*` records through vLLM's handler and level (vLLM only configures
+    `vllm.*`), so lifecycle INFO lines such as "side channel listening" show up in vLLM's log."""
+    vllm_logger = logging.getLogger("vllm")
+    if logger.handlers or not vllm_logger.handlers:
+        return
+    for handler in vllm_logger.handlers:
+        logger.addHandler(handler)
+    logger.setLevel(vllm_logger.level)
+    logger.propagate = False

@@ -19,16 +19,18 @@ PROMPTS = token_prompts(3, 70, seed=1) + token_prompts(2, 33, seed=2) + token_pr
 MAX_TOKENS = 10
 
 
-def _generate(model_dir, remote=None, **over):
+def _generate(model_dir, remote=None, prompts=PROMPTS, preemptions=None, **over):
     from vllm import LLM, SamplingParams
 
     extra = {}
     if remote is not None:
         extra = dict(worker_cls=WORKER, additional_config={"disagg": {"remote_attention": remote}})
-    llm = LLM(**tiny_llm_kwargs(model_dir, **extra, **over))
+    llm = LLM(**tiny_llm_kwargs(model_dir, **{**extra, **over}))
     sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, logprobs=3)
     try:
-        outs = llm.generate(PROMPTS, sp, use_tqdm=False)
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        if preemptions is not None:  # needs disable_log_stats=False
+            preemptions.append(sum(o.metrics.num_preemptions for o in outs))
         return [(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outs]
     finally:
         llm.llm_engine.engine_core.shutdown()
@@ -88,10 +90,15 @@ def test_four_attention_servers_match_plain_vllm_on_a_four_kv_head_model(kv4_mod
 
 
 def test_preemption_under_a_small_remote_kv_pool_still_matches_plain_vllm(tiny_model_dir, servers):
-    # The prompts need 14 blocks at full length; 8 forces the scheduler to preempt and recompute.
-    plain_small = _generate(tiny_model_dir, num_gpu_blocks_override=8)
+    # Six one-block prompts all start; each needs a second block at its first decode step, and
+    # only 8 blocks exist, so the scheduler must preempt (and later recompute) some of them.
+    small = dict(num_gpu_blocks_override=8, max_model_len=256, disable_log_stats=False,
+                 prompts=token_prompts(6, 32, seed=5))
+    counts: list[int] = []
+    plain_small = _generate(tiny_model_dir, preemptions=counts, **small)
     remote = {"servers": [s.http for s in servers[:2]], "partition": "request", "send_q_early": True}
-    _assert_same(_generate(tiny_model_dir, remote, num_gpu_blocks_override=8), plain_small)
+    _assert_same(_generate(tiny_model_dir, remote, preemptions=counts, **small), plain_small)
+    assert counts[0] > 0 and counts[1] > 0
 
 
 def test_n2_pipelining_on_the_nano_batch_executor_matches_plain_vllm(tiny_model_dir, plain, servers):

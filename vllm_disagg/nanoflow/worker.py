@@ -19,6 +19,17 @@ from vllm_disagg.nanoflow.runner import enable_nano_ubatching, nanoflow_runner_c
 logger = init_logger(__name__)
 
 
+def _refuse_remote_attention(vllm_config) -> None:
+    from vllm_disagg.config import disagg_config_from_vllm
+
+    cfg = disagg_config_from_vllm(vllm_config)
+    if cfg is not None and cfg.remote_attention is not None:
+        raise ValueError(
+            "nanoflow with remote_attention needs the composed worker: "
+            "--worker-cls vllm_disagg.nanoflow.remote.NanoFlowRemoteAttentionWorker"
+        )
+
+
 class NanoFlowCPUWorker(CPUWorker):
     """CPUWorker whose runner nano-batches each step (see `runner.NanoFlowRunnerMixin`)."""
 
@@ -31,6 +42,8 @@ class NanoFlowCPUWorker(CPUWorker):
     def init_device(self) -> None:
         import vllm.v1.worker.cpu_worker as cpu_worker_mod
 
+        if type(self).runner_base_cls is NanoFlowCPUWorker.runner_base_cls:
+            _refuse_remote_attention(self.vllm_config)  # a subclass may compose its own runner
         if not enable_nano_ubatching(self.vllm_config):
             return super().init_device()
         if self.use_v2_model_runner:

@@ -53,3 +53,11 @@ def test_the_gpu_worker_and_runner_classes_import_without_a_gpu():
     assert cls.__mro__[1] is NanoFlowRunnerMixin and issubclass(cls, GPUModelRunner)
     assert nanoflow_runner_cls(GPUModelRunner) is cls
     assert NanoFlowGPUWorker._make_model_runner is not None
+
+
+def test_the_plain_nano_worker_points_remote_attention_users_to_the_composed_worker(tiny_model_dir):
+    from vllm_disagg.nanoflow.worker import _refuse_remote_attention
+
+    disagg = {"nanoflow": {"nano_batches": 2}, "remote_attention": {"servers": ["127.0.0.1:9"]}}
+    with pytest.raises(ValueError, match="NanoFlowRemoteAttentionWorker"):
+        _refuse_remote_attention(_vllm_config(tiny_model_dir, additional_config={"disagg": disagg}))

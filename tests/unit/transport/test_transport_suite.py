@@ -212,8 +212,10 @@ def test_a_wrong_token_fails_authentication_on_both_apis(transport, kind, option
     rx, _ = _receiver(transport, num_layers=1)
     listener = transport.listen_msg()
     bad = get_transport(kind, TransportOptions(auth_token="wrong", timeout_s=5))
+    intruder = bad.kv_sender(name="intruder")
     with pytest.raises(AuthError):
-        bad.kv_sender(name="intruder").connect(rx.address, timeout=5)
+        intruder.connect(rx.address, timeout=5)
+    intruder.close()
     with pytest.raises((AuthError, ProtocolError)):
         bad.connect_msg(listener.address, timeout=5)
     assert rx.stats.num_rejected_frames >= 1

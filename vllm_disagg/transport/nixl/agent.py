@@ -51,6 +51,17 @@ def make_agent(role: str, host: str = "127.0.0.1") -> tuple[Any, str]:
     return nixl_agent(name, config), name
 
 
+def release_agent(agent: Any, reg_descs: list) -> None:
+    """Deregister memory while the tensors behind it are still alive; the caller then drops its
+    last reference to the agent. Left to the garbage collector, a reference cycle could free the
+    tensors first, and UCX aborts the process when it later unregisters freed memory."""
+    for descs in reg_descs:
+        try:
+            agent.deregister_memory(descs)
+        except Exception as err:  # already gone; nothing else to undo
+            logging.getLogger(__name__).debug("nixl deregister_memory failed: %s", err)
+
+
 def _ucx_env_defaults(host: str) -> None:
     """UCX settings for machines without an RDMA device (explicit env vars always win).
 

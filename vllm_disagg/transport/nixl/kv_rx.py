@@ -32,6 +32,7 @@ from vllm_disagg.transport.nixl.agent import (
     make_agent,
     pack_regions,
     parse_notif,
+    release_agent,
     tensor_region,
 )
 from vllm_disagg.transport.server import AuthServer
@@ -71,8 +72,9 @@ class NixlKVReceiver(KVReceiver):
         if self._server is not None:
             return self.address
         self._agent, self._agent_name = make_agent("kv-rx", self.options.host)
+        self._reg: list = []
         if self._tensors:
-            self._agent.register_memory(self._tensors)
+            self._reg = [self._agent.register_memory(self._tensors)]
         self._welcome = pack_regions(self._infos, self._addrs, self._agent.get_agent_metadata())
         self._poller = threading.Thread(target=self._poll_loop, name="disagg-nixl-rx", daemon=True)
         self._poller.start()
@@ -178,3 +180,6 @@ class NixlKVReceiver(KVReceiver):
         if self._server is not None:
             self._server.close()
             self._poller.join(timeout=2)
+            if not self._poller.is_alive():  # tear down now, while our tensors are alive
+                release_agent(self._agent, self._reg)
+                self._agent = None

@@ -39,6 +39,7 @@ from vllm_disagg.transport.nixl.agent import (
     mem_type,
     pack_notif,
     parse_regions,
+    release_agent,
     tensor_region,
 )
 from vllm_disagg.transport.wire import (
@@ -242,8 +243,8 @@ class NixlKVSender(KVSender):
     def _register(self, src: Any) -> None:
         key = (src.data_ptr(), src.numel() * src.element_size())
         if key not in self._registered:
-            self._agent.register_memory(src)
-            self._registered[key] = src  # keep the tensor alive while registered
+            # Keep the tensor alive while registered; released in close().
+            self._registered[key] = (src, self._agent.register_memory(src))
 
     def _progress(self, inflight: deque) -> bool:
         """Poll in-flight transfers once; returns whether anything completed."""
@@ -289,3 +290,7 @@ class NixlKVSender(KVSender):
             p.close()
         self._jobs.put("stop")
         self._thread.join(timeout=self.options.timeout_s)
+        if not self._thread.is_alive():  # tear down now, while the source tensors are alive
+            release_agent(self._agent, [descs for _, descs in self._registered.values()])
+            self._registered.clear()
+            self._agent = None

@@ -20,7 +20,7 @@ from typing import Any
 from vllm_disagg.errors import PeerLostError, ProtocolError, TransportTimeout
 from vllm_disagg.transport.base import Message, MsgChannel, TransportOptions, TransportStats
 from vllm_disagg.transport.msg import pack_msg, parse_msg_meta
-from vllm_disagg.transport.nixl.agent import Backoff, make_agent, nixl_errors
+from vllm_disagg.transport.nixl.agent import Backoff, make_agent, nixl_errors, release_agent
 from vllm_disagg.transport.wire import (
     FRAME_HDR,
     T_MSG,
@@ -49,7 +49,7 @@ class NixlEndpoint:
         self.agent, self.name = make_agent("msg", host)
         self.recv_buf = torch.zeros(NUM_SLOTS * SLOT_BYTES, dtype=torch.uint8)
         self.send_buf = torch.zeros(NUM_SLOTS * SLOT_BYTES, dtype=torch.uint8)
-        self.agent.register_memory([self.recv_buf, self.send_buf])
+        self.reg = self.agent.register_memory([self.recv_buf, self.send_buf])
 
     def describe(self) -> bytes:
         return (
@@ -90,6 +90,8 @@ class NixlMsgChannel(MsgChannel):
     # Sending
 
     def send(self, header: bytes, tensors: Sequence[Any] = (), timeout: float | None = None) -> None:
+        if self._closed:
+            raise PeerLostError("channel is closed")
         views = [as_byte_view(t) for t in tensors]
         frame, nbytes = pack_msg(header, views)
         total = len(frame) + nbytes
@@ -141,6 +143,8 @@ class NixlMsgChannel(MsgChannel):
 
     def recv(self, out: Sequence[Any] | None = None, timeout: float | None = None) -> Message:
         deadline = time.monotonic() + (self.options.timeout_s if timeout is None else timeout)
+        if self._closed:
+            raise PeerLostError("channel is closed")
         with self._lock, nixl_errors(self._stream.peer):
             self._wait(lambda: self._rx_seq in self._inbox, deadline, "a message")
             slot, size = self._inbox.pop(self._rx_seq)
@@ -229,3 +233,15 @@ class NixlMsgChannel(MsgChannel):
             return
         self._closed = True
         self._stream.close()  # EOF on the control socket is the goodbye
+        if self._lock.acquire(timeout=1.0):  # a recv in another thread gives up within its timeout
+            try:
+                for xh in self._pending:
+                    try:
+                        self._ep.agent.release_xfer_handle(xh)
+                    except Exception as err:  # a failed or still-running transfer
+                        logger.debug("nixl release_xfer_handle failed: %s", err)
+                self._pending = []
+                release_agent(self._ep.agent, [self._ep.reg])
+                self._ep.agent = None
+            finally:
+                self._lock.release()
