@@ -43,12 +43,7 @@ def register() -> None:
 
 
 def _share_vllm_logging() -> None:
-    """Send our `vllm_disagg.*` records through vLLM's handler and level (vLLM only configures
-    `vllm.*`), so lifecycle INFO lines such as "side channel listening" show up in vLLM's log."""
-    vllm_logger = logging.getLogger("vllm")
-    if logger.handlers or not vllm_logger.handlers:
-        return
-    for handler in vllm_logger.handlers:
-        logger.addHandler(handler)
-    logger.setLevel(vllm_logger.level)
-    logger.propagate = False
+    """Route `vllm_disagg.*` records through vLLM's logger (vLLM only configures `vllm.*`), so our
+    lifecycle INFO lines appear in vLLM's log with its format and level, whenever it configures them."""
+    if logger.parent is logging.root:
+        logger.parent = logging.getLogger("vllm")

@@ -46,6 +46,20 @@ def _assert_same(got, want):
                 assert step[tok].logprob == pytest.approx(lp.logprob, abs=1e-4)
 
 
+def _messages(server) -> dict:
+    """Messages a server handled so far, by type, from its Prometheus /metrics."""
+    import urllib.request
+    from collections import defaultdict
+
+    with urllib.request.urlopen(f"http://{server.http}/metrics", timeout=10) as r:
+        lines = r.read().decode().splitlines()
+    out: dict = defaultdict(float)
+    for line in lines:
+        if line.startswith("vllm:disagg_attention_messages_total{"):
+            out[line.split('"')[1]] = float(line.split()[-1])
+    return out
+
+
 @pytest.fixture(scope="module")
 def servers():
     from vllm_disagg.attention.launcher import start_local_servers
@@ -79,7 +93,10 @@ def test_remote_attention_gives_plain_vllms_greedy_tokens(tiny_model_dir, plain,
                                                           partition, send_q_early):
     remote = {"servers": [s.http for s in servers[:num_servers]], "partition": partition,
               "send_q_early": send_q_early}
+    before = [_messages(s) for s in servers[:num_servers]]
     _assert_same(_generate(tiny_model_dir, remote), plain)
+    kind = "QPREV" if send_q_early else "ATTN"  # the servers really did the attention
+    assert all(_messages(s)[kind] > b[kind] for s, b in zip(servers[:num_servers], before))
 
 
 @pytest.mark.parametrize("partition", ["head", "request"])
@@ -91,8 +108,8 @@ def test_four_attention_servers_match_plain_vllm_on_a_four_kv_head_model(kv4_mod
 
 def test_preemption_under_a_small_remote_kv_pool_still_matches_plain_vllm(tiny_model_dir, servers):
     # Six one-block prompts all start; each needs a second block at its first decode step, and
-    # only 8 blocks exist, so the scheduler must preempt (and later recompute) some of them.
-    small = dict(num_gpu_blocks_override=8, max_model_len=256, disable_log_stats=False,
+    # only 7 blocks are usable (block 0 is vLLM's null block): the scheduler must preempt some.
+    small = dict(num_gpu_blocks_override=8, max_model_len=128, disable_log_stats=False,
                  prompts=token_prompts(6, 32, seed=5))
     counts: list[int] = []
     plain_small = _generate(tiny_model_dir, preemptions=counts, **small)
@@ -106,16 +123,6 @@ def test_n2_pipelining_on_the_nano_batch_executor_matches_plain_vllm(tiny_model_
     got = _generate(tiny_model_dir, remote, worker_cls="vllm_disagg.nanoflow.remote.NanoFlowRemoteAttentionWorker",
                     additional_config={"disagg": {"remote_attention": remote, "nanoflow": {"nano_batches": 2}}})
     _assert_same(got, plain)
-
-
-def test_the_servers_really_did_the_attention(servers):
-    import urllib.request
-
-    with urllib.request.urlopen(f"http://{servers[0].http}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    counts = {line.split("{")[1].split("}")[0]: float(line.split()[-1]) for line in text.splitlines()
-              if line.startswith("vllm:disagg_attention_messages_total{")}
-    assert counts.get('type="ATTN"', 0) > 0 and counts.get('type="QPREV"', 0) > 0
 
 
 @pytest.mark.parametrize("partition", ["head", "request"])

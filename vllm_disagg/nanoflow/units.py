@@ -62,11 +62,12 @@ class ExecutionUnit(ABC):
 class CpuCoreGroup(ExecutionUnit):
     """A thread pinned to `cores`, running torch ops with `len(cores)` intra-op threads."""
 
-    def __init__(self, name: str, cores: tuple[int, ...]) -> None:
+    def __init__(self, name: str, cores: tuple[int, ...], num_threads: int | None = None) -> None:
         if not cores:
             raise ValueError(f"unit {name!r}: empty core set")
         super().__init__(name, len(cores))
         self.cores = tuple(cores)
+        self.num_threads = num_threads or len(self.cores)
 
     def bind(self) -> None:
         try:
@@ -74,14 +75,14 @@ class CpuCoreGroup(ExecutionUnit):
         except (AttributeError, OSError) as err:  # non-Linux or cores not allowed
             logger.warning("nanoflow: cannot pin unit %s to %s: %s", self.name, self.cores, err)
         torch.ones(4096).sum()  # trigger torch's lazy per-thread init before overriding it
-        set_num_threads(len(self.cores))
+        set_num_threads(self.num_threads)
 
     def launch(self, fn: Callable[[], Any]) -> None:
         fn()
         return None
 
     def describe(self) -> dict:
-        return {**super().describe(), "cores": list(self.cores)}
+        return {**super().describe(), "cores": list(self.cores), "num_threads": self.num_threads}
 
 
 class CudaSmStream(ExecutionUnit):
@@ -159,13 +160,14 @@ def allowed_cores() -> tuple[int, ...]:
 
 
 def make_cpu_units(shares: dict[str, int], cores: tuple[int, ...] | None = None) -> dict[str, CpuCoreGroup]:
-    """Disjoint core sets in `shares` order; a share of 0 (e.g. a unit that only waits on the
-    network) or shares beyond the core count reuse cores (oversubscribed, logged)."""
+    """Disjoint core sets in `shares` order. A share of 0 means the whole device at the caller's
+    torch thread count (e.g. a unit that only waits on the network); shares beyond the core count
+    reuse cores (oversubscribed, logged)."""
     cores = cores or allowed_cores()
     units, pos = {}, 0
     for name, share in shares.items():
-        if share <= 0:
-            units[name] = CpuCoreGroup(name, cores)
+        if share <= 0:  # the whole device, with the process's own torch width
+            units[name] = CpuCoreGroup(name, cores, num_threads=min(torch.get_num_threads(), len(cores)))
             continue
         picked = tuple(cores[(pos + i) % len(cores)] for i in range(share))
         if pos + share > len(cores):
