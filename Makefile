@@ -8,11 +8,12 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.vllm-disagg-installed
 STUBS  := packaging/stubs/torchvision packaging/stubs/torchaudio packaging/stubs/torchcodec
-EXTRAS ?= cpu,dev,nixl
+EXTRAS ?= cpu,dev,nixl,ray
 PYTEST_ARGS ?=
 
-# Debian packages some tests need: qemu + cpio (soft-RoCE VM), kubectl (kustomize render),
-# iproute2 (network namespaces for Ray). Installed when running as root; otherwise those tests skip.
+# Debian packages some tests need: qemu + cpio (soft-RoCE VM), iproute2 (network namespaces for
+# Ray). kubectl (kustomize render) ships with these machines. Installed when running as root;
+# otherwise the tests that need them skip with the reason.
 SYSDEPS ?= qemu-system-x86 cpio iproute2
 
 .PHONY: setup sysdeps demo test lint unit model clean

@@ -181,9 +181,8 @@ class NanoFlowRunnerMixin:
         ex = self.nano_executor
         if ex is None or ex.inline or self.device.type != "cpu":
             return None
-        unit = ex.units.get(self.nano_spec().attn_unit)
-        cores = getattr(unit, "cores", None)
-        return len(cores) if cores and len(cores) != torch.get_num_threads() else None
+        width = getattr(ex.units.get(self.nano_spec().attn_unit), "num_threads", None)
+        return width if width and width != torch.get_num_threads() else None
 
     # ------------------------------------------------------ step decisions
     def _determine_batch_execution_and_padding(self, *args: Any, **kwargs: Any):
