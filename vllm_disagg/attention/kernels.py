@@ -20,7 +20,6 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from vllm_disagg.attention.merge import partial_attention
 from vllm_disagg.attention.wire import Geometry, StepMeta
 
 
@@ -121,10 +120,23 @@ class CpuAttentionKernel(AttentionKernel):
     def attend_prev(self, layer, query, meta, scale):
         if not self.supports_lse:
             raise NotImplementedError(f"block layout of ISA {self.isa!r} unknown; no send-Q-early")
+        g = self.geometry
         ctx = meta.seq_lens.long() - 1
-        k, v = read_blocks(self.caches[layer], meta.block_table, int(ctx.max()), self.geometry)
-        mask = torch.arange(k.shape[1])[None, :] < ctx[:, None]
-        return partial_attention(query, k, v, scale, mask)
+        n = max(1, -(-int(ctx.max()) // g.block_size))
+        r, group = query.shape[0], g.num_heads // g.num_kv_heads
+        raw = self.caches[layer].view(self.num_blocks, g.num_kv_heads, 2, g.block_size * g.head_size)
+        blocks = raw[meta.block_table[:, :n].long()]  # one gather: [R, n, Hkv, 2, bs*D]
+        # read the blocks in their own layout (K [D, bs], V [bs, D]) instead of copying to [L, D]
+        k = blocks[:, :, :, 0].view(r, n, g.num_kv_heads, g.head_size, g.block_size)
+        v = blocks[:, :, :, 1].view(r, n, g.num_kv_heads, g.block_size, g.head_size)
+        q = query.float().view(r, g.num_kv_heads, group, g.head_size)
+        logits = torch.einsum("rhgd,rnhdt->rhgnt", q, k.float()).reshape(r, g.num_kv_heads, group, -1) * scale
+        mask = torch.arange(n * g.block_size)[None, :] < ctx[:, None]
+        logits = logits.masked_fill(~mask[:, None, None, :], float("-inf"))
+        lse = torch.logsumexp(logits, dim=-1)
+        probs = torch.exp(logits - torch.where(torch.isinf(lse), torch.zeros_like(lse), lse).unsqueeze(-1))
+        out = torch.einsum("rhgnt,rnhtd->rhgd", probs.view(r, g.num_kv_heads, group, n, g.block_size), v.float())
+        return out.reshape(r, g.num_heads, g.head_size).to(query.dtype), lse.reshape(r, g.num_heads)
 
 
 def read_blocks(cache: torch.Tensor, block_table: torch.Tensor, length: int, g: Geometry

@@ -25,7 +25,7 @@ from vllm_disagg.nanoflow.executor import OpGraphExecutor
 from vllm_disagg.nanoflow.graph import ATTN, DENSE, NET, list_schedule
 from vllm_disagg.nanoflow.pipeline import LlamaPipeline, sequential_forward
 from vllm_disagg.nanoflow.plan import NanoFlowPlan
-from vllm_disagg.nanoflow.throughput import ThroughputLog
+from vllm_disagg.nanoflow.throughput import PairedSteps, ThroughputLog
 from vllm_disagg.nanoflow.units import make_units, set_num_threads
 
 logger = init_logger(__name__)
@@ -78,11 +78,8 @@ def runner_stats(runner: Any) -> dict:
         stats["inline"] = executor.inline
     stats["pipeline"] = getattr(runner, "nano_pipeline", None) is not None
     ab = getattr(runner, "_nano_ab", None)
-    if ab and ab["plain_s"] and ab["nano_s"]:
-        stats["ab"] = {k: ab[k] for k in ("plain_s", "plain_tokens", "nano_s", "nano_tokens")}
-        stats["ab"]["nano_over_plain"] = (ab["nano_tokens"] / ab["nano_s"]) / (
-            ab["plain_tokens"] / ab["plain_s"]
-        )
+    if ab is not None and ab.summary():
+        stats["ab"] = ab.summary()
     return stats
 
 
@@ -112,16 +109,9 @@ class NanoFlowRunnerMixin:
         )
         self._nano_schedules: dict[Any, Any] = {}
         self._nano_tput: ThroughputLog | None = None
-        self._nano_ab: dict | None = None
+        self._nano_ab: PairedSteps | None = None
         if self.nano_plan is not None and os.environ.get(AB_ENV) == "1":
-            self._nano_ab = {
-                "flip": False,
-                "plain_next": False,
-                "plain_s": 0.0,
-                "plain_tokens": 0,
-                "nano_s": 0.0,
-                "nano_tokens": 0,
-            }
+            self._nano_ab = PairedSteps()
 
     # --------------------------------------------------------------- setup
     def load_model(self, *args: Any, **kwargs: Any) -> None:
@@ -202,9 +192,7 @@ class NanoFlowRunnerMixin:
                 allowed and num_reqs >= 1 and min(num_tokens, desc.num_tokens) >= plan.min_tokens()
             )
             if should_ubatch and self._nano_ab is not None:
-                # A/B diagnostic: every other eligible step runs the plain forward
-                self._nano_ab["flip"] = should_ubatch = not self._nano_ab["flip"]
-                self._nano_ab["plain_next"] = not should_ubatch
+                should_ubatch = self._nano_ab.choose_nano(int(num_tokens))
             if should_ubatch:
                 self._count_step_kind(kwargs.get("num_scheduled_tokens_np"), num_reqs)
         return mode, desc, should_ubatch, across_dp, stats
@@ -238,7 +226,7 @@ class NanoFlowRunnerMixin:
         if self.nano_plan is None or ctx is None or ctx.ubatch_slices is None:
             if self.nano_plan is not None:
                 self.nano_stats["steps"] += 1
-            if self._nano_ab is None or not self._nano_ab["plain_next"]:
+            if self._nano_ab is None or not self._nano_ab.plain_next:
                 return super()._model_forward(
                     input_ids, positions, intermediate_tensors, inputs_embeds, **model_kwargs
                 )
@@ -246,7 +234,7 @@ class NanoFlowRunnerMixin:
             out = super()._model_forward(
                 input_ids, positions, intermediate_tensors, inputs_embeds, **model_kwargs
             )
-            self._ab_record("plain", int(out.shape[0]), time.perf_counter() - start)
+            self._nano_ab.record("plain", int(out.shape[0]), time.perf_counter() - start)
             return out
         start = time.perf_counter()
         fine = [s.token_slice for s in ctx.ubatch_slices]
@@ -262,14 +250,8 @@ class NanoFlowRunnerMixin:
         if self._nano_tput is not None and ctx.attn_metadata is not None:
             self._nano_tput.record(int(fine[-1].stop), time.perf_counter() - start)
         if self._nano_ab is not None:
-            self._ab_record("nano", int(fine[-1].stop), time.perf_counter() - start)
+            self._nano_ab.record("nano", int(fine[-1].stop), time.perf_counter() - start)
         return out
-
-    def _ab_record(self, which: str, tokens: int, seconds: float) -> None:
-        ab = self._nano_ab
-        ab["plain_next"] = False
-        ab[f"{which}_s"] += seconds
-        ab[f"{which}_tokens"] += tokens
 
     def _run_pipeline(self, fine, contexts, input_ids, positions, inputs_embeds) -> torch.Tensor:
         spec = self.nano_spec()

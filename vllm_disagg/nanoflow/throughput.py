@@ -93,3 +93,45 @@ class ThroughputLog:
             "optimal_tokens_per_s": None if self.optimal is None else round(self.optimal, 1),
             "fraction_of_optimal": None if frac is None else round(frac, 4),
         }
+
+
+class PairedSteps:
+    """A/B diagnostic (`VLLM_DISAGG_NANOFLOW_AB=1`): eligible steps of each token count alternate
+    between the nano-batched and the plain forward; the summary compares them over the same step
+    mix (only token counts seen both ways count), so load noise and batch composition cancel."""
+
+    def __init__(self) -> None:
+        self.plain_next = False
+        self._flip: dict[int, bool] = {}
+        self._buckets: dict[int, dict[str, list[float]]] = {}
+
+    def choose_nano(self, num_tokens: int) -> bool:
+        nano = not self._flip.get(num_tokens, False)
+        self._flip[num_tokens] = nano
+        self.plain_next = not nano
+        return nano
+
+    def record(self, which: str, num_tokens: int, seconds: float) -> None:
+        self.plain_next = False
+        bucket = self._buckets.setdefault(num_tokens, {"plain": [0.0, 0], "nano": [0.0, 0]})
+        bucket[which][0] += seconds
+        bucket[which][1] += 1
+
+    def summary(self) -> dict | None:
+        plain_s = nano_s = 0.0
+        steps = 0
+        for b in self._buckets.values():
+            (ps, pn), (ns, nn) = b["plain"], b["nano"]
+            if pn and nn:
+                weight = pn + nn
+                plain_s += weight * ps / pn
+                nano_s += weight * ns / nn
+                steps += weight
+        if not steps:
+            return None
+        return {
+            "matched_steps": steps,
+            "plain_s": plain_s,
+            "nano_s": nano_s,
+            "nano_over_plain": plain_s / nano_s,
+        }

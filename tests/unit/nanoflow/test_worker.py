@@ -40,7 +40,9 @@ def test_a_bad_nano_batch_count_fails_with_the_key_in_the_message(tiny_model_dir
     from vllm_disagg.nanoflow.runner import nanoflow_plan_of
 
     with pytest.raises(DisaggConfigError, match="nanoflow.nano_batches"):
-        nanoflow_plan_of(_vllm_config(tiny_model_dir, additional_config={"disagg": {"nanoflow": {"nano_batches": 0}}}))
+        nanoflow_plan_of(
+            _vllm_config(tiny_model_dir, additional_config={"disagg": {"nanoflow": {"nano_batches": 0}}})
+        )
 
 
 def test_the_gpu_worker_and_runner_classes_import_without_a_gpu():
