@@ -207,11 +207,14 @@ async def mixed_load(session, url: str, duration_s: float, rate: float, long_tok
     await asyncio.gather(*(long_req(a, p) for a, p in zip(arrivals, prompts, strict=True)),
                          *(decoder(i) for i in range(num_decoders)))
     wall = time.perf_counter() - start
-    tbt = [b - a for _, r in results for a, b in zip(r["times"], r["times"][1:])]
+    gaps = [[b - a for a, b in zip(r["times"], r["times"][1:])] for _, r in results]
+    tbt = [g for req in gaps for g in req]
+    worst = [max(req) for req in gaps if req]  # one stall per request: P99 over requests shows prefill hiccups
     ttft = [r["times"][0] for kind, r in results if kind == "long"]
     tokens = sum(len(r["times"]) for _, r in results)
     return {"num_long": len(ttft), "num_requests": len(results), "wall_s": wall, "tokens_per_s": tokens / wall,
-            "p99_tbt_s": _pct(tbt, 99), "p50_tbt_s": _pct(tbt, 50), "p99_ttft_s": _pct(ttft, 99),
+            "p99_tbt_s": _pct(tbt, 99), "p50_tbt_s": _pct(tbt, 50), "p999_tbt_s": _pct(tbt, 99.9),
+            "p99_request_max_tbt_s": _pct(worst, 99), "p99_ttft_s": _pct(ttft, 99),
             "p50_ttft_s": _pct(ttft, 50)}
 
 
@@ -354,6 +357,15 @@ def plot(result: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def save(result: dict, suffix: str) -> None:
+    """results/pd_bench{suffix}.json + .png, and the planner profile (schema vllm-disagg-profile/1)."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"pd_bench{suffix}.json").write_text(json.dumps(result, indent=2))
+    plot(result, RESULTS / f"pd_bench{suffix}.png")
+    if (Path(__file__).parents[1] / "vllm_disagg/planner/profile.py").exists():
+        write_profile(result, RESULTS / f"pd_profile{suffix}.json")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="< 5 min; prints one JSON object")
@@ -364,12 +376,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="pd-bench-") as tmp:
         model_dir = make_tiny_llama(Path(tmp) / "model", **SMOLLM2_SHAPE)
         result = asyncio.run(run(args.quick, model_dir, log_dir))
-    if not args.quick:
-        RESULTS.mkdir(parents=True, exist_ok=True)
-        (RESULTS / "pd_bench.json").write_text(json.dumps(result, indent=2))
-        plot(result, RESULTS / "pd_bench.png")
-        if (Path(__file__).parents[1] / "vllm_disagg/planner/profile.py").exists():
-            write_profile(result, RESULTS / "pd_profile.json")
+    save(result, "_quick" if args.quick else "")
     print(json.dumps(result))
     return 0
 

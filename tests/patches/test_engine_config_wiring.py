@@ -42,3 +42,37 @@ def test_an_attention_role_is_pointed_at_the_attention_server(tiny_model_dir):
     args = EngineArgs(model=tiny_model_dir, additional_config={"disagg": {"role": "attention"}})
     with pytest.raises(DisaggConfigError, match="vllm-disagg attn-server"):
         args.create_engine_config()
+
+
+@pytest.mark.parametrize(
+    "disagg, worker",
+    [
+        ({"nanoflow": {"nano_batches": 2}}, "vllm_disagg.nanoflow.worker.NanoFlowCPUWorker"),
+        ({"remote_attention": {"servers": ["127.0.0.1:7000"]}}, "vllm_disagg.attention.worker.DisaggAttentionWorker"),
+        ({"nanoflow": {"nano_batches": 2}, "remote_attention": {"servers": ["127.0.0.1:7000"]}},
+         "vllm_disagg.nanoflow.remote.NanoFlowRemoteAttentionWorker"),
+    ],
+)
+def test_the_disagg_config_selects_the_worker_class(tiny_model_dir, disagg, worker):
+    from vllm_disagg.cli.flags import wire_engine_args
+
+    args = EngineArgs(model=tiny_model_dir, additional_config={"disagg": disagg})
+    wire_engine_args(args)
+    assert args.worker_cls == worker
+
+
+def test_a_prefill_role_gets_the_producer_connector_and_keeps_explicit_choices(tiny_model_dir):
+    from vllm.config import KVTransferConfig
+
+    from vllm_disagg.cli.flags import wire_engine_args
+
+    args = EngineArgs(model=tiny_model_dir, additional_config={"disagg": {"role": "prefill"}})
+    wire_engine_args(args)
+    kv = args.kv_transfer_config
+    assert (kv.kv_connector, kv.kv_connector_module_path, kv.kv_role) == (
+        "DisaggConnector", "vllm_disagg.kv.connector", "kv_producer")
+    mine = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_consumer")
+    explicit = EngineArgs(model=tiny_model_dir, worker_cls="my.Worker", kv_transfer_config=mine,
+                          additional_config={"disagg": {"role": "decode", "nanoflow": {"nano_batches": 2}}})
+    wire_engine_args(explicit)
+    assert explicit.worker_cls == "my.Worker" and explicit.kv_transfer_config is mine

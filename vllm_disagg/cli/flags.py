@@ -124,8 +124,10 @@ def merge_flags_into_namespace(args: argparse.Namespace) -> None:
 
 KV_CONNECTOR = "DisaggConnector"
 KV_CONNECTOR_MODULE = "vllm_disagg.kv.connector"
-NANOFLOW_WORKER = "vllm_disagg.nanoflow.worker.NanoFlowCPUWorker"
-REMOTE_ATTN_WORKER = "vllm_disagg.attention.worker.RemoteAttentionCPUWorker"
+NANOFLOW_CPU_WORKER = "vllm_disagg.nanoflow.worker.NanoFlowCPUWorker"
+NANOFLOW_GPU_WORKER = "vllm_disagg.nanoflow.gpu_worker.NanoFlowGPUWorker"
+NANOFLOW_REMOTE_ATTN_WORKER = "vllm_disagg.nanoflow.remote.NanoFlowRemoteAttentionWorker"
+REMOTE_ATTN_WORKER = "vllm_disagg.attention.worker.DisaggAttentionWorker"
 
 
 def _require_module(qualname: str, feature: str) -> None:
@@ -148,14 +150,27 @@ def kv_transfer_config_for(cfg: DisaggConfig) -> dict | None:
     }
 
 
+def _on_cpu() -> bool:
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:  # planning-only installs have no vLLM
+        return True
+    return current_platform.is_cpu()
+
+
 def worker_cls_for(cfg: DisaggConfig) -> str | None:
-    if cfg.remote_attention is not None:
-        _require_module(REMOTE_ATTN_WORKER, "remote attention")
-        return REMOTE_ATTN_WORKER
-    if cfg.nanoflow is not None:
-        _require_module(NANOFLOW_WORKER, "nano-batching")
-        return NANOFLOW_WORKER
-    return None
+    """One worker class per feature combination; nano-batching composes with remote attention."""
+    if cfg.remote_attention is not None and cfg.nanoflow is not None:
+        worker, feature = NANOFLOW_REMOTE_ATTN_WORKER, "nano-batching with remote attention"
+    elif cfg.remote_attention is not None:
+        worker, feature = REMOTE_ATTN_WORKER, "remote attention"
+    elif cfg.nanoflow is not None:
+        worker = NANOFLOW_CPU_WORKER if _on_cpu() else NANOFLOW_GPU_WORKER
+        feature = "nano-batching"
+    else:
+        return None
+    _require_module(worker, feature)
+    return worker
 
 
 def check_wiring(cfg: DisaggConfig) -> None:
