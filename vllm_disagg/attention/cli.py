@@ -35,6 +35,8 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="intra-op threads of the kernel (default 1: one core per server; more threads on an "
                         "oversubscribed box cost far more in OpenMP waits than they gain)")
     p.add_argument("--ready-file", default=None, help="write the READY json here once serving")
+    p.add_argument("--parent-pid", type=int, default=None,
+                   help="exit when this process is gone (launchers pass their pid: no orphaned servers)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -59,9 +61,23 @@ def run(args: argparse.Namespace) -> int:
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())
-    done.wait()
+    while not done.wait(1.0):
+        if args.parent_pid and not _alive(args.parent_pid):
+            break
     server.stop()
     return 0
+
+
+def _alive(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:

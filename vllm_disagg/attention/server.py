@@ -103,8 +103,8 @@ class DisaggAttentionServer:
             self.httpd.server_close()
         if self.listener:
             self.listener.close()
-        for t in self._threads:
-            t.join(timeout=5)
+        for t in self._threads:  # daemon threads: a slow one must not hold up the exit
+            t.join(timeout=1)
 
     def _spawn(self, fn, name, *args) -> None:
         t = threading.Thread(target=fn, args=args, name=name, daemon=True)

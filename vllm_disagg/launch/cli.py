@@ -50,6 +50,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--log-dir", default=None, help="instance logs (default: a new temp dir)")
     parser.add_argument("--state-file", default=None,
                         help="write endpoint, instance URLs and pids here as JSON once healthy")
+    from vllm_disagg.launch.ray import add_ray_args
+
+    add_ray_args(parser)  # --backend local|ray, --address, --attention, --ray-namespace
     _keep_unknown_args(parser)
     parser.set_defaults(func=run)
     return parser
@@ -78,6 +81,10 @@ def resolve_model(name_or_path: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "backend", "local") == "ray":
+        from vllm_disagg.launch.ray import run as run_ray
+
+        return run_ray(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return asyncio.run(_up(args))

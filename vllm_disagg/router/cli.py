@@ -42,6 +42,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         prefill_urls=args.prefill, prefill_kv=args.prefill_kv, decode_urls=args.decode,
         mixed_urls=args.mixed, push_timeout_s=args.push_timeout_s, read_timeout_s=args.read_timeout_s,
         health_interval_s=args.health_interval_s,
+        dynamic_membership=getattr(args, "discovery", "static") != "static",
     )
 
 
@@ -58,6 +59,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         description=__doc__.splitlines()[0], allow_abbrev=False,
     )
     add_router_args(parser)
+    from vllm_disagg.router.discovery import add_discovery_args
+
+    add_discovery_args(parser)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.set_defaults(func=run)
@@ -75,4 +79,4 @@ def run(args: argparse.Namespace) -> int:
     except ValidationError as err:
         msgs = "; ".join(e["msg"] for e in err.errors())
         raise SystemExit(f"vllm-disagg router: {msgs}") from None
-    return run_router(config, args.host, args.port, scheduler_config_from_args(args))
+    return run_router(config, args.host, args.port, scheduler_config_from_args(args), args)

@@ -41,6 +41,8 @@ class RouterConfig(BaseModel):
     """Consecutive failed polls before an instance is dropped from its pool (one success restores it)."""
     retry_on_connect_error: bool = True
     """Re-route once when an instance refuses the connection before any byte reached the client."""
+    dynamic_membership: bool = False
+    """Pools are filled at run time by a discovery source (Kubernetes, Ray); may start empty."""
 
     @model_validator(mode="after")
     def _check_membership(self) -> RouterConfig:
@@ -51,6 +53,8 @@ class RouterConfig(BaseModel):
             )
         for addr in self.prefill_kv:
             _check_host_port(addr)
+        if self.dynamic_membership:
+            return self  # /health answers 503 until discovery adds a decode or mixed instance
         if self.prefill_urls and not self.decode_urls and not self.mixed_urls:
             raise ValueError("prefill instances need at least one --decode (or --mixed) instance")
         if not (self.decode_urls or self.mixed_urls):

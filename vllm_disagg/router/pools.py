@@ -102,8 +102,12 @@ class InstancePools:
 
     # ------------------------------------------------------------- health
     def set_healthy(self, instance_id: str, healthy: bool) -> bool:
-        """Record a health verdict; True when it changed the instance's membership."""
-        state = self.scheduler.instances[instance_id]
+        """Record a health verdict; True when it changed the instance's membership.
+
+        Ids discovery has already removed are ignored (a poll may finish after the removal)."""
+        state = self.scheduler.instances.get(instance_id)
+        if state is None:
+            return False
         if state.healthy == healthy:
             return False
         if healthy:

@@ -98,9 +98,13 @@ class RouterServer:
 
 
 def run_router(config: RouterConfig, host: str, port: int,
-               scheduler_config: SchedulerConfig | None = None) -> int:
-    """Serve until SIGINT/SIGTERM (the `vllm-disagg router` command)."""
+               scheduler_config: SchedulerConfig | None = None, args=None) -> int:
+    """Serve until SIGINT/SIGTERM (the `vllm-disagg router` command); `args` may pick a discovery source."""
     router = Router(config, scheduler_config)
+    if args is not None:
+        from vllm_disagg.router.discovery import attach_from_args
+
+        attach_from_args(router, args)
     print(f"disagg router on http://{host}:{port}  (OpenAI API at /v1)", flush=True)
     web.run_app(router.app, host=host, port=port, access_log=None, print=None,
                 handle_signals=True, shutdown_timeout=5.0)
