@@ -9,7 +9,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.vllm-disagg-installed
 STUBS  := packaging/stubs/torchvision packaging/stubs/torchaudio packaging/stubs/torchcodec
 EXTRAS ?= cpu,dev,nixl,ray
-PYTEST_ARGS ?=
+PYTEST_ARGS ?= --durations=30
 
 # Debian packages some tests need: qemu + cpio (soft-RoCE VM), iproute2 (network namespaces for
 # Ray). kubectl (kustomize render) ships with these machines. Installed when running as root;
