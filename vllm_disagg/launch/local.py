@@ -126,6 +126,8 @@ def serve_command(spec: InstanceSpec, model: str, transport: str, extra_args: li
         kv = {"kv_port": spec.kv_port, "transport": transport, **spec.kv_extra}
         disagg = {"disagg": {"role": spec.role, "kv": kv}}
         cmd += ["--kv-transfer-config", json.dumps(kv_cfg), "--additional-config", json.dumps(disagg)]
+    if any(a.startswith("--disagg-") for a in extra_args) and "--plugin" not in extra_args:
+        cmd += ["--plugin", "disagg"]  # e.g. `up --disagg-nano-batches 2`: folded into additional_config
     return cmd + list(extra_args) + list(spec.args)
 
 

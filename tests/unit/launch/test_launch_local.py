@@ -83,3 +83,14 @@ def test_layerwise_threshold_and_per_instance_args_reach_the_command_line():
     kv = json.loads(cmd[cmd.index("--additional-config") + 1])["disagg"]["kv"]
     assert kv["layerwise_threshold_tokens"] == 0
     assert cmd[-4:] == ["--dtype", "float32", "--seed", "1"]
+
+
+def test_plugin_flags_passed_to_up_enable_the_plugin_on_every_instance():
+    from vllm_disagg.launch.local import plan_instances, serve_command
+
+    for spec in plan_instances(1, 1, 0):
+        cmd = serve_command(spec, "/m", "tcp", ["--disagg-nano-batches", "2"], vllm_cmd=["vllm", "serve"])
+        assert cmd[cmd.index("--plugin") + 1] == "disagg"
+        assert cmd[-2:] == ["--disagg-nano-batches", "2"]
+    plain = serve_command(plan_instances(1, 1, 0)[0], "/m", "tcp", ["--dtype", "float32"], vllm_cmd=["vllm", "serve"])
+    assert "--plugin" not in plain
