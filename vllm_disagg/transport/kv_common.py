@@ -4,6 +4,7 @@ and the per-peer sequencer that delivers notifications only when complete and in
 
 from __future__ import annotations
 
+import queue
 import struct
 import threading
 from dataclasses import dataclass
@@ -11,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from vllm_disagg.errors import ProtocolError
+from vllm_disagg.errors import ProtocolError, TransportTimeout
 from vllm_disagg.transport.base import BlockWrite, Notification, RegionInfo
 from vllm_disagg.transport.wire import KV_WRITE_META, MAX_TID_BYTES, as_byte_view
 
@@ -232,3 +233,35 @@ class PeerSequencer:
             ready.append(Notification(self.name, e[2], e[3], self.next_seq, e[4]))
             self.next_seq += 1
         return ready
+
+
+class NotificationInbox:
+    """The receiver half the stream and NIXL KV receivers share: notifications handed out in the
+    order they were delivered, and the names of senders whose connection broke (drained on read).
+
+    Subclasses call `_init_inbox()` and have `options` and `address`."""
+
+    def _init_inbox(self) -> None:
+        self._notifs: queue.Queue[Notification] = queue.Queue()
+        self._lost: list[str] = []
+        self._lock = threading.Lock()
+
+    def poll_notifications(self) -> list[Notification]:
+        out = []
+        while True:
+            try:
+                out.append(self._notifs.get_nowait())
+            except queue.Empty:
+                return out
+
+    def wait_notification(self, timeout: float | None = None) -> Notification:
+        timeout = self.options.timeout_s if timeout is None else timeout
+        try:
+            return self._notifs.get(timeout=timeout)
+        except queue.Empty:
+            raise TransportTimeout(f"no KV notification on {self.address} within {timeout}s") from None
+
+    def lost_peers(self) -> list[str]:
+        with self._lock:
+            out, self._lost = self._lost, []
+        return out

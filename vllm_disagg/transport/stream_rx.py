@@ -11,14 +11,14 @@ connection only; the listener keeps serving.
 from __future__ import annotations
 
 import logging
-import queue
 import select
 import threading
 from typing import Any
 
 from vllm_disagg.errors import DisaggError, PeerLostError, ProtocolError, TransportTimeout
-from vllm_disagg.transport.base import KVReceiver, Notification, RegionInfo, TransportOptions, TransportStats
+from vllm_disagg.transport.base import KVReceiver, RegionInfo, TransportOptions, TransportStats
 from vllm_disagg.transport.kv_common import (
+    NotificationInbox,
     PeerSequencer,
     Region,
     pack_region_table,
@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 _IDLE_POLL_S = 0.5
 
 
-class StreamKVReceiver(KVReceiver):
+class StreamKVReceiver(NotificationInbox, KVReceiver):
     inline_data = True
     unix = False
 
@@ -42,12 +42,10 @@ class StreamKVReceiver(KVReceiver):
         self.options = options
         self.name = name
         self.stats = TransportStats()
+        self._init_inbox()
         self._regions: list[Region] = []
         self._infos: list[RegionInfo] = []
-        self._notifs: queue.Queue[Notification] = queue.Queue()
         self._peers: dict[bytes, PeerSequencer] = {}
-        self._lost: list[str] = []
-        self._lock = threading.Lock()
         self._server: AuthServer | None = None
         self._closed = threading.Event()
 
@@ -92,26 +90,6 @@ class StreamKVReceiver(KVReceiver):
         return self._server.address
 
     # Notifications
-
-    def poll_notifications(self) -> list[Notification]:
-        out = []
-        while True:
-            try:
-                out.append(self._notifs.get_nowait())
-            except queue.Empty:
-                return out
-
-    def wait_notification(self, timeout: float | None = None) -> Notification:
-        timeout = self.options.timeout_s if timeout is None else timeout
-        try:
-            return self._notifs.get(timeout=timeout)
-        except queue.Empty:
-            raise TransportTimeout(f"no KV notification on {self.address} within {timeout}s") from None
-
-    def lost_peers(self) -> list[str]:
-        with self._lock:
-            out, self._lost = self._lost, []
-        return out
 
     # Per-connection loop
 

@@ -11,6 +11,7 @@ here is bounded by a deadline.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
 import struct
@@ -49,6 +50,18 @@ def make_agent(role: str, host: str = "127.0.0.1") -> tuple[Any, str]:
     name = f"vd-{role}-{os.getpid()}-{os.urandom(4).hex()}"
     config = nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False, backends=["UCX"])
     return nixl_agent(name, config), name
+
+
+# Agents whose peer died with transfers on their memory: UCX can abort the process (SIGABRT, seen
+# here in about one run in four) when that memory is deregistered or the agent is destroyed. Such an
+# agent, and the tensors it registered, get one extra reference that is never dropped: neither is
+# ever freed by Python (not even at interpreter exit); the OS reclaims them with the process.
+
+
+def park_agent(agent: Any, keep_alive: Any) -> None:
+    """Never free `agent` or `keep_alive` (the tensors it registered) in this process."""
+    for obj in (keep_alive, agent):
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
 
 
 def release_agent(agent: Any, reg_descs: list) -> None:

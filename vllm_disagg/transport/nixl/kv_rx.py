@@ -12,20 +12,18 @@ be in flight; the receiver's `PeerSequencer` restores issue order.
 from __future__ import annotations
 
 import logging
-import queue
 import select
 import threading
 from typing import Any
 
-from vllm_disagg.errors import DisaggError, ProtocolError, TransportTimeout
+from vllm_disagg.errors import DisaggError, ProtocolError
 from vllm_disagg.transport.base import (
     KVReceiver,
-    Notification,
     RegionInfo,
     TransportOptions,
     TransportStats,
 )
-from vllm_disagg.transport.kv_common import MAX_NAME_BYTES, PeerSequencer, WriteMeta
+from vllm_disagg.transport.kv_common import MAX_NAME_BYTES, NotificationInbox, PeerSequencer, WriteMeta
 from vllm_disagg.transport.nixl.agent import (
     KV_SERVICE,
     Backoff,
@@ -45,17 +43,15 @@ from vllm_disagg.transport.wire import (
 logger = logging.getLogger(__name__)
 
 
-class NixlKVReceiver(KVReceiver):
+class NixlKVReceiver(NotificationInbox, KVReceiver):
     def __init__(self, options: TransportOptions, name: str):
         self.options, self.name = options, name
         self.stats = TransportStats()
+        self._init_inbox()
         self._tensors: list[Any] = []
         self._infos: list[RegionInfo] = []
         self._addrs: list[tuple[int, int]] = []
-        self._notifs: queue.Queue[Notification] = queue.Queue()
         self._peers: dict[str, PeerSequencer] = {}
-        self._lost: list[str] = []
-        self._lock = threading.Lock()
         self._closed = threading.Event()
         self._server: AuthServer | None = None
 
@@ -154,24 +150,6 @@ class NixlKVReceiver(KVReceiver):
         for n in ready:
             self.stats.record_received(n.nbytes, notifications=1)
             self._notifs.put(n)
-
-    def poll_notifications(self) -> list[Notification]:
-        out = []
-        while not self._notifs.empty():
-            out.append(self._notifs.get_nowait())
-        return out
-
-    def wait_notification(self, timeout: float | None = None) -> Notification:
-        timeout = self.options.timeout_s if timeout is None else timeout
-        try:
-            return self._notifs.get(timeout=timeout)
-        except queue.Empty:
-            raise TransportTimeout(f"no KV notification on {self.address} within {timeout}s") from None
-
-    def lost_peers(self) -> list[str]:
-        with self._lock:
-            out, self._lost = self._lost, []
-        return out
 
     def close(self) -> None:
         if self._closed.is_set():

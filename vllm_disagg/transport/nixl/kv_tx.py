@@ -38,6 +38,7 @@ from vllm_disagg.transport.nixl.agent import (
     make_agent,
     mem_type,
     pack_notif,
+    park_agent,
     parse_regions,
     release_agent,
     tensor_region,
@@ -290,7 +291,10 @@ class NixlKVSender(KVSender):
             p.close()
         self._jobs.put("stop")
         self._thread.join(timeout=self.options.timeout_s)
-        if not self._thread.is_alive():  # tear down now, while the source tensors are alive
+        if any(p.error is not None for p in self._peers):  # a peer died mid-transfer: never deregister
+            park_agent(self._agent, self._registered)
+            self._agent = None
+        elif not self._thread.is_alive():  # tear down now, while the source tensors are alive
             release_agent(self._agent, [descs for _, descs in self._registered.values()])
             self._registered.clear()
             self._agent = None
