@@ -22,3 +22,14 @@ def version_ok(patch: str) -> bool:
         return True
     logger.warning("vllm-disagg: patch %s targets vLLM %s.x but found %s; not applied", patch, TARGET_VLLM, found)
     return False
+
+
+def install(owner: type, attr: str, replacement) -> None:
+    """Save `owner.attr` once as `_vllm_disagg_original_<attr>`, then put `replacement` in its place.
+
+    Idempotent: a second call (or one after `importlib.reload`) leaves the first install alone."""
+    saved = f"_vllm_disagg_original_{attr}"
+    if hasattr(owner, saved):
+        return
+    setattr(owner, saved, getattr(owner, attr))
+    setattr(owner, attr, replacement)

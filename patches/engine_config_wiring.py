@@ -12,7 +12,7 @@ Removal plan: none upstream yet; keep in step with `create_engine_config`'s sign
 
 from __future__ import annotations
 
-from vllm_disagg.patches.compat import version_ok
+from vllm_disagg.patches.compat import install, version_ok
 
 NAME = "engine_config_wiring"
 
@@ -22,10 +22,7 @@ def apply() -> bool:
         return False
     from vllm.engine.arg_utils import EngineArgs
 
-    if hasattr(EngineArgs, "_vllm_disagg_original_create_engine_config"):
-        return True
-    EngineArgs._vllm_disagg_original_create_engine_config = EngineArgs.create_engine_config
-    EngineArgs.create_engine_config = _create_engine_config
+    install(EngineArgs, "create_engine_config", _create_engine_config)
     return True
 
 

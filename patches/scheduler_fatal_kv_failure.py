@@ -14,7 +14,7 @@ Removal plan: when vLLM's KVConnectorOutput carries a per-request fatal load fai
 
 from __future__ import annotations
 
-from vllm_disagg.patches.compat import version_ok
+from vllm_disagg.patches.compat import install, version_ok
 
 NAME = "scheduler_fatal_kv_failure"
 
@@ -24,10 +24,7 @@ def apply() -> bool:
         return False
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    if hasattr(Scheduler, "_vllm_disagg_original_update_from_output"):
-        return True
-    Scheduler._vllm_disagg_original_update_from_output = Scheduler.update_from_output
-    Scheduler.update_from_output = _update_from_output
+    install(Scheduler, "update_from_output", _update_from_output)
     return True
 
 
