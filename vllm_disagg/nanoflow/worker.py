@@ -60,6 +60,13 @@ class NanoFlowCPUWorker(CPUWorker):
         """collective_rpc("nanoflow_stats"): step counters, units and throughput vs optimal."""
         return runner_stats(self.model_runner)
 
+    def shutdown(self) -> None:
+        """Stop the unit threads before vLLM tears the worker down (they hold pinned OpenMP teams)."""
+        executor = getattr(getattr(self, "model_runner", None), "nano_executor", None)
+        if executor is not None:
+            executor.shutdown()
+        super().shutdown()
+
 
 # GPU: its own module, so a CUDA wheel never imports the CPU worker (and vice versa)
 from vllm_disagg.nanoflow.gpu_worker import NanoFlowGPUWorker  # noqa: E402
