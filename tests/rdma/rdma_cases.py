@@ -56,14 +56,16 @@ def transport(**over):
 class Pair:
     """A receiver with `layers` regions and a connected sender peer, in this process."""
 
-    def __init__(self, layers: int = 2, num_blocks: int = 32, block_bytes: int = BLOCK, **over):
+    def __init__(
+        self, layers: int = 2, num_blocks: int = 32, block_bytes: int = BLOCK, completion=None, **over
+    ):
         self.tr = transport(**over)
         self.rx = self.tr.kv_receiver(name="rx")
         self.caches = [blocks(num_blocks, block_bytes) for _ in range(layers)]
         for i, c in enumerate(self.caches):
             self.rx.register_region(f"layer.{i}", c)
         self.addr = self.rx.start()
-        self.tx = self.tr.kv_sender(name="tx")
+        self.tx = self.tr.kv_sender(name="tx", completion=completion)
         self.peer = self.tx.connect(self.addr, timeout=10)
 
     def close(self) -> None:
@@ -92,8 +94,8 @@ def expect_raises(exc, fn, what: str):
 
 
 # ---- cases --------------------------------------------------------------------------------------
-def case_bulk_write_lands_bit_exact() -> None:
-    p = Pair(layers=2, num_blocks=48)
+def case_bulk_write_lands_bit_exact(completion: str = "seqword") -> None:
+    p = Pair(layers=2, num_blocks=48, completion=completion)
     try:
         expect(sorted(p.peer.regions) == ["layer.0", "layer.1"], f"regions {p.peer.regions}")
         src = [blocks(40, seed=10 + i) for i in range(2)]
@@ -132,9 +134,10 @@ def case_bulk_write_lands_bit_exact() -> None:
         p.close()
 
 
-def case_many_small_writes_keep_seq_order() -> None:
-    # 300 notifications through a 64-slot ring: credits must flow back, order must hold.
-    p = Pair(layers=1, num_blocks=64, block_bytes=1024)
+def case_many_small_writes_keep_seq_order(completion: str = "seqword") -> None:
+    # 300 notifications through a 64-slot ring: credits must flow back, order must hold (imm mode:
+    # receives must be reposted before credits return, or the sender meets an empty receive queue).
+    p = Pair(layers=1, num_blocks=64, block_bytes=1024, completion=completion)
     try:
         src = blocks(64, 1024, seed=7)
         handles = [
@@ -220,10 +223,10 @@ def case_bad_token_is_rejected_and_server_keeps_serving() -> None:
         p.close()
 
 
-def case_qp_error_fails_the_handle_cleanly() -> None:
+def case_qp_error_fails_the_handle_cleanly(completion: str = "seqword") -> None:
     # The receiver invalidates the region's rkey mid-stream: the NIC NAKs the WRITE, the sender's
     # QP goes to ERR and the handle must fail with a clear error (never hang, never raise).
-    p = Pair(layers=1, num_blocks=4, timeout_s=15.0)
+    p = Pair(layers=1, num_blocks=4, timeout_s=15.0, completion=completion)
     try:
         src = blocks(4, seed=9)
         p.peer.write_blocks([BlockWrite("layer.0", src, [0], [0])], "before", 0).wait(20)
@@ -240,7 +243,7 @@ def case_qp_error_fails_the_handle_cleanly() -> None:
     finally:
         p.close()
     # A local QP fault (forced to ERR under queued work) flushes and fails the handle too.
-    p = Pair(layers=1, num_blocks=4, timeout_s=15.0)
+    p = Pair(layers=1, num_blocks=4, timeout_s=15.0, completion=completion)
     try:
         src = blocks(4, seed=9)
         p.peer._ep.to_error()
@@ -249,6 +252,51 @@ def case_qp_error_fails_the_handle_cleanly() -> None:
         expect("WR_FLUSH_ERR" in str(err) or "post send" in str(err), f"error names the cause: {err!r}")
         log(f"local QP fault surfaced as: {err}")
     finally:
+        p.close()
+
+
+def case_imm_bulk_write_lands_bit_exact() -> None:
+    case_bulk_write_lands_bit_exact("imm")
+
+
+def case_imm_many_small_writes_keep_seq_order() -> None:
+    case_many_small_writes_keep_seq_order("imm")
+
+
+def case_imm_qp_error_fails_the_handle_cleanly() -> None:
+    case_qp_error_fails_the_handle_cleanly("imm")
+
+
+def case_imm_and_seqword_senders_share_one_receiver() -> None:
+    # The receiver serves both completion kinds at once (per-peer flag); each peer's seqs are its own.
+    p = Pair(layers=1, num_blocks=64, block_bytes=1024, completion="seqword")
+    tx2 = p.tr.kv_sender(name="tx-imm", completion="imm")
+    try:
+        peer2 = tx2.connect(p.addr, timeout=10)
+        src = blocks(64, 1024, seed=21)
+        handles = []
+        for i in range(100):
+            peer, dst = (p.peer, i % 32) if i % 2 == 0 else (peer2, 32 + i % 32)
+            handles.append(peer.write_blocks([BlockWrite("layer.0", src, [i % 64], [dst])], f"m{i}", 0))
+        for h in handles:
+            h.wait(30)
+        got = [p.rx.wait_notification(10) for _ in range(100)]
+        for name, parity in (("tx", 0), ("tx-imm", 1)):
+            mine = [n for n in got if n.peer == name]
+            expect([n.seq for n in mine] == list(range(50)), f"{name}: seqs {[n.seq for n in mine][:8]}...")
+            want = [f"m{i}" for i in range(parity, 100, 2)]
+            expect([n.transfer_id for n in mine] == want, f"{name}: transfer ids out of order")
+        # Block d was last written by the highest i that maps to it: i >= 68 for both senders.
+        expect(
+            all(block_bytes(p.caches[0], i % 32) == block_bytes(src, i % 64) for i in range(68, 100, 2)),
+            "seqword sender's data differs",
+        )
+        expect(
+            all(block_bytes(p.caches[0], 32 + i % 32) == block_bytes(src, i % 64) for i in range(69, 100, 2)),
+            "imm sender's data differs",
+        )
+    finally:
+        tx2.close()
         p.close()
 
 
@@ -400,20 +448,8 @@ def bench(repeats: int = 5, pings: int = 50) -> dict:
             p.rx.wait_notification(60)
             secs.append(time.perf_counter() - t0)
         out["kv_write_32MiB_GBps_median"] = round(32 / 1024 / statistics.median(secs), 4)
-        small = blocks(1, 16 << 10, seed=2)
-        lat = []
-        p2 = Pair(layers=1, num_blocks=4, block_bytes=16 << 10)
-        done = []
-        for i in range(pings):
-            t0 = time.perf_counter()
-            h = p2.peer.write_blocks([BlockWrite("layer.0", small, [0], [i % 4])], f"l{i}", 0)
-            p2.rx.wait_notification(30)
-            lat.append(time.perf_counter() - t0)
-            h.wait(30)
-            done.append(time.perf_counter() - t0)
-        p2.close()
-        out["kv_write_16KiB_to_notification_us_p50"] = round(statistics.median(lat) * 1e6, 1)
-        out["kv_write_16KiB_to_handle_done_us_p50"] = round(statistics.median(done) * 1e6, 1)
+        for completion in ("seqword", "imm"):
+            out.update(_bench_small_write(completion, pings))
     finally:
         p.close()
     tr = transport()
@@ -454,6 +490,30 @@ def bench(repeats: int = 5, pings: int = 50) -> dict:
     out["raw_unix_socketpair_16KiB_rtt_us_p50"] = round(statistics.median(rtts) * 1e6, 1)
     print("RDMA-BENCH " + json.dumps(out), flush=True)
     return out
+
+
+def _bench_small_write(completion: str, pings: int) -> dict:
+    """16 KiB write: time to the receiver's notification and to the sender's handle DONE."""
+    import statistics
+
+    small = blocks(1, 16 << 10, seed=2)
+    lat, done = [], []
+    p2 = Pair(layers=1, num_blocks=4, block_bytes=16 << 10, completion=completion)
+    try:
+        for i in range(pings):
+            t0 = time.perf_counter()
+            h = p2.peer.write_blocks([BlockWrite("layer.0", small, [0], [i % 4])], f"l{i}", 0)
+            p2.rx.wait_notification(30)
+            lat.append(time.perf_counter() - t0)
+            h.wait(30)
+            done.append(time.perf_counter() - t0)
+    finally:
+        p2.close()
+    tag = "" if completion == "seqword" else "_imm"
+    return {
+        f"kv_write_16KiB_to_notification{tag}_us_p50": round(statistics.median(lat) * 1e6, 1),
+        f"kv_write_16KiB_to_handle_done{tag}_us_p50": round(statistics.median(done) * 1e6, 1),
+    }
 
 
 def _bench_raw_endpoints(pings: int) -> dict:

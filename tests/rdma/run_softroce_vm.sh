@@ -172,7 +172,7 @@ build_overlay() {
   # The project's transport package, rebuilt every run (a second cpio archive appended to the base).
   local ov="$CACHE/overlay" out="$CACHE/initramfs-overlay.cpio"
   rm -rf "$ov" && mkdir -p "$ov/work/vllm_disagg/transport" "$ov/work/tests/rdma"
-  cp "$REPO/vllm_disagg/__init__.py" "$REPO/vllm_disagg/errors.py" "$ov/work/vllm_disagg/"
+  cp "$REPO/vllm_disagg/__init__.py" "$REPO/vllm_disagg/errors.py" "$REPO/vllm_disagg/envs.py" "$ov/work/vllm_disagg/"
   cp "$REPO"/vllm_disagg/transport/{__init__,base,wire,server,msg}.py "$ov/work/vllm_disagg/transport/"
   cp -r "$REPO/vllm_disagg/transport/rdma" "$ov/work/vllm_disagg/transport/"
   cp "$REPO/tests/rdma/rdma_cases.py" "$ov/work/tests/rdma/"

@@ -15,6 +15,7 @@ from vllm_disagg.transport import BlockWrite, TransportOptions, available_transp
 
 _NOTES = {
     "loopback": "in-process only (tests, warm-up)",
+    "mscclpp": "KV push only; data path not yet verified on hardware (transport/mscclpp/README.md), try --probe",
     "shm": "same host",
     "tcp": "default",
 }

@@ -20,8 +20,11 @@ from vllm_disagg.errors import DisaggError, PeerLostError, ProtocolError, Transp
 from vllm_disagg.transport.base import Message, MsgChannel, MsgListener, TransportOptions, TransportStats
 from vllm_disagg.transport.server import AuthServer
 from vllm_disagg.transport.wire import (
+    FRAME_HDR,
+    MAGIC,
     MAX_HEADER_BYTES,
     MAX_TENSORS,
+    PROTOCOL_VERSION,
     T_BYE,
     T_MSG,
     SockStream,
@@ -40,12 +43,21 @@ def _lengths_struct(count: int) -> struct.Struct:
     return struct.Struct(f"<{count}Q")
 
 
+@functools.lru_cache(maxsize=MAX_TENSORS + 1)
+def _msg_head_struct(count: int) -> struct.Struct:
+    """Frame header + tensor count + lengths in one struct: one pack per message (hot path)."""
+    return struct.Struct(FRAME_HDR.format + f"H{count}Q")
+
+
 def pack_msg(header: bytes, views: Sequence[memoryview]) -> tuple[bytes, int]:
-    if len(header) > MAX_HEADER_BYTES or len(views) > MAX_TENSORS:
+    count = len(views)
+    if len(header) > MAX_HEADER_BYTES or count > MAX_TENSORS:
         raise ValueError(f"message header must be <= {MAX_HEADER_BYTES} bytes and <= {MAX_TENSORS} tensors")
     lengths = [v.nbytes for v in views]
-    meta = _COUNT.pack(len(views)) + _lengths_struct(len(views)).pack(*lengths) + bytes(header)
-    return pack_frame(T_MSG, meta, sum(lengths)), sum(lengths)
+    total = sum(lengths)
+    meta_len = _COUNT.size + 8 * count + len(header)
+    head = _msg_head_struct(count).pack(MAGIC, PROTOCOL_VERSION, T_MSG, meta_len, total, count, *lengths)
+    return head + header, total
 
 
 def parse_msg_meta(
@@ -121,10 +133,13 @@ class StreamMsgChannel(MsgChannel):
             return [memoryview(bytearray(n)) for n in lengths]
         if len(out) < len(lengths):
             return None
-        views = [as_byte_view(o) for o in out[: len(lengths)]]
-        if any(v.nbytes < n or v.readonly for v, n in zip(views, lengths, strict=True)):
-            return None
-        return [v[:n] for v, n in zip(views, lengths, strict=True)]
+        dsts = []
+        for o, n in zip(out, lengths):
+            v = as_byte_view(o)
+            if v.nbytes < n or v.readonly:
+                return None
+            dsts.append(v if v.nbytes == n else v[:n])
+        return dsts
 
     def _drain(self, nbytes: int, timeout: float | None) -> None:
         scratch = memoryview(bytearray(min(nbytes, _DRAIN_CHUNK)))

@@ -23,7 +23,9 @@ from vllm_disagg.transport.rdma.verbs import HostBuffer, gid_to_bytes, gid_to_st
 
 OPTS = TransportOptions(auth_token="t")
 no_device = pytest.mark.skipif(probe_ibverbs() is None, reason="an ibverbs device is present")
-INFO = proto.QpInfo(0x1234, 0xABCDE, bytes(range(16)), 3, 64, 256, 0x7F0000001000, 77, 0x7F0000002000, 78)
+INFO = proto.QpInfo(
+    0x1234, 0xABCDE, bytes(range(16)), 3, proto.FLAG_IMM, 64, 256, 0x7F0000001000, 77, 0x7F0000002000, 78
+)
 
 
 @no_device
@@ -59,6 +61,7 @@ def test_qp_info_hello_and_region_table_round_trip():
         (INFO.pack()[:-1], "truncated"),
         (struct.pack("<H", 99) + INFO.pack()[2:], "version"),
         (INFO.pack()[:2] + struct.pack("<I", 0) + INFO.pack()[6:], "invalid"),
+        (INFO.pack()[:27] + b"\x80" + INFO.pack()[28:], "unknown flags"),
     ],
 )
 def test_bad_qp_info_is_a_protocol_error(raw, why):
@@ -150,3 +153,22 @@ def test_host_buffers_are_page_aligned_and_gids_convert_both_ways():
     hb.close()
     gid = "fe80:0000:0000:0000:5054:00ff:fe12:3456"
     assert gid_to_str(gid_to_bytes(gid)) == gid
+
+
+def test_imm_completion_is_a_qp_info_flag_next_to_the_mtu():
+    raw = INFO.pack()
+    assert raw[26] == 3 and raw[27] == proto.FLAG_IMM  # version(2) qpn(4) psn(4) gid(16) mtu flags
+    plain = proto.QpInfo(1, 2, bytes(16), 3)
+    assert proto.QpInfo.unpack_from(plain.pack(), 0, "p")[0].flags == 0
+
+
+def test_rdma_completion_env_accepts_seqword_and_imm_only(monkeypatch):
+    from vllm_disagg import envs
+
+    monkeypatch.delenv(envs.VLLM_DISAGG_RDMA_COMPLETION, raising=False)
+    assert envs.rdma_completion() == "seqword"
+    monkeypatch.setenv(envs.VLLM_DISAGG_RDMA_COMPLETION, "IMM")
+    assert envs.rdma_completion() == "imm"
+    monkeypatch.setenv(envs.VLLM_DISAGG_RDMA_COMPLETION, "write_with_imm")
+    with pytest.raises(ValueError, match="VLLM_DISAGG_RDMA_COMPLETION"):
+        envs.rdma_completion()

@@ -1,13 +1,15 @@
 # SPDX-License-Identifier: Apache-2.0
-"""`mscclpp` backend: GPU-only (microsoft/mscclpp port/memory channels), behind the transport API.
+"""`mscclpp` backend: GPU-only (microsoft/mscclpp connections), behind the transport API.
 
-Status: capability gate only. mscclpp is not on PyPI, needs CUDA (+ NVML, libcuda) to build and an
-NVIDIA driver to import, and has no CPU data path, so nothing of it can run or even build on the
-CPU build box (see `/work/shared/notes/transports-on-this-box.md` section 3). Importing this module
-is always safe; selecting the backend where it cannot run raises `TransportUnavailable` with ONE
-line naming what is missing, and it never falls back to another backend. The data path is
-deliberately not written blind: it is specified in `README.md` here and gets implemented and tested
-(`@pytest.mark.gpu`) when a GPU machine is lent.
+Status: the KV data path is written against mscclpp's real host API (`fabric.MscclppFabric`,
+`kv.py`; pinned commit and build recipe in README.md) but has **never run**: mscclpp is not on
+PyPI, needs CUDA (+ NVML, libcuda) to build and an NVIDIA driver to import, and no GPU was lent.
+Everything around mscclpp (control payloads, ring/seqno protocol, block-run planning, errors)
+runs in CI through the same `Fabric` interface with `HostFabric` (in-process memmove,
+`tests/unit/transport/test_mscclpp_backend.py`). Importing this module is always safe; selecting
+the backend where it cannot run raises `TransportUnavailable` with ONE line naming what is
+missing, and it never falls back to another backend. The message channel is not implemented
+(it says so); use rdma, nixl or tcp for messages.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from vllm_disagg.transport.base import Transport, TransportKind, TransportOption
 
 __all__ = ["MscclppTransport", "probe_mscclpp"]
 
-_NOT_IMPLEMENTED = "the mscclpp data path is not implemented yet (GPU machine needed to build mscclpp against); use nixl or rdma"
+_MSG_NOT_IMPLEMENTED = "the mscclpp message channel is not implemented; use rdma, nixl or tcp for messages"
 
 
 def _cuda_device_present() -> bool:
@@ -45,23 +47,28 @@ class MscclppTransport(Transport):
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
-        reason = probe_mscclpp()
-        return reason if reason is not None else _NOT_IMPLEMENTED
+        return probe_mscclpp()
 
     def __init__(self, options: TransportOptions):
         reason = self.unavailable_reason()
         if reason is not None:
             raise TransportUnavailable(f"transport 'mscclpp' cannot run here: {reason}")
-        super().__init__(options)  # pragma: no cover - unreachable until the data path exists
+        super().__init__(options)  # pragma: no cover - GPU machines only
 
-    def kv_receiver(self, name: str = "receiver"):  # pragma: no cover - gated in __init__
-        raise TransportUnavailable(_NOT_IMPLEMENTED)
+    def kv_receiver(self, name: str = "receiver"):  # pragma: no cover - GPU machines only
+        from vllm_disagg.transport.mscclpp.fabric import default_fabric
+        from vllm_disagg.transport.mscclpp.kv import MscclppKVReceiver
 
-    def kv_sender(self, name: str = "sender"):  # pragma: no cover
-        raise TransportUnavailable(_NOT_IMPLEMENTED)
+        return MscclppKVReceiver(self.options, name, default_fabric)
 
-    def listen_msg(self):  # pragma: no cover
-        raise TransportUnavailable(_NOT_IMPLEMENTED)
+    def kv_sender(self, name: str = "sender"):  # pragma: no cover - GPU machines only
+        from vllm_disagg.transport.mscclpp.fabric import default_fabric
+        from vllm_disagg.transport.mscclpp.kv import MscclppKVSender
+
+        return MscclppKVSender(self.options, name, default_fabric)
+
+    def listen_msg(self):  # pragma: no cover - GPU machines only
+        raise TransportUnavailable(_MSG_NOT_IMPLEMENTED)
 
     def connect_msg(self, address: str, timeout: float | None = None):  # pragma: no cover
-        raise TransportUnavailable(_NOT_IMPLEMENTED)
+        raise TransportUnavailable(_MSG_NOT_IMPLEMENTED)

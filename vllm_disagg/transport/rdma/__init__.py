@@ -64,10 +64,11 @@ class RdmaTransport(Transport):
 
         return RdmaKVReceiver(self.options, name)
 
-    def kv_sender(self, name: str = "sender"):
+    def kv_sender(self, name: str = "sender", completion: str | None = None):
+        """`completion`: "seqword" or "imm" (RDMA_WRITE_WITH_IMM); default $VLLM_DISAGG_RDMA_COMPLETION."""
         from vllm_disagg.transport.rdma.kv import RdmaKVSender
 
-        return RdmaKVSender(self.options, name)
+        return RdmaKVSender(self.options, name, completion)
 
     def listen_msg(self):
         from vllm_disagg.transport.rdma.msg import RdmaMsgListener

@@ -22,11 +22,11 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from vllm_disagg import envs
 from vllm_disagg.errors import TransportUnavailable
 
 CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD = 1
 CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED = 124
-ENV_SEQNO_LIB = "VLLM_DISAGG_SEQNO_LIB"
 
 
 @dataclass
@@ -105,7 +105,7 @@ class SeqnoWaiter:
     def __init__(self, lib_path: str | None = None):
         path = (
             lib_path
-            or os.environ.get(ENV_SEQNO_LIB)
+            or envs.seqno_lib()
             or os.path.join(os.path.dirname(__file__), "..", "..", "..", "csrc", "build", "libvd_seqno.so")
         )
         try:

@@ -12,6 +12,12 @@ MR), turns block ids into runs of consecutive blocks and queues one job; a per-p
 [data WRITEs..., notification body, seqword] as one chain with only the seqword signalled. Its
 completion (RC: acked, so everything before it landed) finishes the handle. A WC error, a closed
 control socket or an expired deadline fails the handle with a `DisaggError`, never a hang.
+
+Completion variants, chosen per sender (`completion=`, default `$VLLM_DISAGG_RDMA_COMPLETION`) and
+announced in its hello (`proto.FLAG_IMM`, echoed by the receiver, which serves both kinds at once):
+`seqword` ends the post with WRITE(body) + WRITE(seq+1) polled in memory (what a GPU kernel can
+poll); `imm` ends it with WRITE_WITH_IMM(body, imm=seq) and the receiver takes the seq from its
+receive CQE (correct under PCIe relaxed ordering, where the seqword is not).
 """
 
 from __future__ import annotations
@@ -24,11 +30,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm_disagg import envs
 from vllm_disagg.errors import DisaggError, PeerLostError, ProtocolError, TransportTimeout
 from vllm_disagg.transport.base import (
     BlockWrite,
     KVPeer,
-    KVReceiver,
     KVSender,
     Notification,
     RegionInfo,
@@ -37,16 +43,23 @@ from vllm_disagg.transport.base import (
     XferHandle,
 )
 from vllm_disagg.transport.rdma import proto
+from vllm_disagg.transport.rdma.inbox import OneSidedReceiver, backoff
 from vllm_disagg.transport.rdma.ring import CreditWord, RingReader, RingWriter
-from vllm_disagg.transport.rdma.verbs import Device, Endpoint, memory_of, split_write, wc_status_name
-from vllm_disagg.transport.server import AuthServer
+from vllm_disagg.transport.rdma.runs import block_runs, plan_block_write  # noqa: F401 (re-export)
+from vllm_disagg.transport.rdma.verbs import (
+    RECV_WR_ID,
+    Device,
+    Endpoint,
+    memory_of,
+    split_write,
+    wc_status_name,
+)
 from vllm_disagg.transport.wire import (
     T_BYE,
     SockStream,
     client_handshake,
     connect_socket,
     pack_frame,
-    read_frame,
 )
 
 logger = logging.getLogger(__name__)
@@ -55,11 +68,6 @@ SERVICE = b"rdma-kv"
 NOTIF_SLOTS = 64
 MAX_CHAIN_WRS = 128  # data WRs per post; longer jobs are posted in several chains
 _PEER_CHECK_S = 0.1
-
-
-def _backoff(idle_rounds: int) -> None:
-    """Polling pace: spin-ish while busy, up to 1 ms sleeps when idle (2-core friendly)."""
-    time.sleep(0 if idle_rounds < 20 else min(1e-3, 2e-5 * idle_rounds))
 
 
 @dataclass
@@ -85,20 +93,14 @@ def verbs_addr(mem, mr) -> int:
     return getattr(mr, "iova_base", mem.addr)
 
 
-class RdmaKVReceiver(KVReceiver):
+class RdmaKVReceiver(OneSidedReceiver):
+    SERVICE = SERVICE
+    POLLER_NAME = "disagg-rdma-rx-poll"
+
     def __init__(self, options: TransportOptions, name: str):
-        self.options, self.name = options, name
-        self.stats = TransportStats()
+        super().__init__(options, name)
         self._dev = Device.get()
         self._regions: list[_Region] = []
-        self._server: AuthServer | None = None
-        self._peers: dict[bytes, _RxPeer] = {}
-        self._lock = threading.Lock()
-        self._cond = threading.Condition(self._lock)
-        self._ready: collections.deque[Notification] = collections.deque()
-        self._lost: list[str] = []
-        self._closed = threading.Event()
-        self._poller: threading.Thread | None = None
 
     def register_region(self, name: str, tensor: Any) -> RegionInfo:
         if self._server is not None:
@@ -116,36 +118,16 @@ class RdmaKVReceiver(KVReceiver):
         self._regions.append(_Region(info, verbs_addr(mem, mr), mr, mem.keepalive))
         return info
 
-    def start(self) -> str:
-        if self._server is None:
-            o = self.options
-            self._server = AuthServer(
-                token=o.auth_token.encode(),
-                service=SERVICE,
-                serve=self._serve,
-                welcome_info=self._welcome,
-                stats=self.stats,
-                timeout_s=o.timeout_s,
-                host=o.host,
-                port=o.port,
-            )
-            self._poller = threading.Thread(target=self._poll_loop, name="disagg-rdma-rx-poll", daemon=True)
-            self._poller.start()
-        return self._server.address
-
-    @property
-    def address(self) -> str:
-        if self._server is None:
-            raise RuntimeError("call start() first")
-        return self._server.address
-
     def _welcome(self, hello: bytes) -> bytes:
         session_id, name, remote = proto.parse_hello(hello, "rdma kv sender")
         if not remote.credit_rkey:
             raise ProtocolError(f"rdma kv sender {name!r} sent no credit word")
-        ep = Endpoint(self._dev, max_send_wr=64)
-        reader = RingReader(self._dev, NOTIF_SLOTS, proto.NOTIF_SLOT_BYTES)
+        imm = bool(remote.flags & proto.FLAG_IMM)
+        ep = Endpoint(self._dev, max_send_wr=64, max_recv_wr=NOTIF_SLOTS if imm else 1)
+        reader = RingReader(self._dev, NOTIF_SLOTS, proto.NOTIF_SLOT_BYTES, imm=imm)
         try:
+            if imm:  # one receive per ring slot, posted before the sender may write (it waits for us)
+                ep.post_recvs(NOTIF_SLOTS)
             ep.connect(remote)
         except Exception as err:
             ep.close()
@@ -157,30 +139,14 @@ class RdmaKVReceiver(KVReceiver):
             proto.RemoteRegion(r.info.name, r.info.num_blocks, r.info.block_nbytes, r.addr, r.mr.rkey)
             for r in self._regions
         ]
-        return ep.info(**reader.fields()).pack() + proto.pack_regions(table)
+        info = ep.info(flags=remote.flags & proto.FLAG_IMM, **reader.fields())
+        return info.pack() + proto.pack_regions(table)
 
-    def _serve(self, stream: SockStream, hello: bytes) -> None:
-        """Hold the control connection: its EOF is how a sender's death is noticed."""
-        session_id = hello[: proto.SESSION_ID_BYTES]
-        with self._lock:
-            peer = self._peers.get(session_id)
-        if peer is None:
-            return
-        peer.stream, peer.active = stream, True
-        while not self._closed.is_set() and not peer.dead:
-            try:
-                ftype, _, payload_len = read_frame(stream, timeout=0.5)
-            except TransportTimeout:
-                continue
-            except DisaggError as err:
-                self._drop(session_id, f"control channel: {err}", lost=not self._closed.is_set())
-                return
-            if ftype == T_BYE:
-                self._drop(session_id, "said goodbye", lost=False)
-                return
-            self.stats.record_rejected()
-            self._drop(session_id, f"unexpected control frame type {ftype}", lost=True)
-            return
+    def _session_id(self, hello: bytes) -> bytes:
+        return hello[: proto.SESSION_ID_BYTES]
+
+    def _on_active(self, peer) -> None:
+        peer.active = True
 
     def _drop(self, session_id: bytes, why: str, lost: bool) -> None:
         with self._lock:
@@ -205,24 +171,38 @@ class RdmaKVReceiver(KVReceiver):
                 peers = [(sid, p) for sid, p in self._peers.items() if p.active and not p.dead]
             for sid, peer in peers:
                 try:
+                    busy |= self._poll_cq(peer)
                     with self._lock:
                         got = self._harvest(peer)
                     busy |= got > 0
                     if got:
                         peer.credit_wrs += peer.reader.return_credits(peer.ep, peer.remote)
-                    for _wr_id, status in peer.ep.poll():
-                        peer.credit_wrs -= 1
-                        if status:
-                            raise PeerLostError(
-                                f"credit WRITE to {peer.name} failed: {wc_status_name(status)}"
-                            )
                 except ProtocolError as err:
                     self.stats.record_rejected()
                     self._drop(sid, str(err), lost=True)
                 except Exception as err:  # DisaggError, or a pyverbs error from a broken QP
                     self._drop(sid, f"{type(err).__name__}: {err}", lost=True)
             idle = 0 if busy else idle + 1
-            _backoff(idle)
+            backoff(idle)
+
+    def _poll_cq(self, peer: _RxPeer) -> bool:
+        """Retire credit-WRITE completions; in imm mode also take receive CQEs (slot landed) and
+        repost a receive for each, before credits go back, so the sender never meets an empty RQ."""
+        wcs = peer.ep.poll_imm()
+        landed = 0
+        for wr_id, status, imm in wcs:
+            if wr_id == RECV_WR_ID:
+                if status:
+                    raise PeerLostError(f"write-with-imm from {peer.name} failed: {wc_status_name(status)}")
+                peer.reader.landed(imm, peer.name)
+                landed += 1
+                continue
+            peer.credit_wrs -= 1
+            if status:
+                raise PeerLostError(f"credit WRITE to {peer.name} failed: {wc_status_name(status)}")
+        if landed:
+            peer.ep.post_recvs(landed)
+        return bool(wcs)
 
     def _harvest(self, peer: _RxPeer) -> int:
         """Move the peer's ready ring slots into `_ready` (caller holds the lock)."""
@@ -237,40 +217,10 @@ class RdmaKVReceiver(KVReceiver):
             self._cond.notify_all()
         return n
 
-    def poll_notifications(self) -> list[Notification]:
-        with self._lock:
-            out = list(self._ready)
-            self._ready.clear()
-        return out
-
-    def wait_notification(self, timeout: float | None = None) -> Notification:
-        timeout = self.options.timeout_s if timeout is None else timeout
-        with self._cond:
-            if not self._cond.wait_for(lambda: self._ready or self._closed.is_set(), timeout):
-                raise TransportTimeout(f"no KV notification within {timeout}s")
-            if not self._ready:
-                raise PeerLostError("receiver closed")
-            return self._ready.popleft()
-
-    def lost_peers(self) -> list[str]:
-        with self._lock:
-            out, self._lost = self._lost, []
-        return out
-
     def close(self) -> None:
         if self._closed.is_set():
             return
-        self._closed.set()
-        with self._cond:
-            self._cond.notify_all()
-        if self._server is not None:
-            self._server.close()
-        if self._poller is not None:
-            self._poller.join(timeout=2)
-        with self._lock:
-            peers, self._peers = list(self._peers.values()), {}
-        for p in peers:
-            p.dead = True
+        for p in self._stop():
             p.ep.to_error()
             p.ep.close()
             p.reader.close()
@@ -305,8 +255,11 @@ class _Job:
 
 
 class RdmaKVSender(KVSender):
-    def __init__(self, options: TransportOptions, name: str):
-        self.options, self.name = options, name
+    def __init__(self, options: TransportOptions, name: str, completion: str | None = None):
+        completion = completion or envs.rdma_completion()
+        if completion not in envs.RDMA_COMPLETIONS:
+            raise ValueError(f"rdma completion {completion!r}: expected one of {envs.RDMA_COMPLETIONS}")
+        self.options, self.name, self.completion = options, name, completion
         self.stats = TransportStats()
         self._dev = Device.get()
         self._mrs: dict[tuple[int, int], tuple[Any, Any]] = {}  # (addr, nbytes) -> (mr, keepalive)
@@ -318,11 +271,16 @@ class RdmaKVSender(KVSender):
         stream = SockStream(connect_socket(address, timeout), address, timeout)
         credit, ep = CreditWord(self._dev), Endpoint(self._dev)
         try:
+            flags = proto.FLAG_IMM if self.completion == "imm" else 0
             hello = proto.pack_hello(
-                os.urandom(proto.SESSION_ID_BYTES), self.name, ep.info(**credit.fields())
+                os.urandom(proto.SESSION_ID_BYTES), self.name, ep.info(flags=flags, **credit.fields())
             )
             welcome = client_handshake(stream, self.options.auth_token.encode(), SERVICE, hello)
             remote, pos = proto.QpInfo.unpack_from(welcome, 0, address)
+            if remote.flags != flags:
+                raise ProtocolError(
+                    f"rdma kv receiver {address} answered completion flags {remote.flags:#x}, asked {flags:#x}"
+                )
             regions = proto.parse_regions(welcome, pos, address)
             if remote.slot_bytes < proto.NOTIF_SLOT_BYTES:
                 raise ProtocolError(
@@ -415,22 +373,10 @@ class RdmaKVPeer(KVPeer):
                     f"unknown region {w.region!r}; the peer registered {sorted(self._remote)[:8]}..."
                 )
             mem, mr = self._sender.source_mr(w.src)
-            bs = mem.nbytes // mem.num_blocks
-            if bs != r.block_nbytes or mem.nbytes % mem.num_blocks:
-                raise ValueError(
-                    f"region {w.region!r}: source block is {bs} bytes, peer's is {r.block_nbytes}"
-                )
-            src, dst = [int(i) for i in w.src_block_ids], [int(i) for i in w.dst_block_ids]
-            if len(src) != len(dst):
-                raise ValueError(f"region {w.region!r}: {len(src)} source ids but {len(dst)} destination ids")
-            if src and (min(src) < 0 or max(src) >= mem.num_blocks):
-                raise ValueError(f"region {w.region!r}: source block id out of range 0..{mem.num_blocks - 1}")
-            if dst and (min(dst) < 0 or max(dst) >= r.num_blocks):
-                raise ValueError(
-                    f"region {w.region!r}: destination block id out of range 0..{r.num_blocks - 1}"
-                )
+            runs = plan_block_write(w, mem.nbytes, mem.num_blocks, r.num_blocks, r.block_nbytes)
+            bs = r.block_nbytes
             base = verbs_addr(mem, mr)
-            for s, d, n in block_runs(src, dst):
+            for s, d, n in runs:
                 out += split_write(base + s * bs, n * bs, mr.lkey, r.addr + d * bs, r.rkey)
                 nbytes += n * bs
             keep.append(w.src)
@@ -461,7 +407,7 @@ class RdmaKVPeer(KVPeer):
                 busy = True
             idle = 0 if busy else idle + 1
             if self._inflight or self._queue:
-                _backoff(idle)
+                backoff(idle)
 
     def _post(self, job: _Job) -> bool:
         """Post the next chain of `job`; the final chain carries the notification + seqword."""
@@ -477,11 +423,12 @@ class RdmaKVPeer(KVPeer):
             return True
         if room < remaining + 2 or not self._writer.has_room():
             return False
-        body = self._writer.body()
+        body, imm = self._writer.body(), self._sender.completion == "imm"
         proto.pack_notif(body, job.seq, job.layer, job.nbytes, job.tid)
-        tail = self._writer.writes(proto.NOTIF_BODY.size + len(job.tid))
+        ring_seq = self._writer.next_seq
+        tail = self._writer.writes(proto.NOTIF_BODY.size + len(job.tid), seqword=not imm)
         chain = job.writes[job.posted :] + tail
-        self._ep.post_writes(chain, (job.seq << 1) | 1)
+        self._ep.post_writes(chain, (job.seq << 1) | 1, imm=ring_seq if imm else None)
         self._posted((job.seq << 1) | 1, len(chain))
         job.posted = len(job.writes)
         with self._cond:
@@ -556,14 +503,3 @@ class RdmaKVPeer(KVPeer):
         self._ep.close()
         self._writer.close()
         self._writer.credit.close()
-
-
-def block_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
-    """Maximal runs where source and destination ids are both consecutive: (src, dst, length)."""
-    runs: list[tuple[int, int, int]] = []
-    for s, d in zip(src, dst):
-        if runs and s == runs[-1][0] + runs[-1][2] and d == runs[-1][1] + runs[-1][2]:
-            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
-        else:
-            runs.append((s, d, 1))
-    return runs

@@ -21,15 +21,19 @@ from dataclasses import dataclass
 
 from vllm_disagg.errors import ProtocolError
 
-RDMA_PROTO_VERSION = 1
+RDMA_PROTO_VERSION = 2  # 2: QpInfo carries flags (FLAG_IMM) in what was a pad byte
+FLAG_IMM = 1
+"""QpInfo flag: the sender completes block-run posts with RDMA_WRITE_WITH_IMM (imm = seq) instead
+of a seqword WRITE; the receiver acknowledges by echoing it and posts receives for the CQEs."""
+KNOWN_FLAGS = FLAG_IMM
 SESSION_ID_BYTES = 16
 MAX_NAME_BYTES = 256
 MAX_REGIONS = 1 << 16
 MAX_TID_BYTES = 128
 
-# version, qpn, psn, gid(16 raw bytes), path mtu enum, slots, slot_bytes, ring addr/rkey (the
-# peer writes there), credit addr/rkey (the peer returns credits there).
-_QP_INFO = struct.Struct("<HII16sBxHIQIQI")
+# version, qpn, psn, gid(16 raw bytes), path mtu enum, flags, slots, slot_bytes, ring addr/rkey
+# (the peer writes there), credit addr/rkey (the peer returns credits there).
+_QP_INFO = struct.Struct("<HII16sBBHIQIQI")
 _HELLO_HEAD = struct.Struct("<16sH")  # session id, name length
 _REGION = struct.Struct("<HIQQI")  # name_len, num_blocks, block_nbytes, addr, rkey
 
@@ -51,6 +55,7 @@ class QpInfo:
     psn: int
     gid: bytes
     mtu: int
+    flags: int = 0
     slots: int = 0
     slot_bytes: int = 0
     ring_addr: int = 0
@@ -65,6 +70,7 @@ class QpInfo:
             self.psn,
             self.gid,
             self.mtu,
+            self.flags,
             self.slots,
             self.slot_bytes,
             self.ring_addr,
@@ -83,6 +89,8 @@ class QpInfo:
         info = cls(*fields)
         if not 0 < info.qpn < (1 << 24) or not 1 <= info.mtu <= 5:
             raise ProtocolError(f"rdma QP info from {peer} is invalid (qpn {info.qpn}, mtu {info.mtu})")
+        if info.flags & ~KNOWN_FLAGS:
+            raise ProtocolError(f"rdma QP info from {peer} has unknown flags {info.flags:#x}")
         if info.slots > 1 << 16 or info.slot_bytes > 1 << 30:
             raise ProtocolError(f"rdma ring from {peer} too large ({info.slots} x {info.slot_bytes})")
         return info, pos + _QP_INFO.size

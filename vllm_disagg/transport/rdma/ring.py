@@ -8,10 +8,16 @@ seqwords in host memory with the CPU (on a GPU the same word is polled by
 `csrc/seqno_poll.cu`), and returns credits by WRITEing its consumed count into the writer's
 credit word, so a writer never overwrites an unread slot. No CPU work at the reader is needed
 for data to land; it only watches one word per peer.
+
+Relaxed-ordering variant (`imm=True`): with PCIe relaxed ordering a visible seqword does not prove
+the body before it was placed. There the body goes as RDMA_WRITE_WITH_IMM (imm = seq) and no
+seqword is written; the reader learns of slot `seq` from the receive CQE (`landed(imm)`), which
+the NIC generates only after the WRITE's data is placed. The seqword stays unused (0).
 """
 
 from __future__ import annotations
 
+from vllm_disagg.errors import ProtocolError
 from vllm_disagg.transport.rdma.proto import SEQWORD, QpInfo
 from vllm_disagg.transport.rdma.verbs import Device, Endpoint, HostBuffer
 
@@ -39,8 +45,9 @@ class CreditWord:
 class RingReader:
     """The receiving ring for one peer: `slots` bodies of `slot_bytes` + `slots` seqwords."""
 
-    def __init__(self, dev: Device, slots: int, slot_bytes: int):
-        self.slots, self.slot_bytes = slots, slot_bytes
+    def __init__(self, dev: Device, slots: int, slot_bytes: int, imm: bool = False):
+        self.slots, self.slot_bytes, self.imm = slots, slot_bytes, imm
+        self.landed_count = 0  # imm mode: receive CQEs seen (slots known to be placed)
         self.buf = HostBuffer(slots * slot_bytes + slots * SEQWORD.size)
         self.mr = dev.register(self.buf.addr, self.buf.nbytes, remote_write=True)
         self._credit_src = HostBuffer(8)
@@ -56,12 +63,25 @@ class RingReader:
             "ring_rkey": self.mr.rkey,
         }
 
+    def landed(self, imm: int, peer: str) -> None:
+        """imm mode: a receive CQE for the next unseen seq (RC delivers them in seq order)."""
+        if imm != self.landed_count & 0xFFFFFFFF:
+            raise ProtocolError(
+                f"rdma write-with-imm from {peer}: imm {imm}, want {self.landed_count & 0xFFFFFFFF}"
+            )
+        self.landed_count += 1
+
     def peek(self) -> memoryview | None:
-        """The body of the next slot if its seqword says it was written, else None."""
+        """The body of the next slot if its seqword (or, imm mode, its receive CQE) says it was
+        written, else None."""
         slot = self.next_seq % self.slots
-        word = SEQWORD.unpack_from(self.buf.view, self.slots * self.slot_bytes + slot * SEQWORD.size)[0]
-        if word != self.next_seq + 1:
-            return None
+        if self.imm:
+            if self.next_seq >= self.landed_count:
+                return None
+        else:
+            word = SEQWORD.unpack_from(self.buf.view, self.slots * self.slot_bytes + slot * SEQWORD.size)[0]
+            if word != self.next_seq + 1:
+                return None
         return self.buf.view[slot * self.slot_bytes : (slot + 1) * self.slot_bytes]
 
     def consume(self) -> None:
@@ -106,8 +126,9 @@ class RingWriter:
         slot = self.next_seq % self.slots
         return self.staging.view[slot * self.slot_bytes : (slot + 1) * self.slot_bytes]
 
-    def writes(self, nbytes: int) -> list[tuple[int, int, int, int, int]]:
-        """WRITE(body[:nbytes]) + WRITE(seqword) for the next slot; advances the seq."""
+    def writes(self, nbytes: int, seqword: bool = True) -> list[tuple[int, int, int, int, int]]:
+        """WRITE(body[:nbytes]) + WRITE(seqword) for the next slot; advances the seq. With
+        `seqword=False` (imm mode) only the body WRITE: the caller posts it WITH_IMM(seq)."""
         seq, slot = self.next_seq, self.next_seq % self.slots
         word_off = self.slots * self.slot_bytes + slot * SEQWORD.size
         SEQWORD.pack_into(self.staging.view, word_off, seq + 1)
@@ -124,6 +145,10 @@ class RingWriter:
                     r.ring_rkey,
                 )
             )
+        if not seqword:
+            if not nbytes:
+                raise ValueError("an imm-completed ring write needs a body")
+            return out
         word_raddr = r.ring_addr + self.slots * self.slot_bytes + slot * SEQWORD.size
         out.append((self.staging.addr + word_off, SEQWORD.size, lkey, word_raddr, r.ring_rkey))
         return out

@@ -15,17 +15,17 @@ import ctypes
 import mmap
 import os
 import random
+import socket
 import threading
 from dataclasses import dataclass
 from typing import Any
 
+from vllm_disagg import envs
 from vllm_disagg.errors import TransportUnavailable
 from vllm_disagg.transport.rdma.proto import QpInfo
 
-ENV_DEVICE = "VLLM_DISAGG_RDMA_DEVICE"
-ENV_GID_INDEX = "VLLM_DISAGG_RDMA_GID_INDEX"
-ENV_PORT = "VLLM_DISAGG_RDMA_PORT"
 MAX_WRITE_BYTES = 1 << 30  # split longer runs (rxe and most HCAs cap max_msg_sz at 2 GiB)
+RECV_WR_ID = (1 << 64) - 2  # wr_id of the zero-SGE receives that WRITE_WITH_IMM consumes
 
 # ibv_wc_status values worth naming in an error message (verbs.h).
 WC_STATUS = {
@@ -141,12 +141,12 @@ class Device:
 
         self.e = e
         names = [dev.name.decode() for dev in d.get_device_list()]
-        want = os.environ.get(ENV_DEVICE) or (names[0] if names else "")
+        want = envs.rdma_device() or (names[0] if names else "")
         if want not in names:
             raise TransportUnavailable(f"rdma device {want!r} not found (devices: {names or 'none'})")
         self.name = want
         self.ctx = d.Context(name=want)
-        self.port = int(os.environ.get(ENV_PORT, "1"))
+        self.port = envs.rdma_port()
         port_attr = self.ctx.query_port(self.port)
         if port_attr.state != e.IBV_PORT_ACTIVE:
             raise TransportUnavailable(
@@ -161,8 +161,8 @@ class Device:
 
     def _pick_gid(self) -> int:
         """Env override, else an IPv4-mapped RoCEv2 GID if any, else the first non-zero GID."""
-        if os.environ.get(ENV_GID_INDEX):
-            return int(os.environ[ENV_GID_INDEX])
+        if envs.rdma_gid_index() is not None:
+            return envs.rdma_gid_index()
         first = None
         for i in range(16):
             try:
@@ -188,9 +188,12 @@ class Device:
 
 
 class Endpoint:
-    """One RC QP with its own CQ. Posts WRITE chains; only the chain's last WR is signalled."""
+    """One RC QP with its own CQ. Posts WRITE chains; only the chain's last WR is signalled.
 
-    def __init__(self, dev: Device, max_send_wr: int = 512):
+    `max_recv_wr` > 1 is for a receiver of RDMA_WRITE_WITH_IMM: each such WRITE consumes one
+    posted (zero-SGE) receive and yields a receive CQE carrying the immediate."""
+
+    def __init__(self, dev: Device, max_send_wr: int = 512, max_recv_wr: int = 1):
         from pyverbs.cq import CQ
         from pyverbs.qp import QP, QPAttr, QPCap, QPInitAttr
 
@@ -198,13 +201,14 @@ class Endpoint:
         self.dev, self.e = dev, e
         self.max_send_wr = max_send_wr
         with dev.lock:
-            self.cq = CQ(dev.ctx, max_send_wr * 2, None, None, 0)
-            cap = QPCap(max_send_wr=max_send_wr, max_recv_wr=1, max_send_sge=1, max_recv_sge=1)
+            self.cq = CQ(dev.ctx, max_send_wr * 2 + max_recv_wr, None, None, 0)
+            cap = QPCap(max_send_wr=max_send_wr, max_recv_wr=max_recv_wr, max_send_sge=1, max_recv_sge=1)
             init = QPInitAttr(qp_type=e.IBV_QPT_RC, scq=self.cq, rcq=self.cq, cap=cap, sq_sig_all=0)
             attr = QPAttr(port_num=dev.port)
             attr.qp_access_flags = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE
             self.qp = QP(dev.pd, init, attr)  # -> INIT
         self.psn = random.getrandbits(24)
+        self._scratch: tuple[HostBuffer, Any] | None = None
         self._closed = False
 
     def info(self, **ring: int) -> QpInfo:
@@ -230,9 +234,13 @@ class Endpoint:
         attr.sq_psn = self.psn
         self.qp.to_rts(attr)
 
-    def post_writes(self, writes: list[tuple[int, int, int, int, int]], wr_id: int) -> None:
+    def post_writes(
+        self, writes: list[tuple[int, int, int, int, int]], wr_id: int, imm: int | None = None
+    ) -> None:
         """Post `(laddr, length, lkey, raddr, rkey)` WRITEs as one chain; the last is signalled
-        with `wr_id`. RC executes them in order, so the last one completing means all landed."""
+        with `wr_id`. RC executes them in order, so the last one completing means all landed.
+        With `imm`, the last WR is RDMA_WRITE_WITH_IMM carrying `imm` (u32): the receiver learns
+        of it from a receive CQE, generated only once the data before it is placed."""
         from pyverbs.wr import SGE, SendWR
 
         e = self.e
@@ -240,10 +248,12 @@ class Endpoint:
         for i in range(len(writes) - 1, -1, -1):
             laddr, length, lkey, raddr, rkey = writes[i]
             last = i == len(writes) - 1
+            with_imm = last and imm is not None
             wr = SendWR(
                 wr_id=wr_id if last else 0,
-                opcode=e.IBV_WR_RDMA_WRITE,
+                opcode=e.IBV_WR_RDMA_WRITE_WITH_IMM if with_imm else e.IBV_WR_RDMA_WRITE,
                 num_sge=1,
+                imm_data=socket.htonl(imm & 0xFFFFFFFF) if with_imm else 0,
                 sg=[SGE(laddr, length, lkey)],
                 send_flags=e.IBV_SEND_SIGNALED if last else 0,
                 next_wr=nxt,
@@ -253,10 +263,31 @@ class Endpoint:
             nxt = wr
         self.qp.post_send(nxt)
 
+    def post_recvs(self, count: int) -> None:
+        """Post `count` receives (wr_id RECV_WR_ID), one per expected WRITE_WITH_IMM. A WRITE_WITH_IMM
+        places no bytes through the receive, but pyverbs wants one SGE: an 8-byte scratch MR."""
+        from pyverbs.wr import SGE, RecvWR
+
+        if self._scratch is None:
+            buf = HostBuffer(8)
+            self._scratch = (buf, self.dev.register(buf.addr, 8))
+        buf, mr = self._scratch
+        wrs, nxt = [], None
+        for _ in range(count):
+            nxt = RecvWR(wr_id=RECV_WR_ID, num_sge=1, sg=[SGE(buf.addr, 8, mr.lkey)], next_wr=nxt)
+            wrs.append(nxt)  # keep every WR alive until posted
+        if nxt is not None:
+            self.qp.post_recv(nxt)
+
     def poll(self, max_entries: int = 16) -> list[tuple[int, int]]:
         """(wr_id, status) of completed signalled WRs."""
+        return [(wr_id, status) for wr_id, status, _ in self.poll_imm(max_entries)]
+
+    def poll_imm(self, max_entries: int = 16) -> list[tuple[int, int, int]]:
+        """(wr_id, status, imm) of completions; imm is meaningful for successful receives only
+        (wr_id RECV_WR_ID; an errored WC's opcode is undefined, so the wr_id tells them apart)."""
         _, wcs = self.cq.poll(max_entries)
-        return [(wc.wr_id, wc.status) for wc in wcs]
+        return [(wc.wr_id, wc.status, socket.ntohl(wc.imm_data & 0xFFFFFFFF)) for wc in wcs]
 
     def to_error(self) -> None:
         """Force the QP into ERR (flushes outstanding WRs; used on teardown and in tests)."""
@@ -276,6 +307,9 @@ class Endpoint:
         with self.dev.lock:
             self.qp.close()
             self.cq.close()
+        if self._scratch is not None:
+            self._scratch[1].close()
+            self._scratch[0].close()
 
 
 def split_write(
