@@ -51,18 +51,11 @@ unit: setup
 # Integration modules start real vLLM engines in-process, and vLLM keeps process-global state
 # (forward context, plugin and backend registries, distributed groups): each module runs in its
 # own interpreter, so one module's engine cannot crash or skew another's. pytest's exit 5 (nothing
-# collected) is not a failure. A module that dies of a native crash (SIGSEGV/SIGABRT) is rerun
-# up to twice, loudly: test_nanoflow.py has an open, intermittent segfault (about one run in two
-# here; issue 5's note). Three crashes in a row fail the suite; test failures are never rerun.
+# collected) is not a failure.
 test: lint model sysdeps
 	@fail=""; \
 	for target in "tests/unit tests/patches" $$(ls tests/integration/test_*.py); do \
 	  $(PY) -m pytest $(PYTEST_ARGS) $$target; rc=$$?; \
-	  for retry in 1 2; do \
-	    if [ $$rc -ne 139 ] && [ $$rc -ne 134 ]; then break; fi; \
-	    echo "make test: WARNING: $$target crashed natively (exit $$rc; open bug, see issue 5's note); rerun $$retry of 2"; \
-	    $(PY) -m pytest $(PYTEST_ARGS) $$target; rc=$$?; \
-	  done; \
 	  if [ $$rc -ne 0 ] && [ $$rc -ne 5 ]; then fail="$$fail $$target(exit $$rc)"; fi; \
 	done; \
 	if [ -n "$$fail" ]; then echo "make test: FAILED:$$fail"; exit 1; fi; echo "make test: every group passed"

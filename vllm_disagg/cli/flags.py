@@ -198,4 +198,7 @@ def wire_engine_args(engine_args: Any) -> DisaggConfig | None:
     worker = worker_cls_for(cfg)
     if worker is not None and engine_args.worker_cls == "auto":
         engine_args.worker_cls = worker
+    from vllm_disagg.nanoflow.plan import apply_discrete_batching
+
+    apply_discrete_batching(engine_args, cfg)
     return cfg

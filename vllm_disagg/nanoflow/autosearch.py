@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from vllm_disagg.nanoflow.graph import (
@@ -59,12 +59,18 @@ def tokens_of(node: OpNode, spec: PipelineSpec, dense_batch: int) -> int:
 
 
 def evaluate(
-    spec: PipelineSpec, dense_batch: int, shares: dict[str, int], cost: CostFn, nodes=None
+    spec: PipelineSpec,
+    dense_batch: int,
+    shares: dict[str, int],
+    cost: CostFn,
+    nodes=None,
+    serial: Collection[str] = (),
 ) -> Schedule:
-    """Simulated step of `spec` with the given unit shares."""
+    """Simulated step of `spec` with the given unit shares (`serial`: units that cannot overlap
+    each other, e.g. CPU dense and attention, see graph.list_schedule)."""
     nodes = nodes if nodes is not None else build_graph(spec)
     return list_schedule(
-        nodes, lambda n: cost(n.name, tokens_of(n, spec, dense_batch), shares.get(n.unit, 0))
+        nodes, lambda n: cost(n.name, tokens_of(n, spec, dense_batch), shares.get(n.unit, 0)), serial
     )
 
 
@@ -75,19 +81,20 @@ def greedy_shares(
     budget: int,
     budgeted: Sequence[str],
     fixed: dict[str, int] | None = None,
+    serial: Collection[str] = (),
 ) -> tuple[dict[str, int], Schedule]:
     """Critical-path greedy allocation of `budget` units over the `budgeted` unit classes."""
     nodes = build_graph(spec)
     shares = {u: 1 for u in budgeted} | dict(fixed or {})
-    best = evaluate(spec, dense_batch, shares, cost, nodes)
+    best = evaluate(spec, dense_batch, shares, cost, nodes, serial)
     while True:
-        move = _best_move(spec, dense_batch, cost, budget, budgeted, shares, best, nodes)
+        move = _best_move(spec, dense_batch, cost, budget, budgeted, shares, best, nodes, serial)
         if move is None:
             return shares, best
         shares, best = move
 
 
-def _best_move(spec, dense_batch, cost, budget, budgeted, shares, sched, nodes):
+def _best_move(spec, dense_batch, cost, budget, budgeted, shares, sched, nodes, serial=()):
     contrib = _critical_contribution(sched, nodes)
     ranked = sorted(budgeted, key=lambda u: -contrib.get(u, 0.0))
     free = budget - sum(shares[u] for u in budgeted)
@@ -100,7 +107,7 @@ def _best_move(spec, dense_batch, cost, budget, budgeted, shares, sched, nodes):
             trial[gain] += 1
             if donor is not None:
                 trial[donor] -= 1
-            cand = evaluate(spec, dense_batch, trial, cost, nodes)
+            cand = evaluate(spec, dense_batch, trial, cost, nodes, serial)
             if cand.makespan < sched.makespan - 1e-12:
                 return trial, cand
     return None
@@ -147,8 +154,10 @@ def search(
     tensor_parallel: bool = False,
     attention_remote: bool = False,
     progress: Callable[[int], None] | None = None,
+    serial: Collection[str] = (),
 ) -> SearchResult:
-    """Greedy unit allocation for every (dense batch, nano-batch counts) candidate; best wins."""
+    """Greedy unit allocation for every (dense batch, nano-batch counts) candidate; best wins.
+    `serial`: unit classes that cannot overlap each other on this device (CPU: dense and attn)."""
     t0 = time.perf_counter()
     layers = min(num_layers, SEARCH_LAYERS)
     scale = num_layers / layers
@@ -158,7 +167,16 @@ def search(
             continue
         for inline in (True, False):
             cand = _candidate(
-                cost, layers, dense_batch, n_attn, n_dense, budget, tensor_parallel, attention_remote, inline
+                cost,
+                layers,
+                dense_batch,
+                n_attn,
+                n_dense,
+                budget,
+                tensor_parallel,
+                attention_remote,
+                inline,
+                serial,
             )
             cand.step_s *= scale
             cands.append(cand)
@@ -172,7 +190,9 @@ def search(
     return SearchResult(best=best, candidates=cands, seconds=time.perf_counter() - t0)
 
 
-def _candidate(cost, layers, dense_batch, n_attn, n_dense, budget, tp, remote, inline) -> Candidate:
+def _candidate(
+    cost, layers, dense_batch, n_attn, n_dense, budget, tp, remote, inline, serial=()
+) -> Candidate:
     if inline:
         spec = PipelineSpec(layers, n_attn, n_dense, tp, attn_unit=DENSE, net_unit=DENSE)
         shares = {DENSE: budget}
@@ -184,5 +204,5 @@ def _candidate(cost, layers, dense_batch, n_attn, n_dense, budget, tp, remote, i
         fixed = {NET: 0} if (tp or remote) else {}
         if len(budgeted) > budget:
             return Candidate(dense_batch, n_attn, n_dense, {}, False, float("inf"))
-        shares, sched = greedy_shares(spec, dense_batch, cost, budget, budgeted, fixed)
+        shares, sched = greedy_shares(spec, dense_batch, cost, budget, budgeted, fixed, serial)
     return Candidate(dense_batch, n_attn, n_dense, shares, inline, sched.makespan, critical_path(sched))

@@ -8,6 +8,14 @@ the dependency's CUDA event), launches it, and signals it. The call returns when
 and the network side work submitted during the step has drained. The first error aborts the step
 and is re-raised on the caller's thread. With `inline=True` (one unit, nothing to overlap) the ops
 run on the caller's thread in the schedule's global order: the paper's "nano-batch only" mode.
+
+CPU kernel exclusion: vLLM 0.32's CPU attention kernel and its oneDNN GEMM (`onednn_mm`) share
+one process-global, unsynchronised scratch buffer (`cpu_utils::ScratchPadManager` in
+`vllm/_C.abi3.so`; the GEMM keeps its brgemm batch pointers there, attention its Q/logit tiles,
+and a larger request frees and reallocates it). Two such ops on two threads at once corrupt each
+other: that was the intermittent SIGSEGV (a brgemm kernel dereferencing float data). Ops on
+`exclusive_units` therefore hold `CPU_KERNEL_LOCK` while they run; network-bound units (all-reduce,
+remote attention RPC) stay free to overlap them.
 """
 
 from __future__ import annotations
@@ -15,7 +23,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from vllm_disagg.nanoflow import overlap
@@ -28,21 +36,53 @@ DEP_WAIT_TIMEOUT_S = 300.0
 STEP_TIMEOUT_S = 900.0
 OpFn = Callable[[], Any]
 
+MAX_PREPARED = 64
+CPU_KERNEL_LOCK = threading.Lock()
+"""Held by ops on exclusive units: vLLM's CPU attention and GEMM kernels share one scratchpad."""
+
+
+def _call(fn: OpFn) -> Any:
+    return fn()
+
 
 class StepAborted(RuntimeError):
     """Another unit failed; this unit stops without running its remaining ops."""
 
 
+class _Prepared:
+    """What a step needs that depends only on the graph and its schedule: built once per
+    schedule (the runner caches schedules per pipeline shape), so a step allocates nothing but
+    its completion events."""
+
+    def __init__(self, nodes: Sequence[OpNode], schedule: Schedule, n_batches: dict[str, int]) -> None:
+        self.schedule = schedule  # keeps id(schedule) unique while cached
+        self.nodes = {n.key: n for n in nodes}
+        counts = dict(n_batches)
+        for n in nodes:
+            counts[n.name] = max(counts.get(n.name, 0), n.nb + 1)
+        self.info = {
+            key: overlap.NanoBatchInfo(key[2], counts.get(key[0], 1), key[1], key[0]) for key in self.nodes
+        }
+        # same-unit deps are satisfied by the unit's own order: wait only across units
+        self.waits = {
+            key: tuple(d for d in n.deps if self.nodes[d].unit != n.unit) for key, n in self.nodes.items()
+        }
+        self.inline_order = [(key, self.info[key]) for key in schedule.global_order()]
+
+
 class _Step:
     """Shared state of one step across unit threads."""
 
-    def __init__(self, nodes: Sequence[OpNode], fns: dict[OpKey, OpFn], n_batches: dict[str, int]) -> None:
-        self.nodes = {n.key: n for n in nodes}
+    def __init__(
+        self,
+        prep: _Prepared,
+        fns: dict[OpKey, OpFn],
+        exclusive_units: frozenset[str] = frozenset(),
+    ) -> None:
+        self.prep = prep
+        self.nodes = prep.nodes
+        self.exclusive_units = exclusive_units
         self.fns = fns
-        self.n_batches = dict(n_batches)
-        for n in nodes:
-            self.n_batches.setdefault(n.name, 0)
-            self.n_batches[n.name] = max(self.n_batches[n.name], n.nb + 1)
         self.done = {key: threading.Event() for key in self.nodes}
         self.tokens: dict[OpKey, Any] = {}
         self.error: BaseException | None = None
@@ -57,18 +97,19 @@ class _Step:
             ev.set()
 
     def run_op(self, unit: ExecutionUnit, key: OpKey) -> None:
-        node = self.nodes[key]
-        for dep in node.deps:
+        for dep in self.prep.waits[key]:
             if not self.done[dep].wait(DEP_WAIT_TIMEOUT_S):
                 raise TimeoutError(f"nanoflow: op {key} waited {DEP_WAIT_TIMEOUT_S}s for {dep}")
             if self.error is not None:
                 raise StepAborted()
-            if self.nodes[dep].unit != node.unit:
-                unit.wait(self.tokens.get(dep))
-        name, layer, nb = key
-        overlap.set_current_nano_batch(overlap.NanoBatchInfo(nb, self.n_batches.get(name, 1), layer, name))
+            unit.wait(self.tokens.get(dep))
+        overlap.set_current_nano_batch(self.prep.info[key])
         try:
-            self.tokens[key] = unit.launch(self.fns[key])
+            if self.nodes[key].unit in self.exclusive_units:
+                with CPU_KERNEL_LOCK:
+                    self.tokens[key] = unit.launch(self.fns[key])
+            else:
+                self.tokens[key] = unit.launch(self.fns[key])
         finally:
             overlap.set_current_nano_batch(None)
         self.done[key].set()
@@ -113,9 +154,18 @@ class _UnitThread:
 class OpGraphExecutor:
     """Executes scheduled op graphs on a fixed set of units."""
 
-    def __init__(self, units: dict[str, ExecutionUnit], inline: bool = False) -> None:
+    def __init__(
+        self,
+        units: dict[str, ExecutionUnit],
+        inline: bool = False,
+        exclusive_units: Collection[str] = (),
+    ) -> None:
+        """`exclusive_units`: units whose ops must never run at the same time as each other
+        (see CPU kernel exclusion above); ignored inline, where nothing runs concurrently."""
         self.units = units
         self.inline = inline or len(units) <= 1
+        self.exclusive_units = frozenset() if self.inline else frozenset(exclusive_units)
+        self._prepared: dict[int, _Prepared] = {}
         self._threads: dict[str, _UnitThread] = {}
         if not self.inline:
             self._threads = {name: _UnitThread(u) for name, u in units.items()}
@@ -127,20 +177,35 @@ class OpGraphExecutor:
         fns: dict[OpKey, OpFn],
         n_batches: dict[str, int] | None = None,
     ) -> None:
-        step = _Step(nodes, fns, n_batches or {})
+        prep = self._prepare(nodes, schedule, n_batches)
         if self.inline:
-            self._run_inline(step, schedule)
+            self._run_inline(prep, fns)
         else:
-            self._run_threaded(step, schedule)
+            self._run_threaded(_Step(prep, fns, self.exclusive_units), schedule)
         overlap.drain_network()
 
-    def _run_inline(self, step: _Step, schedule: Schedule) -> None:
+    def _prepare(
+        self, nodes: Sequence[OpNode], schedule: Schedule, n_batches: dict[str, int] | None
+    ) -> _Prepared:
+        if n_batches:
+            return _Prepared(nodes, schedule, n_batches)
+        prep = self._prepared.get(id(schedule))
+        if prep is None or prep.schedule is not schedule or len(prep.nodes) != len(nodes):
+            if len(self._prepared) >= MAX_PREPARED:
+                self._prepared.clear()
+            prep = self._prepared[id(schedule)] = _Prepared(nodes, schedule, {})
+        return prep
+
+    def _run_inline(self, prep: _Prepared, fns: dict[OpKey, OpFn]) -> None:
+        """Nothing overlaps: the global order is topological, so no dependency waits."""
         unit = next(iter(self.units.values()), None)
-        for key in schedule.global_order():
-            if unit is None:
-                step.fns[key]()
-                continue
-            step.run_op(unit, key)
+        launch = unit.launch if unit is not None else _call
+        try:
+            for key, info in prep.inline_order:
+                overlap.set_current_nano_batch(info)
+                launch(fns[key])
+        finally:
+            overlap.set_current_nano_batch(None)
 
     def _run_threaded(self, step: _Step, schedule: Schedule) -> None:
         missing = set(schedule.order) - set(self._threads)

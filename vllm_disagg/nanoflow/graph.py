@@ -17,7 +17,7 @@ network-bound (remote attention).
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 
 OpKey = tuple[str, int, int]  # (op name, layer, nano-batch index within the op's group)
@@ -25,6 +25,7 @@ OpKey = tuple[str, int, int]  # (op name, layer, nano-batch index within the op'
 DENSE, ATTN, NET = "dense", "attn", "net"
 FINE_OPS = ("kqv", "attn")
 COARSE_OPS = ("o", "ar_o", "ugd", "ar_d")
+_SERIAL = "\0serial"  # the shared resource of `serial` units in list_schedule
 
 
 @dataclass(frozen=True)
@@ -114,8 +115,14 @@ class Schedule:
         return sorted(self.start, key=lambda key: (self.start[key], self.finish[key]))
 
 
-def list_schedule(nodes: Iterable[OpNode], cost: Callable[[OpNode], float]) -> Schedule:
+def list_schedule(
+    nodes: Iterable[OpNode], cost: Callable[[OpNode], float], serial: Collection[str] = ()
+) -> Schedule:
     """Greedy list scheduling, one op at a time per unit (a unit is a stream).
+
+    Units in `serial` also run one op at a time among themselves (CPU: vLLM's attention and GEMM
+    kernels share a scratchpad, see executor.CPU_KERNEL_LOCK), so the simulated step and the
+    search see that they cannot overlap.
 
     Among ready ops, the one that can start earliest goes first; ties go to canonical order. The
     per-unit orders are consistent with one global start-time order, so running them on unit
@@ -141,17 +148,18 @@ def list_schedule(nodes: Iterable[OpNode], cost: Callable[[OpNode], float]) -> S
     while ready:
         est, _, key = heapq.heappop(ready)
         node = by_key[key]
-        start = max(data_ready[key], unit_free.get(node.unit, 0.0))
+        res = _SERIAL if node.unit in serial else node.unit
+        start = max(data_ready[key], unit_free.get(res, 0.0))
         if start > est:
             # lazy re-evaluation: the unit got busy since this entry was pushed
             heapq.heappush(ready, (start, index[key], key))
             continue
         sched.start[key] = start
         sched.finish[key] = start + max(0.0, float(cost(node)))
-        sched.binding[key] = _binding_pred(node, sched, unit_last.get(node.unit), start)
+        sched.binding[key] = _binding_pred(node, sched, unit_last.get(res), start)
         sched.order.setdefault(node.unit, []).append(key)
-        unit_free[node.unit] = sched.finish[key]
-        unit_last[node.unit] = key
+        unit_free[res] = sched.finish[key]
+        unit_last[res] = key
         for user in users[key]:
             missing[user] -= 1
             if missing[user] == 0:

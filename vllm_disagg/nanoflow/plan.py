@@ -116,3 +116,32 @@ def resolve_plan(nano_batches: int | str, plan_path: str | None, model: str) -> 
 def _counts(n: int) -> NanoBatchCounts:
     """N nano-batches: attention/KQV use N, dense ops N/2 when N >= 4 (the paper's 4/2 split)."""
     return NanoBatchCounts(attn=n, dense=n // 2 if n >= 4 and n % 2 == 0 else n)
+
+
+def apply_discrete_batching(engine_args: Any, cfg: Any) -> int | None:
+    """Discrete batching (paper §4.2): the scheduler's token budget is the plan's profiled fast
+    dense batch size, not vLLM's default. Called on `EngineArgs` before the engine config is built
+    (P3, `wire_engine_args`); `cfg` is the parsed DisaggConfig. Explicit user values win:
+    `max_num_batched_tokens` is only set when the user left it unset, and an explicit larger
+    `max_num_seqs` raises the budget to it (vLLM needs budget >= max_num_seqs). Returns the budget
+    set, or None (nanoflow off, no plan, no dense size in the plan, or the user chose)."""
+    nf = getattr(cfg, "nanoflow", None)
+    if nf is None or engine_args.max_num_batched_tokens is not None:
+        return None
+    if nf.plan is None and nf.nano_batches != "auto":
+        return None  # an explicit count without a plan: nothing was profiled
+    plan = resolve_plan(nf.nano_batches, nf.plan, str(engine_args.model))
+    size = plan.dense_batch_size
+    if not size:
+        return None
+    seqs = engine_args.max_num_seqs
+    if seqs is None:
+        engine_args.max_num_seqs = size  # decode batches are dense batches too
+    elif seqs > size:
+        logger.warning(
+            "nanoflow: plan dense batch %d < max_num_seqs %d; using %d tokens per step", size, seqs, seqs
+        )
+        size = seqs
+    engine_args.max_num_batched_tokens = size
+    logger.info("nanoflow: discrete batching, max_num_batched_tokens=%d from the plan", size)
+    return size

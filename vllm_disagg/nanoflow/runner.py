@@ -14,13 +14,13 @@ Achieved throughput is logged as a fraction of the cost model's optimum (`throug
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any
 
 import torch
 from vllm.logger import init_logger
 
+from vllm_disagg import envs
 from vllm_disagg.nanoflow.executor import OpGraphExecutor
 from vllm_disagg.nanoflow.graph import ATTN, DENSE, NET, list_schedule
 from vllm_disagg.nanoflow.pipeline import LlamaPipeline, sequential_forward
@@ -30,9 +30,10 @@ from vllm_disagg.nanoflow.units import make_units, set_num_threads
 
 logger = init_logger(__name__)
 
-AB_ENV = "VLLM_DISAGG_NANOFLOW_AB"
-"""Diagnostic: "1" alternates nano-batched and plain forwards of eligible steps in one engine and
-reports both in `nanoflow_stats()["ab"]` (same process, same load: a paired overhead figure)."""
+AB_ENV = envs.VLLM_DISAGG_NANOFLOW_AB
+"""Diagnostic (`envs.nanoflow_ab()`): "1" alternates nano-batched and plain forwards of eligible
+steps in one engine and reports both in `nanoflow_stats()["ab"]` (same process, same load: a
+paired overhead figure)."""
 
 
 def nanoflow_plan_of(vllm_config: Any) -> NanoFlowPlan | None:
@@ -65,6 +66,14 @@ def enable_nano_ubatching(vllm_config: Any) -> int:
     pc.dbo_decode_token_threshold = max(n, 1)
     pc.dbo_prefill_token_threshold = max(n, 1)
     return n
+
+
+def cpu_exclusive_units(shares: dict[str, int], device: torch.device) -> frozenset[str]:
+    """On CPU, every unit that runs vLLM's attention or GEMM kernels (all but "net") must not
+    overlap another: those kernels share one process-global scratchpad (executor docstring)."""
+    if device.type != "cpu":
+        return frozenset()
+    return frozenset(name for name in shares if name != NET)
 
 
 def runner_stats(runner: Any) -> dict:
@@ -110,7 +119,7 @@ class NanoFlowRunnerMixin:
         self._nano_schedules: dict[Any, Any] = {}
         self._nano_tput: ThroughputLog | None = None
         self._nano_ab: PairedSteps | None = None
-        if self.nano_plan is not None and os.environ.get(AB_ENV) == "1":
+        if self.nano_plan is not None and envs.nanoflow_ab():
             self._nano_ab = PairedSteps()
 
     # --------------------------------------------------------------- setup
@@ -126,7 +135,11 @@ class NanoFlowRunnerMixin:
                 type(self.model).__name__,
             )
         shares = self._nano_unit_shares()
-        self.nano_executor = OpGraphExecutor(make_units(shares, self.device), inline=len(shares) <= 1)
+        self.nano_executor = OpGraphExecutor(
+            make_units(shares, self.device),
+            inline=len(shares) <= 1,
+            exclusive_units=cpu_exclusive_units(shares, self.device),
+        )
         self._nano_tput = ThroughputLog(self.vllm_config, self.nano_plan)
         logger.info(
             "nanoflow: nano-batches attn=%d dense=%d, units %s%s",
@@ -279,7 +292,8 @@ class NanoFlowRunnerMixin:
                     return _interp(costs[node.name], tokens)
                 return self.nano_pipeline.relative_cost(node.name, tokens)
 
-            self._nano_schedules[spec] = (nodes, list_schedule(nodes, cost))
+            serial = self.nano_executor.exclusive_units
+            self._nano_schedules[spec] = (nodes, list_schedule(nodes, cost, serial))
         return self._nano_schedules[spec]
 
 

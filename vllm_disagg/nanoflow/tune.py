@@ -22,6 +22,9 @@ from vllm_disagg.nanoflow.autosearch import SearchResult, fast_sizes, nano_combo
 from vllm_disagg.nanoflow.graph import ATTN, DENSE, NET
 from vllm_disagg.nanoflow.plan import NanoBatchCounts, NanoFlowPlan, default_plan_path
 
+CPU_SERIAL_UNITS = (DENSE, ATTN)
+"""The profile is measured on CPU, where the executor serialises these units (CPU_KERNEL_LOCK)."""
+
 if TYPE_CHECKING:  # torch-importing modules load lazily: `vllm-disagg --help` stays fast
     from vllm_disagg.nanoflow.profiler import OpProfile
 
@@ -82,6 +85,7 @@ def tune(args: argparse.Namespace) -> tuple[NanoFlowPlan, SearchResult, OpProfil
             tensor_parallel=args.tp > 1,
             attention_remote=args.remote_rpc_us > 0,
             progress=bar.update,
+            serial=CPU_SERIAL_UNITS,  # profiled on CPU: dense and attention kernels cannot overlap
         )
     plan = plan_from(result, prof, fast, args, time.perf_counter() - t0)
     return plan, result, prof
