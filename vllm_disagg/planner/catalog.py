@@ -15,7 +15,9 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
 
-CATALOG_ENV = "VLLM_DISAGG_PLANNER_CATALOG"
+from vllm_disagg import envs
+
+CATALOG_ENV = envs.VLLM_DISAGG_PLANNER_CATALOG
 _DATA = Path(__file__).parent / "data"
 
 
@@ -146,13 +148,14 @@ def _load_json(path: Path) -> dict:
 
 def _catalog(extra: tuple[str, ...] = ()) -> dict:
     """Built-in data, then $VLLM_DISAGG_PLANNER_CATALOG files, then `extra`."""
-    return _load_catalog(os.environ.get(CATALOG_ENV, ""), tuple(extra))
+    env = tuple(p for p in envs.planner_catalog().split(os.pathsep) if p)
+    return _load_catalog(env, tuple(extra))
 
 
 @lru_cache(maxsize=8)
-def _load_catalog(env: str, extra: tuple[str, ...]) -> dict:
+def _load_catalog(env: tuple[str, ...], extra: tuple[str, ...]) -> dict:
     out = {"devices": {}, "machines": {}, "models": {}}
-    user = [Path(p) for p in (*env.split(os.pathsep), *extra) if p]
+    user = [Path(p) for p in (*env, *extra) if p]
     for path in [_DATA / "hardware.json", _DATA / "models.json", *user]:
         data = _load_json(path)
         for key in out:

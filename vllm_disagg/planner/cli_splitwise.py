@@ -8,7 +8,8 @@ import json
 from pathlib import Path
 
 from vllm_disagg.planner import report
-from vllm_disagg.planner.catalog import HardwareSpec, get_hardware
+from vllm_disagg.planner.calibrate import validate
+from vllm_disagg.planner.catalog import get_hardware
 from vllm_disagg.planner.profile import load_profile
 from vllm_disagg.planner.provision import (
     Design,
@@ -17,28 +18,33 @@ from vllm_disagg.planner.provision import (
     search_min,
     search_throughput,
 )
-from vllm_disagg.planner.slo import slo_report
-from vllm_disagg.planner.splitwise_sim import MachineGroup, SimOptions, simulate
+from vllm_disagg.planner.splitwise_sim import SimOptions
 from vllm_disagg.planner.traces import (
     TRACE_STATS,
     TraceRequest,
     load_azure_csv,
+    resample_poisson,
     rescale_rate,
     synthetic_trace,
 )
-from vllm_disagg.router.policy import Pool, SchedulerConfig
+from vllm_disagg.router.policy import SchedulerConfig
 
 
 def add_splitwise_parser(sub, common, guard) -> None:
     p = sub.add_parser("splitwise", help="Splitwise cluster simulator and provisioning (§IV-V)")
     common(p, "llama-2-70b")
     p.add_argument("--design", default="HA", help="AA, HH, HA, HHcap, baseline-a100/h100")
-    p.add_argument("--trace", default="coding", help="coding, conversation, splitwise, lmsys, sharegpt, or an Azure CSV")
+    p.add_argument("--trace", default="coding",
+                   help="coding, conversation (empirical Azure shapes), coding-lognormal, "
+                        "conversation-lognormal, splitwise, lmsys, sharegpt, or an Azure CSV")
     p.add_argument("--target-rps", type=float, default=70.0)
     p.add_argument("--objective", choices=["cost", "power", "throughput"], default="cost")
     p.add_argument("--constraint", choices=["none", "iso-power", "iso-cost"], default="none")
     p.add_argument("--budget", default="40xdgx-h100",
                    help="reference fleet for iso-power/iso-cost, e.g. 40xdgx-h100")
+    p.add_argument("--arrivals", choices=["trace", "poisson"], default="trace",
+                   help="Azure CSV: keep its (rescaled) timestamps, or draw its sizes with "
+                        "Poisson arrivals as SplitwiseSim does")
     p.add_argument("--duration", type=float, default=60.0, help="trace seconds to simulate")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-prompt", type=int, default=40)
@@ -67,6 +73,8 @@ def trace_source(args):
         return lambda rps: synthetic_trace(args.trace, rps, duration_s=args.duration,
                                            seed=args.seed)
     base = load_azure_csv(args.trace)
+    if getattr(args, "arrivals", "trace") == "poisson":
+        return lambda rps: resample_poisson(base, rps, args.duration, args.seed)
     return lambda rps: _window(rescale_rate(base, rps), args.duration)
 
 
@@ -127,43 +135,12 @@ def validate_summary(args) -> dict:
     if not args.profile:
         raise SystemExit("--validate needs --profile measured.json")
     raw = json.loads(Path(args.profile).read_text())
-    meas = raw.get("measured") or {}
-    need = ("rps", "prompt_tokens", "output_tokens")
-    if any(k not in meas for k in need):
-        raise SystemExit(f"profile 'measured' block needs {need}")
-    model, prof = resolve_model(args), load_profile(args.profile)
-    hw = _measured_machine(raw.get("machine", {}), model)
-    trace = _fixed_trace(meas, args.seed)
-    groups = [MachineGroup(hw, Pool.PREFILL, 1), MachineGroup(hw, Pool.DECODE, 1)]
-    result = simulate(model, groups, trace, _options(args), prof)
-    pred = slo_report(result.requests, _self_reference(model, hw, prof)).latency_ms
-    out = {"predicted": {"ttft_ms_p50": pred["ttft"][50], "tbt_ms_p50": pred["tbt"][50]},
-           "measured": {k: meas.get(k) for k in ("ttft_ms_p50", "tbt_ms_p50")}}
-    out["relative_error"] = {k: (out["predicted"][k] - v) / v
-                             for k, v in out["measured"].items() if v}
+    try:
+        out = validate(resolve_model(args), raw, args.seed)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from exc
+    out.pop("per_request")
     return out
-
-
-def _measured_machine(machine: dict, model) -> HardwareSpec:
-    kv_tokens = machine.get("kv_capacity_tokens", 1_000_000)
-    mem_gb = (model.weight_bytes + kv_tokens * model.kv_bytes_per_token / 0.9) / 1e9
-    return HardwareSpec("measured", 1.0, 1.0, mem_gb, nic_gbps=machine.get("nic_gbps", 80.0),
-                        kv_layerwise_overhead_ms=machine.get("kv_layerwise_overhead_ms", 0.0))
-
-
-def _self_reference(model, hw, prof):
-    from vllm_disagg.planner.perf_model import build_perf_model
-
-    return build_perf_model(model, hw, prof)
-
-
-def _fixed_trace(meas: dict, seed: int) -> list[TraceRequest]:
-    import numpy as np
-
-    n = int(meas.get("num_requests", 64))
-    gaps = np.random.default_rng(seed).exponential(1.0 / meas["rps"], size=n)
-    return [TraceRequest(f"m{i}", float(t), int(meas["prompt_tokens"]),
-                         int(meas["output_tokens"])) for i, t in enumerate(np.cumsum(gaps))]
 
 
 def run_splitwise(args: argparse.Namespace) -> int:

@@ -98,7 +98,8 @@ class SimMachine:
             return None
         ctx = sum(r.num_context_tokens for r in decodes)
         n_prompt = sum(r.trace.num_prompt_tokens for r in prompts)
-        ms = self.perf.mixed_ms(n_prompt, len(decodes), ctx)
+        ms = self.perf.mixed_ms(n_prompt, len(decodes), ctx,
+                                [r.trace.num_prompt_tokens for r in prompts])
         if prompts and decodes:
             self.num_mixed_iterations += 1
         self.num_iterations += 1

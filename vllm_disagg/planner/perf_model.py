@@ -42,20 +42,32 @@ class PerfModel:
     kv_ms_per_context_token: float
     kv_transfer_curve: Curve | None = None
     source: str = "roofline"
+    prefill_quadratic: tuple[float, float, float] | None = None
+    """Measured a + b*n + c*n^2 (see Profile.prefill_quadratic); None = the curve of batch tokens."""
 
     def prefill_ms(self, num_tokens: int) -> float:
         return self.prefill_curve(max(1, num_tokens))
+
+    def prefill_batch_ms(self, prompt_lengths: list[int]) -> float:
+        """One prompt iteration over these prompts. Splitwise's form (and SplitwiseSim's) is the
+        curve at the batch's total tokens; a quadratic profile keeps attention per prompt."""
+        if self.prefill_quadratic is None:
+            return self.prefill_ms(sum(prompt_lengths))
+        a, b, c = self.prefill_quadratic
+        return a + b * sum(prompt_lengths) + c * sum(n * n for n in prompt_lengths)
 
     def decode_ms(self, batch_size: int, num_context_tokens: int) -> float:
         """One token for each of `batch_size` requests holding the given KV."""
         extra = num_context_tokens - batch_size * self.decode_ref_context
         return max(0.1, self.decode_curve(batch_size) + self.kv_ms_per_context_token * extra)
 
-    def mixed_ms(self, num_prompt_tokens: int, batch_size: int, num_context_tokens: int) -> float:
+    def mixed_ms(self, num_prompt_tokens: int, batch_size: int, num_context_tokens: int,
+                 prompt_lengths: list[int] | None = None) -> float:
         """Mixed batching (Sarathi-style): decode tokens ride in the dense batch."""
         if num_prompt_tokens == 0:
             return self.decode_ms(batch_size, num_context_tokens)
-        return self.prefill_ms(num_prompt_tokens + batch_size) + (
+        lengths = list(prompt_lengths) if prompt_lengths else [num_prompt_tokens]
+        return self.prefill_batch_ms(lengths + [1] * batch_size) + (
             self.kv_ms_per_context_token * num_context_tokens)
 
     def kv_serialized_ms(self, num_tokens: int) -> float:
@@ -96,7 +108,7 @@ def build_perf_model(model: ModelSpec, machine: HardwareSpec,
     # context variation); the built-in curves add the roofline KV-read cost.
     slope = prof.decode_context_ms_per_token if source == "profile" else kv_slope
     return PerfModel(machine, model, prof.curve("prefill"), prof.curve("decode"), ref, slope,
-                     prof.curve("kv_transfer"), source)
+                     prof.curve("kv_transfer"), source, prof.prefill_quadratic)
 
 
 def _roofline_kv_ms(model: ModelSpec, machine: HardwareSpec) -> float:

@@ -76,6 +76,10 @@ class Profile:
     atime_context_ref: float | None = None
     ops: dict[str, Curve] = field(default_factory=dict)
     measured: dict = field(default_factory=dict)
+    prefill_quadratic: tuple[float, float, float] | None = None
+    """(a, b, c) of a + b*n + c*n^2 ms, fitted to `prefill` when the profile asks for it
+    (`"prefill_fit": "quadratic"`): a batch of prompts then costs a + b*sum(n) + c*sum(n^2),
+    attention being quadratic per prompt, not in the batch's total tokens."""
 
     def curve(self, name: str) -> Curve | None:
         return self.curves.get(name)
@@ -104,7 +108,27 @@ def parse_profile(data: dict) -> Profile:
     prof.atime_context_ref = _mean_context(data.get("atime"))
     for op, points in (data.get("ops") or {}).items():
         prof.ops[op] = Curve.from_points(points, "num_tokens")
+    fit = data.get("prefill_fit", "piecewise")
+    if fit not in ("piecewise", "quadratic"):
+        raise ValueError(f"profile prefill_fit {fit!r}: want 'piecewise' or 'quadratic'")
+    if fit == "quadratic" and data.get("prefill"):
+        prof.prefill_quadratic = _quadratic_fit(data["prefill"])
     return prof
+
+
+def _quadratic_fit(points: list[dict]) -> tuple[float, float, float]:
+    """Least squares a + b*n + c*n^2 with a, b, c >= 0 (linear, then constant, if a term goes negative)."""
+    n = np.array([p["num_tokens"] for p in points], float)
+    ms = np.array([p["ms"] for p in points], float)
+    for cols in ((0, 1, 2), (1, 2), (0, 1), (1,), (0,)):
+        basis = np.column_stack([n ** k for k in cols])
+        coef, *_ = np.linalg.lstsq(basis, ms, rcond=None)
+        if (coef >= 0).all():
+            out = [0.0, 0.0, 0.0]
+            for k, v in zip(cols, coef):
+                out[k] = float(v)
+            return out[0], out[1], out[2]
+    return float(ms.mean()), 0.0, 0.0
 
 
 def _mean_context(points: list[dict] | None) -> float | None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from vllm_disagg.planner.catalog import HardwareSpec, ModelSpec, get_hardware
 from vllm_disagg.planner.perf_model import build_perf_model
@@ -119,8 +119,7 @@ class Evaluator:
     def _run(self, n_p: int, n_t: int, trace: list[TraceRequest], rps: float) -> Candidate:
         opts = self.options
         if opts.max_sim_s is None and trace:
-            opts = SimOptions(opts.scheduler, opts.layerwise_min_tokens, opts.prompt_token_cap,
-                              opts.max_preemptions, max_sim_s=4 * trace[-1].arrival_s + 60)
+            opts = replace(opts, max_sim_s=4 * trace[-1].arrival_s + 60)
         result = simulate(self.model, self.design.groups(n_p, n_t), trace, opts, self.profile)
         rep = slo_report(result.requests, self.reference)
         return Candidate(n_p, n_t, self.design.cost(n_p, n_t), self.design.power(n_p, n_t),

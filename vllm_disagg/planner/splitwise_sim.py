@@ -42,6 +42,12 @@ class SimOptions:
     max_preemptions: int = 1
     max_sim_s: float | None = None
     """Stop (and report unfinished requests) after this simulated time."""
+    first_token_on_decode: bool = False
+    """Where a disaggregated request's first token comes from. Splitwise (§IV-C): the
+    prompt machine samples it, so TTFT ends with the prompt phase. vLLM's P/D flow
+    (pd_protocol.md): P's token is discarded and D samples the first token in its
+    first iteration after the KV landed, so TTFT = prefill + visible transfer + one
+    D iteration (in D's running batch)."""
 
 
 @dataclass
@@ -137,9 +143,12 @@ class ClusterSim:
         self._kick(machine)
 
     def _prefill_done(self, machine: SimMachine, req: SimRequest) -> None:
+        self.scheduler.on_prefill_done(req.req_id)
+        if self.options.first_token_on_decode and req.decode_id != machine.machine_id:
+            self._push_kv(machine, req)  # D samples token 1 (see SimOptions)
+            return
         req.first_token_s = self.now
         req.num_generated = 1
-        self.scheduler.on_prefill_done(req.req_id)
         if req.decode_id == machine.machine_id:
             if req.finished:
                 machine.num_kv_tokens -= req.num_kv_tokens
@@ -151,6 +160,9 @@ class ClusterSim:
             machine.release_prompt_kv(req)
             self._finish(req)
             return
+        self._push_kv(machine, req)
+
+    def _push_kv(self, machine: SimMachine, req: SimRequest) -> None:
         n = req.trace.num_prompt_tokens
         layerwise = n >= self.options.layerwise_min_tokens
         delay = machine.perf.kv_visible_ms(n, layerwise) / 1e3
@@ -166,6 +178,8 @@ class ClusterSim:
 
     def _token_done(self, machine: SimMachine, req: SimRequest) -> None:
         req.num_generated += 1
+        if req.first_token_s is None:
+            req.first_token_s = self.now
         self.scheduler.on_decode_progress(req.req_id, 1)
         if req.finished:
             machine.finish_decode(req)

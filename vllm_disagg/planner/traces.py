@@ -5,18 +5,30 @@ Azure format (AzurePublicDataset, AzureLLMInferenceDataset2023):
 `TIMESTAMP,ContextTokens,GeneratedTokens`, timestamps as
 `2023-11-16 18:15:46.6805900` or plain seconds.
 
-Synthetic traces draw prompt and output lengths from log-normals whose median
-and mean match the papers (Splitwise §III medians, Lamina Table 4 means; or
-NanoFlow Table 3 means and standard deviations) and
-Poisson arrivals at the target rate (Splitwise §V-B), from a seeded RNG.
+Synthetic traces have Poisson arrivals at the target rate (Splitwise §V-B),
+from a seeded RNG. Their lengths:
+* `coding`, `conversation`: drawn from the empirical length distribution of
+  the public Azure traces Splitwise characterizes (§III, Fig. 3), stored as
+  quantiles in `data/trace_lengths.json` (inverse CDF). This is what
+  SplitwiseSim does (sizes resampled from the trace, Poisson arrivals). The
+  shape matters, not just median and mean: a fifth of coding prompts are
+  under 400 tokens and a tenth over 5000, and short prompts queued behind
+  long ones are what breaks the TTFT-slowdown SLOs (see README, Fig. 12);
+* `coding-lognormal`, `conversation-lognormal`: log-normals with the same
+  median (Splitwise §III) and mean (Lamina Table 4), lighter at both ends;
+* `splitwise`, `lmsys`, `sharegpt`: log-normals with NanoFlow Table 3's mean
+  and standard deviation.
+`resample_poisson` does the same with any Azure CSV.
 """
 
 from __future__ import annotations
 
 import csv
+import json
 import math
 from dataclasses import dataclass
 from datetime import datetime
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -49,9 +61,13 @@ class LengthStats:
 
 
 # Splitwise §III medians; Lamina Table 4 means (Azure-Code / Azure-Conv).
+_CODING = (LengthStats(1500, 2047.8), LengthStats(13, 27.9))
+_CONVERSATION = (LengthStats(1020, 1154.7), LengthStats(129, 211.1))
 TRACE_STATS = {
-    "coding": (LengthStats(1500, 2047.8), LengthStats(13, 27.9)),
-    "conversation": (LengthStats(1020, 1154.7), LengthStats(129, 211.1)),
+    "coding": _CODING,
+    "conversation": _CONVERSATION,
+    "coding-lognormal": _CODING,
+    "conversation-lognormal": _CONVERSATION,
     # NanoFlow Table 3: mean (std) of input and output tokens.
     "splitwise": (LengthStats.from_mean_std(1155, 1109), LengthStats.from_mean_std(211, 163)),
     "lmsys": (LengthStats.from_mean_std(102, 169), LengthStats.from_mean_std(222, 210)),
@@ -70,9 +86,12 @@ def synthetic_trace(kind: str, rps: float, duration_s: float | None = None,
     rng = np.random.default_rng(seed)
     n = num_requests if num_requests is not None else max(1, int(round(rps * duration_s)))
     arrivals = np.cumsum(rng.exponential(1.0 / rps, size=n))
-    prompt_s, output_s = TRACE_STATS[kind]
-    prompts = _lognormal(rng, prompt_s, n, MAX_PROMPT_TOKENS)
-    outputs = _lognormal(rng, output_s, n, 8192)
+    if kind in _empirical():
+        prompts, outputs = _empirical_lengths(rng, kind, n)
+    else:
+        prompt_s, output_s = TRACE_STATS[kind]
+        prompts = _lognormal(rng, prompt_s, n, MAX_PROMPT_TOKENS)
+        outputs = _lognormal(rng, output_s, n, 8192)
     return [TraceRequest(f"{kind}-{i}", float(t), int(p), int(o))
             for i, (t, p, o) in enumerate(zip(arrivals, prompts, outputs))]
 
@@ -80,6 +99,38 @@ def synthetic_trace(kind: str, rps: float, duration_s: float | None = None,
 def _lognormal(rng: np.random.Generator, stats: LengthStats, n: int, cap: int) -> np.ndarray:
     x = rng.lognormal(math.log(stats.median), stats.sigma, size=n)
     return np.clip(np.rint(x), 1, cap).astype(int)
+
+
+@lru_cache(maxsize=1)
+def _empirical() -> dict:
+    data = json.loads((Path(__file__).parent / "data" / "trace_lengths.json").read_text())
+    return {k: v for k, v in data.items() if isinstance(v, dict)} | {"_q": data["quantiles"]}
+
+
+def _empirical_lengths(rng: np.random.Generator, kind: str, n: int) -> tuple[np.ndarray, ...]:
+    """Inverse-CDF draws through the stored quantiles (prompt and output independent,
+    as SplitwiseSim samples them)."""
+    table, qs = _empirical()[kind], _empirical()["_q"]
+    out = []
+    for key in ("prompt_tokens", "output_tokens"):
+        x = np.interp(rng.uniform(0.0, 100.0, size=n), qs, table[key])
+        out.append(np.maximum(1, np.rint(x)).astype(int))
+    return tuple(out)
+
+
+def resample_poisson(base: list[TraceRequest], rps: float, duration_s: float,
+                     seed: int = 0) -> list[TraceRequest]:
+    """SplitwiseSim's trace generation: Poisson arrivals at `rps`, each request's
+    (prompt, output) sizes drawn with replacement from `base` (e.g. an Azure CSV)."""
+    if not base:
+        return []
+    rng = np.random.default_rng(seed)
+    n = max(1, int(round(rps * duration_s)))
+    arrivals = np.cumsum(rng.exponential(1.0 / rps, size=n))
+    picks = rng.integers(0, len(base), size=n)
+    return [TraceRequest(f"poisson-{i}", float(t), base[j].num_prompt_tokens,
+                         base[j].num_output_tokens)
+            for i, (t, j) in enumerate(zip(arrivals, picks))]
 
 
 def load_azure_csv(path: str | Path, limit: int | None = None) -> list[TraceRequest]:

@@ -67,7 +67,7 @@ def test_plan_splitwise_validate_compares_a_measured_1p1d_run(capsys, tmp_path,
             "prefill": [{"num_tokens": 1, "ms": 5}, {"num_tokens": 512, "ms": 60}],
             "decode": [{"batch_size": 1, "ms": 8}, {"batch_size": 16, "ms": 14}],
             "kv_transfer": [{"num_tokens": 0, "ms": 0.5}, {"num_tokens": 512, "ms": 3}],
-            "machine": {"kv_capacity_tokens": 20000},
+            "machine": {"kv_capacity_tokens": 20000, "first_token_on": "prefill"},
             "measured": {"rps": 2, "prompt_tokens": 256, "output_tokens": 16,
                          "num_requests": 32, "ttft_ms_p50": 40.0, "tbt_ms_p50": 9.0}}
     path = tmp_path / "measured.json"

@@ -44,3 +44,24 @@ def test_decode_context_cost_is_fitted_from_points_that_vary_context(tmp_path):
     assert perf.source == "profile"
     assert perf.decode_ms(4, 4 * 1000) == pytest.approx(5 + 4 + 4.0, rel=1e-6)
     assert perf.decode_ms(4, 4 * 100) == pytest.approx(5 + 4 + 0.4, rel=1e-6)
+
+
+def test_a_quadratic_prefill_profile_charges_attention_per_prompt_in_a_batch():
+    # 100 ms + 1 ms/token + 0.001 ms/token^2, sampled exactly at three lengths.
+    pts = [{"num_tokens": n, "ms": 100 + n + 0.001 * n * n} for n in (128, 512, 2048)]
+    prof = parse_profile({"prefill_fit": "quadratic", "prefill": pts,
+                          "decode": [{"batch_size": 1, "ms": 20}, {"batch_size": 8, "ms": 30}]})
+    a, b, c = prof.prefill_quadratic
+    assert (a, b, c) == pytest.approx((100, 1, 0.001), rel=1e-6)
+    perf = build_perf_model(TINY, machine(10_000), prof)
+    four = perf.prefill_batch_ms([512] * 4)
+    assert four == pytest.approx(100 + 2048 + 0.001 * 4 * 512**2)
+    assert four < perf.prefill_ms(2048)  # one 2048-token prompt pays 16x the attention of a 512 one
+    piecewise = build_perf_model(TINY, machine(10_000), parse_profile(
+        {"prefill": pts, "decode": [{"batch_size": 1, "ms": 20}]}))
+    assert piecewise.prefill_batch_ms([512] * 4) == pytest.approx(piecewise.prefill_ms(2048))
+
+
+def test_an_unknown_prefill_fit_is_refused():
+    with pytest.raises(ValueError, match="prefill_fit"):
+        parse_profile({"prefill_fit": "cubic", "prefill": [{"num_tokens": 1, "ms": 1}]})

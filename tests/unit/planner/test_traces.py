@@ -62,3 +62,31 @@ def test_nanoflow_table3_datasets_match_their_mean_and_spread(kind, p_mean, p_st
     assert o.mean() == pytest.approx(o_mean, rel=0.06)
     assert p.std() == pytest.approx(p_std, rel=0.25)  # heavy tails: loose on spread
     assert o.std() == pytest.approx(o_std, rel=0.25)
+
+
+def _sizes(trace):
+    import numpy as np
+
+    return np.array([r.num_prompt_tokens for r in trace])
+
+
+def test_coding_lengths_follow_the_azure_trace_shape_not_just_its_median_and_mean():
+    import numpy as np
+
+    emp = _sizes(synthetic_trace("coding", rps=50, num_requests=40000, seed=1))
+    logn = _sizes(synthetic_trace("coding-lognormal", rps=50, num_requests=40000, seed=1))
+    # Azure code trace: 16 % of prompts under 256 tokens, 10 % over 5187, 99th pct 7436.
+    assert (emp < 256).mean() == pytest.approx(0.16, abs=0.015)
+    assert np.percentile(emp, 90) == pytest.approx(5187, rel=0.03)
+    assert emp.max() <= 7437
+    # The log-normal with the same median and mean has almost no short prompts.
+    assert (logn < 256).mean() < 0.03
+
+
+def test_poisson_resampling_keeps_the_csv_sizes_and_draws_the_rate():
+    from vllm_disagg.planner.traces import TraceRequest, resample_poisson
+
+    base = [TraceRequest("a", 0.0, 100, 3), TraceRequest("b", 9.0, 7000, 11)]
+    trace = resample_poisson(base, rps=40.0, duration_s=50.0, seed=3)
+    assert {(r.num_prompt_tokens, r.num_output_tokens) for r in trace} == {(100, 3), (7000, 11)}
+    assert describe(trace)["rps"] == pytest.approx(40.0, rel=0.05)

@@ -1,0 +1,321 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Planner calibration on the real CPU 1P+1D deployment (issue 6): fit, then predict an unseen load.
+
+One deployment (pd_bench's: SmolLM2-135M shape, dummy weights, bf16, P on core 0, D on core 1, the
+router in this process), three measurements:
+(a) prefill points: single requests at several prompt lengths through the router, one at a time;
+    P's engine prefill time (`vllm:request_prefill_time_seconds`) is the curve, the full push time
+    and its exposed part feed the KV model, TTFT is kept to check the no-load residual.
+(b) decode points: B identical requests sent straight to D (local prefill there), the inter-token
+    gaps while all B are decoding together = D's iteration time at batch B and that context.
+(c) validation: fixed prompt/output lengths at a fixed Poisson rate through the router; per-request
+    TTFT and TBT (a request's mean gap, Splitwise's definition), P50/P90, and the arrival times used.
+Diagnostics (not fitted on): the 512-token prefill probe again after (c) (box drift), and TBT of
+requests alternately straight to D and through the router (what the P/D path adds to decode).
+The planner's perf model is fitted from (a)+(b) only; `vllm_disagg.planner.calibrate.validate`
+replays (c)'s arrivals through the simulator (same router policy and batching code) and reports
+predicted vs measured percentiles and their relative errors.
+
+    python benchmarks/pd_calibrate.py --quick   # < 5 min, one JSON object on stdout
+    python benchmarks/pd_calibrate.py           # more points, longer validation
+Writes results/pd_profile_calib{_quick}.json (the profile: `vllm-disagg plan splitwise --profile ...
+--validate` re-runs the comparison), results/pd_calibrate{_quick}.json and .png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+
+sys.path.insert(0, str(Path(__file__).parent))
+from pd_bench import (  # noqa: E402
+    RESULTS,
+    SMOLLM2_SHAPE,
+    log,
+    metrics,
+    pd_specs,
+    phase,
+    prompt,
+    start_router,
+    stream,
+)
+
+from vllm_disagg.planner.calibrate import validate  # noqa: E402
+from vllm_disagg.planner.catalog import ModelSpec  # noqa: E402
+
+PLAN = {
+    True: {"prefill_sizes": [128, 512, 2048], "prefill_reps": 3, "decode_batches": [1, 4, 12],
+           "decode_contexts": [128, 512], "decode_tokens": 20, "decode_reps": 3, "val_requests": 30,
+           "val_max_s": 90.0},
+    False: {"prefill_sizes": [128, 256, 512, 1024, 2048], "prefill_reps": 3,
+            "decode_batches": [1, 2, 4, 8, 16, 24], "decode_contexts": [128, 512, 1024],
+            "decode_tokens": 32, "decode_reps": 3, "val_requests": 80, "val_max_s": 240.0},
+}
+
+
+# ------------------------------------------------------------- (a) prefill
+async def prefill_points(session, router_url: str, p_url: str, sizes: list[int], reps: int) -> list[dict]:
+    """One request at a time, P's metrics read around each (medians: single outliers on a shared box
+    do not move the curve): P's engine prefill, push time and its exposed part, TTFT."""
+    rows = []
+    for n in sizes:
+        rng = random.Random(n)
+        reqs = []
+        for _ in range(reps):
+            before = await metrics(session, p_url)
+            out = await stream(session, router_url, {"prompt": prompt(n, rng), "max_tokens": 2})
+            await asyncio.sleep(1.2)  # stats reach P's frontend with the next engine step / log interval
+            after = await metrics(session, p_url)
+            delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in _PROBE}
+            reqs.append({"ttft_ms": 1e3 * out["times"][0], **{k: 1e3 * v for k, v in delta.items()}})
+        pushed = [r for r in reqs if r[_PROBE[3]] > 0] or [None]  # push stats may lag a slow box
+        med = {k: statistics.median(r[k] for r in reqs) for k in ("ttft_ms", _PROBE[0])}
+        med |= {k: statistics.median(r[k] for r in pushed) if pushed[0] else None for k in _PROBE[1:3]}
+        rows.append({"num_tokens": n, "prefill_ms": med[_PROBE[0]], "transfer_ms": med[_PROBE[1]],
+                     "exposed_ms": med[_PROBE[2]], "ttft_ms": med["ttft_ms"], "reps": reqs})
+        log(f"prefill { {k: v for k, v in rows[-1].items() if k != 'reps'} }")
+    return rows
+
+
+_PROBE = ("vllm:request_prefill_time_seconds_sum", "vllm:disagg_kv_request_transfer_seconds_sum",
+          "vllm:disagg_kv_exposed_transfer_seconds_sum", "vllm:disagg_kv_exposed_transfer_seconds_count")
+
+
+# -------------------------------------------------------------- (b) decode
+async def decode_point(session, d_url: str, batch: int, context: int, tokens: int, seed: int) -> dict | None:
+    """B concurrent requests straight to D; gaps while all B decode together (after the last first token,
+    before the first last token) are D's iteration time at batch B."""
+    rng = random.Random(seed)
+    outs = await asyncio.gather(*(stream(session, d_url, {"prompt": prompt(context, rng), "max_tokens": tokens})
+                                  for _ in range(batch)))
+    abs_times = [[o["t0"] + t for t in o["times"]] for o in outs]
+    lo, hi = max(ts[0] for ts in abs_times), min(ts[-1] for ts in abs_times)
+    gaps, ctx = [], []
+    for ts in abs_times:
+        for k, (a, b) in enumerate(zip(ts, ts[1:]), start=1):
+            if a >= lo and b <= hi:
+                gaps.append(b - a)
+                ctx.append(context + k)
+    if len(gaps) < batch * 3:
+        log(f"decode B={batch} ctx={context}: only {len(gaps)} steady gaps, skipped")
+        return None
+    return {"batch_size": batch, "context_tokens": round(statistics.mean(ctx)),
+            "ms": 1e3 * statistics.median(gaps), "num_gaps": len(gaps)}
+
+
+async def decode_points(session, d_url: str, batches: list[int], contexts: list[int], tokens: int,
+                        reps: int) -> list[dict]:
+    """Every (batch, context) point `reps` times in interleaved rounds; the median round counts (a
+    burst of other tenants' load spoils one round, not the point)."""
+    runs: dict[tuple[int, int], list[dict]] = {}
+    for r in range(reps):
+        for c in contexts:
+            for b in batches:
+                row = await decode_point(session, d_url, b, c, tokens, seed=b * 10_000 + c + r)
+                if row:
+                    runs.setdefault((b, c), []).append(row)
+    rows = []
+    for rounds in runs.values():
+        mid = sorted(rounds, key=lambda x: x["ms"])[len(rounds) // 2]
+        rows.append({**mid, "rounds_ms": [x["ms"] for x in rounds]})
+        log(f"decode {rows[-1]}")
+    return rows
+
+
+# ---------------------------------------------------------- (c) validation
+async def validation(session, router_url: str, prompt_tokens: int, output_tokens: int, rate: float,
+                     num: int, seed: int = 7) -> dict:
+    """Poisson arrivals of identical-shape requests; per-request TTFT and mean TBT."""
+    rng = random.Random(seed)
+    arrivals, t = [], 0.0
+    for _ in range(num):
+        t += rng.expovariate(rate)
+        arrivals.append(t)
+    prompts = [prompt(prompt_tokens, rng) for _ in arrivals]
+    start = time.perf_counter() + 0.5
+    rows: list[dict] = [{} for _ in arrivals]
+
+    async def one(i: int) -> None:
+        await asyncio.sleep(max(0.0, start + arrivals[i] - time.perf_counter()))
+        out = await stream(session, router_url, {"prompt": prompts[i], "max_tokens": output_tokens})
+        ts = out["times"]
+        rows[i] = {"sent_s": out["t0"] - start, "ttft_ms": 1e3 * ts[0],
+                   "tbt_ms": 1e3 * (ts[-1] - ts[0]) / max(1, len(ts) - 1), "num_tokens": len(ts)}
+
+    await asyncio.gather(*(one(i) for i in range(num)))
+    ttft, tbt = [r["ttft_ms"] for r in rows], [r["tbt_ms"] for r in rows]
+    return {"rps": rate, "prompt_tokens": prompt_tokens, "output_tokens": output_tokens, "num_requests": num,
+            "arrivals_s": [r["sent_s"] for r in rows],
+            **{f"ttft_ms_p{q}": _pct(ttft, q) for q in (50, 90)},
+            **{f"tbt_ms_p{q}": _pct(tbt, q) for q in (50, 90)}, "requests": rows}
+
+
+async def paired_tbt(session, router_url: str, d_url: str, prompt_tokens: int, output_tokens: int,
+                     reps: int) -> dict:
+    """Diagnostic, not used for fitting: alternate one request straight to D (local prefill, then
+    decode alone) with one through the router (P/D push), one at a time, so both see the same box.
+    Their per-request TBT differ only by the P/D path (remote KV, router SSE relay)."""
+    rng = random.Random(99)
+    tbt: dict[str, list[float]] = {"direct_d": [], "via_router": []}
+    for _ in range(reps):
+        for key, url in (("direct_d", d_url), ("via_router", router_url)):
+            ts = (await stream(session, url, {"prompt": prompt(prompt_tokens, rng),
+                                               "max_tokens": output_tokens}))["times"]
+            tbt[key].append(1e3 * (ts[-1] - ts[0]) / max(1, len(ts) - 1))
+    med = {k: statistics.median(v) for k, v in tbt.items()}
+    return {"tbt_ms": tbt, "median_ms": med, "router_over_direct": med["via_router"] / med["direct_d"]}
+
+
+def _pct(xs: list[float], q: float) -> float:
+    import numpy as np
+
+    return float(np.percentile(xs, q))
+
+
+# ------------------------------------------------------------- deployment facts
+def engine_facts(log_dir: Path) -> dict:
+    """max_num_batched_tokens (P) and KV capacity in tokens (D), read from the instances' logs."""
+    facts = {}
+    p_log = (log_dir / "calib" / "prefill0.log").read_text(errors="replace")
+    d_log = (log_dir / "calib" / "decode0.log").read_text(errors="replace")
+    if m := re.search(r"max_num_batched_tokens=(\d+)", p_log):
+        facts["max_num_batched_tokens"] = int(m.group(1))
+    if m := re.search(r"KV cache size: ([\d,]+) tokens", d_log):
+        facts["kv_capacity_tokens"] = int(m.group(1).replace(",", ""))
+    return facts
+
+
+def build_profile(pre: list[dict], dec: list[dict], val: dict, facts: dict) -> dict:
+    """The planner profile: curves from (a)+(b), the validation workload as `measured`."""
+    machine = {"kv_capacity_tokens": facts.get("kv_capacity_tokens", (384 << 20) // 23040),
+               "max_num_batched_tokens": facts.get("max_num_batched_tokens", 2048),
+               "layerwise_min_tokens": 0, "first_token_on": "decode",
+               "kv_layerwise_overhead_ms": statistics.median(r["exposed_ms"] for r in pre if r["exposed_ms"] is not None)}
+    measured = {k: v for k, v in val.items() if k != "requests"}
+    return {"schema": "vllm-disagg-profile/1", "device": f"cpu x{os.cpu_count()} (1 core per instance)",
+            "model": "smollm2-135m (dummy weights, bf16)",
+            # CPU attention is a large, quadratic share of prefill: batched prompts cost per prompt
+            "prefill_fit": "quadratic",
+            "prefill": [{"num_tokens": r["num_tokens"], "ms": r["prefill_ms"]} for r in pre],
+            "decode": dec,
+            "kv_transfer": [{"num_tokens": r["num_tokens"], "ms": r["transfer_ms"]} for r in pre
+                            if r["transfer_ms"] is not None],
+            "machine": machine, "measured": measured}
+
+
+# ------------------------------------------------------------------- main
+async def run(quick: bool, model_dir: Path, log_dir: Path, load: float) -> dict:
+    plan = PLAN[quick]
+    out: dict = {"quick": quick, "load1_start": os.getloadavg()[0], "plan": plan}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as session:
+        async with phase("calib", pd_specs(True), model_dir, log_dir) as (p, d):
+            router = await start_router(p, d)
+            try:
+                await stream(session, router.url, {"prompt": [5] * 300, "max_tokens": 2})  # warm up
+                pre = await prefill_points(session, router.url, p.url, plan["prefill_sizes"], plan["prefill_reps"])
+                dec = await decode_points(session, d.url, plan["decode_batches"], plan["decode_contexts"],
+                                          plan["decode_tokens"], plan["decode_reps"])
+                p_len, o_len = 512, 24
+                t_pre = next(r["prefill_ms"] for r in pre if r["num_tokens"] == p_len) / 1e3
+                rate = round(load / t_pre, 3)  # P's offered load from its own measured prefill time
+                num = max(12, min(plan["val_requests"], int(rate * plan["val_max_s"])))
+                log(f"validation: {num} x ({p_len} in, {o_len} out) at {rate}/s")
+                val = await validation(session, router.url, p_len, o_len, rate, num)
+                # the same probe after (c): a changed box (other tenants) shows here, not in the error
+                after = await prefill_points(session, router.url, p.url, [p_len], plan["prefill_reps"])
+                paired = await paired_tbt(session, router.url, d.url, p_len, o_len, plan["prefill_reps"])
+                log(f"paired TBT {paired['median_ms']}")
+            finally:
+                await router.stop()
+    out.update(prefill=pre, decode=dec, validation=val, facts=engine_facts(log_dir), prefill_after=after,
+               paired_tbt=paired,
+               load1_end=os.getloadavg()[0])
+    return out
+
+
+def compare(raw: dict, model_dir: Path) -> dict:
+    profile = build_profile(raw["prefill"], raw["decode"], raw["validation"], raw["facts"])
+    model = ModelSpec.from_hf_config(model_dir / "config.json", name="smollm2-135m")
+    cmp = validate(model, profile)
+    residual = [r["ttft_ms"] - r["prefill_ms"] - (r["exposed_ms"] or 0.0) for r in raw["prefill"]]
+    summary = {f"error_{k}": v for k, v in cmp["relative_error"].items()}
+    before = next(r["prefill_ms"] for r in raw["prefill"] if r["num_tokens"] == raw["validation"]["prompt_tokens"])
+    summary.update(predicted=cmp["predicted"], measured=cmp["measured"],
+                   box_drift_prefill_after_over_before=raw["prefill_after"][0]["prefill_ms"] / before,
+                   validation_rps=raw["validation"]["rps"], no_load_ttft_residual_ms=residual,
+                   paired_tbt_router_over_direct=raw["paired_tbt"]["router_over_direct"],
+                   load1_start=raw["load1_start"], load1_end=raw["load1_end"])
+    return {"summary": summary, "profile": profile, "comparison": cmp, "details": raw}
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    prof, cmp, raw = result["profile"], result["comparison"], result["details"]
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(15, 4))
+    a.plot([r["num_tokens"] for r in prof["prefill"]], [r["ms"] for r in prof["prefill"]], "o-", label="P prefill")
+    a.plot([r["num_tokens"] for r in raw["prefill"]], [r["ttft_ms"] for r in raw["prefill"]], "s--", label="TTFT")
+    a.set(xlabel="prompt tokens", ylabel="ms", title="(a) single prompts")
+    a.legend()
+    for ctx in sorted({r["context_tokens"] for r in prof["decode"]}):
+        pts = [r for r in prof["decode"] if r["context_tokens"] == ctx]
+        b.plot([r["batch_size"] for r in pts], [r["ms"] for r in pts], "o-", label=f"ctx {ctx}")
+    b.set(xlabel="decode batch", ylabel="ms / iteration", title="(b) D iteration time")
+    b.legend()
+    for key, style in (("ttft_ms", "-"), ("tbt_ms", "--")):
+        meas = np.sort([r[key] for r in raw["validation"]["requests"]])
+        pred = np.sort([r[key] for r in cmp["per_request"]])
+        c.plot(meas, np.linspace(0, 1, len(meas)), style, color="C0", label=f"measured {key[:-3]}")
+        c.plot(pred, np.linspace(0, 1, len(pred)), style, color="C1", label=f"simulated {key[:-3]}")
+    c.set(xscale="log", xlabel="ms", ylabel="CDF", title=f"(c) {raw['validation']['rps']}/s validation")
+    c.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="< 5 min; prints one JSON object")
+    parser.add_argument("--load", type=float, default=0.4,
+                        help="validation: P's busy fraction (offered rate x measured prefill time)")
+    args = parser.parse_args()
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # run the `finally`s: stop every server
+    log_dir = Path(tempfile.mkdtemp(prefix="pd-calib-logs-"))
+    log(f"instance logs in {log_dir}")
+    with tempfile.TemporaryDirectory(prefix="pd-calib-") as tmp:
+        model_dir = make_model(Path(tmp))
+        raw = asyncio.run(run(args.quick, model_dir, log_dir, args.load))
+        result = compare(raw, model_dir)
+    suffix = "_quick" if args.quick else ""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"pd_profile_calib{suffix}.json").write_text(json.dumps(result["profile"], indent=1))
+    (RESULTS / f"pd_calibrate{suffix}.json").write_text(json.dumps(result, indent=1))
+    plot(result, RESULTS / f"pd_calibrate{suffix}.png")
+    print(json.dumps(result["summary"]))
+    return 0
+
+
+def make_model(tmp: Path) -> Path:
+    from vllm_disagg.testing import make_tiny_llama
+
+    return make_tiny_llama(tmp / "model", **SMOLLM2_SHAPE)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
