@@ -7,6 +7,8 @@ that leaves no process of the deployment behind.
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import json
 import os
 import signal
@@ -61,3 +63,105 @@ def test_up_serves_one_plain_instance_passes_vllm_args_and_stops_cleanly(tiny_mo
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+# ------------------------------------------------------------------ Lamina: `up --attention K`
+ENGINE_ARGS = ["--load-format", "dummy", "--skip-tokenizer-init", "--dtype", "float32", "--enforce-eager",
+               "--max-model-len", "1024", "--block-size", "32", "--no-enable-prefix-caching", "--seed", "0"]
+# multi-block prompts (block size 32) of different lengths, sent concurrently
+ATTN_PROMPTS = [[(7 * i + 3 * j) % 500 + 3 for j in range(n)] for i, n in enumerate((70, 97, 33, 5))]
+ATTN_MAX_TOKENS = 8
+
+
+@contextlib.contextmanager
+def _up(tmp_path, *argv: str):
+    """`vllm-disagg up ...` until its state file appears; SIGTERM and a leftover check on exit."""
+    state_file = tmp_path / "state.json"
+    cmd = [sys.executable, "-m", "vllm_disagg.cli.main", "up", "--port", "0", "--state-file", str(state_file),
+           "--log-dir", str(tmp_path / "logs"), *argv]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600
+        while not state_file.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read().decode()[-3000:]
+            time.sleep(1)
+        state = json.loads(state_file.read_text())
+        yield state, state_file
+        os.kill(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        deadline = time.monotonic() + 10
+        pids = [i["pid"] for i in state["instances"]]
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [p for p in pids if _alive(p)], "a process group of the deployment outlived `up`"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _complete(state: dict, prompt: list[int], stream: bool) -> list[int]:
+    body = {"model": state["model"], "prompt": prompt, "max_tokens": ATTN_MAX_TOKENS, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True, "stream": stream}
+    req = urllib.request.Request(f"{state['endpoint']}/v1/completions", method="POST",
+                                 headers={"Content-Type": "application/json"}, data=json.dumps(body).encode())
+    with urllib.request.urlopen(req, timeout=300) as resp:
+        if not stream:
+            return json.load(resp)["choices"][0]["token_ids"]
+        ids = []
+        for line in resp:
+            line = line.strip()
+            if line.startswith(b"data: ") and line != b"data: [DONE]":
+                for choice in json.loads(line[6:]).get("choices", []):
+                    ids += choice.get("token_ids") or []
+        return ids
+
+
+def _concurrent_then_streamed(state: dict) -> list[list[int]]:
+    """All prompts at once (non-streamed), then the longest one streamed."""
+    with concurrent.futures.ThreadPoolExecutor(len(ATTN_PROMPTS)) as pool:
+        outs = list(pool.map(lambda p: _complete(state, p, False), ATTN_PROMPTS))
+    return outs + [_complete(state, ATTN_PROMPTS[1], True)]
+
+
+@pytest.fixture(scope="module")
+def plain_attn_tokens(tiny_model_dir):
+    """Greedy float32 tokens of plain vLLM (in process) for ATTN_PROMPTS."""
+    import gc
+
+    from vllm import LLM, SamplingParams
+
+    from vllm_disagg.testing import tiny_llm_kwargs
+
+    llm = LLM(**tiny_llm_kwargs(tiny_model_dir, max_model_len=1024))
+    try:
+        sp = SamplingParams(max_tokens=ATTN_MAX_TOKENS, temperature=0, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in ATTN_PROMPTS], sp, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+
+
+def _attention_metrics(url: str) -> dict[str, float]:
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
+        lines = resp.read().decode().splitlines()
+    return {line.split()[0]: float(line.split()[-1]) for line in lines if line.startswith("vllm:disagg_attention")}
+
+
+def test_up_with_two_attention_servers_and_no_prefill_matches_plain_vllm_and_status_lists_them(
+        tiny_model_dir, plain_attn_tokens, tmp_path):
+    with _up(tmp_path, "--prefill", "0", "--attention", "2", "--attention-partition", "head",
+             "--model", tiny_model_dir, *ENGINE_ARGS) as (state, state_file):
+        roles = [i["role"] for i in state["instances"]]
+        assert roles == ["attention", "attention", "mixed"]
+        got = _concurrent_then_streamed(state)
+        assert got == plain_attn_tokens + [plain_attn_tokens[1]]
+        for inst in state["instances"][:2]:  # both head shards did attention work for the model worker
+            metrics = _attention_metrics(inst["url"])
+            assert metrics["vllm:disagg_attention_sessions"] == 1
+            assert metrics["vllm:disagg_attention_bytes_in_total"] > 0
+        status = subprocess.run([sys.executable, "-m", "vllm_disagg.cli.main", "status", "--state-file",
+                                 str(state_file)], capture_output=True, text=True, timeout=60)
+        assert status.returncode == 0, status.stdout + status.stderr
+        assert "attention (2/2 healthy)" in status.stdout and "sessions=1" in status.stdout

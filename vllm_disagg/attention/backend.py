@@ -127,6 +127,9 @@ def _classes() -> dict:
             self.scale = float(scale)
             self.num_kv_heads = num_kv_heads or num_heads
             self._layer_idx: int | None = None
+            # the client of the worker building this model (set before load_model): keeps two
+            # in-process engines (a benchmark's A/B pair) on their own clients
+            self._client = _CLIENT
 
         def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                     output_scale=None, output_block_scale=None):
@@ -139,8 +142,8 @@ def _classes() -> dict:
 
                 self._layer_idx = extract_layer_index(layer.layer_name)
             n = attn_metadata.num_actual_tokens
-            pending = get_client().submit(self._layer_idx, query[:n], key[:n], value[:n], attn_metadata,
-                                          self.scale)
+            client = self._client if self._client is not None else get_client()
+            pending = client.submit(self._layer_idx, query[:n], key[:n], value[:n], attn_metadata, self.scale)
             if _OVERLAP_HOOK is not None:
                 _OVERLAP_HOOK(pending)
             pending.wait(output[:n])

@@ -23,14 +23,26 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def add_server_args(p: argparse.ArgumentParser) -> None:
+def add_server_args(p: argparse.ArgumentParser, with_host_port: bool = True) -> None:
+    """`with_host_port=False` leaves --host/--port to the caller (`vllm launch` has them already)."""
     p.add_argument("--transport", default="shm", choices=["shm", "tcp", "nixl"],
                    help="data path for the per-layer exchange (default: shm, same host)")
-    p.add_argument("--host", default="127.0.0.1", help="interface for HTTP and tcp (default 127.0.0.1)")
-    p.add_argument("--http-port", type=int, default=0, help="port of /health and /metrics (0: pick one)")
+    if with_host_port:
+        p.add_argument("--host", default="127.0.0.1", help="interface for HTTP and tcp (default 127.0.0.1)")
+        p.add_argument("--http-port", type=int, default=0, help="port of /health and /metrics (0: pick one)")
+    p.add_argument("--data-port", type=int, default=0,
+                   help="fixed port of the tcp/nixl data listener, e.g. for k8s NetworkPolicies (0: pick one; "
+                        "shm listens on a unix socket and ignores it)")
+    p.add_argument("--kv-transport", default=None, choices=["tcp", "shm", "nixl"],
+                   help="accept prefill KV pushes on this transport (the prefill instances' kv.transport; "
+                        "default: none)")
     p.add_argument("--kv-cache-gib", type=float, default=0.25, help="KV memory of this shard in GiB")
-    p.add_argument("--kernel", default="cpu", choices=["cpu", "cuda"],
-                   help="attention kernel: vLLM's CPU kernel, or FlashAttention on a GPU (untested)")
+    p.add_argument("--kernel", default="cpu", choices=["cpu", "cuda", "none"],
+                   help="attention kernel: vLLM's CPU kernel, or FlashAttention on a GPU (untested); 'none' "
+                        "answers without computing (benchmarks: the transport round trip alone)")
+    p.add_argument("--spin-us", type=float, default=None,
+                   help="shm: busy-poll this long for the next message before sleeping (default: the "
+                        "transport's, 0 on <= 2 CPUs); worth it when the server has a core of its own")
     p.add_argument("--threads", type=int, default=1,
                    help="intra-op threads of the kernel (default 1: one core per server; more threads on an "
                         "oversubscribed box cost far more in OpenMP waits than they gain)")
@@ -46,6 +58,7 @@ def run(args: argparse.Namespace) -> int:
         server = DisaggAttentionServer(
             transport=args.transport, kv_cache_bytes=int(args.kv_cache_gib * (1 << 30)),
             kernel=args.kernel, http_host=args.host, http_port=args.http_port, num_threads=args.threads,
+            data_port=args.data_port, kv_transport=args.kv_transport, spin_us=args.spin_us,
         )
     except (ValueError, OSError) as err:
         print(f"vllm-disagg attn-server: {err}", file=sys.stderr)

@@ -34,6 +34,7 @@ from vllm_disagg.transport import TransportOptions, get_transport
 logger = init_logger(__name__)
 _META_CACHE = 8  # must match the server's
 _meta_ids = itertools.count(1)
+_ALL_HEADS = ("heads", None)
 
 
 class AttentionServerLost(DisaggError):
@@ -78,36 +79,37 @@ class ServerConn:
             self.channel = self.transport.connect_msg(health["address"], timeout=self.timeout_s)
         except (OSError, KeyError, ValueError, DisaggError) as err:
             raise AttentionServerLost(self.http_addr, err) from err
-        seq = self.send(wire.Header(wire.INIT), [geometry.to_json()])
+        seq = self.send(wire.INIT, [geometry.to_json()])
         reply = self.recv(seq, wire.INIT_OK, timeout=max(self.timeout_s, 120.0))  # allocates the KV
         self.info = json.loads(bytes(reply.buffers[0]))
         return self.info
 
-    def send(self, header: wire.Header, tensors: list, meta: ClientMeta | None = None,
-             step: wire.StepMeta | None = None) -> int:
+    def send(self, mtype: int, tensors: list, meta: ClientMeta | None = None,
+             step: wire.StepMeta | None = None, layer: int = 0, num_tokens: int = 0, scale: float = 0.0) -> int:
         seq = next(self._seq)
-        flags = header.flags
+        flags = 0
         if meta is not None and meta.meta_id not in self._sent_metas:
-            flags |= wire.HAS_META
+            flags = wire.HAS_META
             tensors = [*tensors, *(step or meta.step).tensors()]
             self._sent_metas[meta.meta_id] = None
             while len(self._sent_metas) > _META_CACHE:
                 self._sent_metas.popitem(last=False)
         st = step or (meta.step if meta else None)
-        h = wire.Header(header.mtype, seq, flags, header.layer, meta.meta_id if meta else 0,
-                        header.num_tokens, st.num_reqs if st else 0,
-                        st.block_table.shape[1] if st else 0, header.scale)
+        h = wire.Header(mtype, seq, flags, layer, meta.meta_id if meta else 0, num_tokens,
+                        st.num_reqs if st else 0, st.block_table.shape[1] if st else 0, scale)
         try:
-            self.channel.send(h.pack(), tensors, timeout=self.timeout_s)
+            self.channel.send(h.pack(), [wire.byte_view(t) if isinstance(t, torch.Tensor) else t for t in tensors],
+                              timeout=self.timeout_s)
         except DisaggError as err:
             raise AttentionServerLost(self.http_addr, err) from err
         return seq
 
-    def recv(self, seq: int, mtype: int, timeout: float | None = None):
+    def recv(self, seq: int, mtype: int, timeout: float | None = None, out: list | None = None):
+        """The reply to `seq`; `out` (optional) receives its payloads in place (checked by size)."""
         try:
-            msg = self.channel.recv(timeout=timeout or self.timeout_s)
+            msg = self.channel.recv(out, timeout=timeout or self.timeout_s)
             h = wire.unpack_header(msg.header)
-        except (PeerLostError, TransportTimeout, ProtocolError) as err:
+        except (PeerLostError, TransportTimeout, ProtocolError, ValueError) as err:  # ValueError: out too small
             raise AttentionServerLost(self.http_addr, err) from err
         if h.mtype == wire.ERROR:
             self._sent_metas.clear()  # the server may have dropped what we think it holds
@@ -127,7 +129,8 @@ class DisaggAttentionClient:
     """Remote attention over `servers` (HTTP addresses), head- or request-partitioned."""
 
     def __init__(self, servers: list[str], transport: str = "shm", partition: str = "head",
-                 send_q_early: bool = True, timeout_s: float = 30.0, auth_token: str | None = None):
+                 send_q_early: bool = True, timeout_s: float = 30.0, auth_token: str | None = None,
+                 spin_us: float | None = None):
         from vllm_disagg import envs
 
         if not servers:
@@ -135,7 +138,8 @@ class DisaggAttentionClient:
         token = auth_token or envs.auth_token()
         if not token:
             raise ValueError("remote attention needs a shared token: set VLLM_DISAGG_AUTH_TOKEN")
-        self.transport = get_transport(transport, TransportOptions(auth_token=token, timeout_s=timeout_s))
+        spin = {} if spin_us is None else {"spin_us": spin_us}  # None: the transport's default
+        self.transport = get_transport(transport, TransportOptions(auth_token=token, timeout_s=timeout_s, **spin))
         self.configured = list(servers)
         self.timeout_s = timeout_s
         self.conns = [ServerConn(s, self.transport, timeout_s) for s in servers]
@@ -189,18 +193,18 @@ class DisaggAttentionClient:
             if ntok == 0:
                 continue
             if early:
-                h = wire.Header(wire.QPREV, layer=layer, num_tokens=ntok, scale=scale)
-                seq = conn.send(h, [qs], meta, step)
-                conn.send(wire.Header(wire.KV, layer=layer, num_tokens=ntok), [ks, vs], meta, step)
+                seq = conn.send(wire.QPREV, [qs], meta, step, layer, ntok, scale)
+                conn.send(wire.KV, [ks, vs], meta, step, layer, ntok)
             else:
-                h = wire.Header(wire.ATTN, layer=layer, num_tokens=ntok, scale=scale)
-                seq = conn.send(h, [qs, ks, vs], meta, step)
+                seq = conn.send(wire.ATTN, [qs, ks, vs], meta, step, layer, ntok, scale)
             pend.expect.append((conn, seq, sel))
         if early:  # the new token's own term, computed while the servers work on the past
             pend.new = partial_attention(q, k[:, None], v[:, None], scale)
         return pend
 
     def _head_parts(self, q, k, v):
+        if len(self.shards) == 1:  # one server holds every head: no slicing (the common local case)
+            return [(self.conns[0], _ALL_HEADS, (q.contiguous(), k.contiguous(), v.contiguous()), None)]
         out = []
         for conn, s in zip(self.conns, self.shards):
             qkv = (q[:, s.q_heads].contiguous(), k[:, s.kv_heads].contiguous(), v[:, s.kv_heads].contiguous())
@@ -235,8 +239,17 @@ class PendingAttention:
         if self.early:
             prev = torch.zeros(t, h, d, dtype=self.dtype)
             lse = torch.full((t, h), float("-inf"))
+        if not self.early and len(self.expect) == 1 and self.expect[0][2][1] is None and output.is_contiguous():
+            conn, seq, _ = self.expect[0]  # one server, all heads: its reply lands in `output` itself
+            msg = conn.recv(seq, wire.OUT, out=[output])
+            if len(msg.buffers) != 1 or msg.buffers[0].nbytes != output.nbytes:
+                raise AttentionServerLost(conn.http_addr, ProtocolError(
+                    f"OUT of {[b.nbytes for b in msg.buffers]} bytes, expected {output.nbytes}"))
+            return output
         for conn, seq, (kind, sel) in self.expect:
             msg = conn.recv(seq, wire.OUT_LSE if self.early else wire.OUT)
+            if sel is None:
+                sel = slice(0, h)
             n = sel.shape[0] if kind == "tokens" else t
             hs = h if kind == "tokens" else sel.stop - sel.start
             part = wire.as_tensor(msg.buffers[0], self.dtype, (n, hs, d), "attention output")

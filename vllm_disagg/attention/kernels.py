@@ -70,6 +70,9 @@ class CpuAttentionKernel(AttentionKernel):
             torch.zeros(num_blocks, g.num_kv_heads, g.block_size, 2 * g.head_size, dtype=g.torch_dtype)
             for _ in range(g.num_layers)
         ]
+        # the impl's key/value halves of each layer's cache, made once instead of per call
+        self._kv_halves = [c.view(num_blocks, g.num_kv_heads, 2 * g.block_size, g.head_size).chunk(2, dim=2)
+                           for c in self.caches]
         self._impl_cls = CPUAttentionBackendImpl
         self._impls: dict[float, CPUAttentionBackendImpl] = {}
         self.supports_lse = _probe_layout(self.isa, g)
@@ -112,7 +115,12 @@ class CpuAttentionKernel(AttentionKernel):
         )
 
     def write_kv(self, layer, key, value, meta):
-        self._impl(1.0).do_kv_cache_update(self.layer, key, value, self.caches[layer], meta.slot_mapping)
+        # = CPUAttentionBackendImpl.do_kv_cache_update (decoder, kv dtype auto) without its per-call views
+        from vllm import _custom_ops as ops
+
+        kc, vc = self._kv_halves[layer]
+        ops.cpu_attn_reshape_and_cache(key, value, kc, vc, meta.slot_mapping, self.isa, k_scale=1.0, v_scale=1.0,
+                                       kv_cache_dtype="auto")
 
     def attend(self, layer, query, meta, state, scale, out):
         self._impl(scale).forward(self.layer, query, None, None, self.caches[layer], state, out)
@@ -234,6 +242,22 @@ class FlashAttentionKernel(AttentionKernel):
         return res.cpu(), lse.transpose(0, 1).float().cpu()
 
 
+class NullKernel(AttentionKernel):
+    """No attention at all: the reply is the session's output buffer as it stands. Only for
+    measuring the per-layer exchange's transport round trip through the real client and server
+    code (framing, checks, metadata, metrics), i.e. what Lamina's 33 us figure measures. Never
+    for serving: its outputs are garbage."""
+
+    def prepare(self, meta):
+        return None
+
+    def write_kv(self, layer, key, value, meta):
+        pass
+
+    def attend(self, layer, query, meta, state, scale, out):
+        pass
+
+
 def preload(kind: str) -> None:
     """Import the kernel's vLLM modules now (seconds on a busy box), not inside the first INIT."""
     if kind == "cpu":
@@ -246,4 +270,6 @@ def make_kernel(kind: str, geometry: Geometry, num_blocks: int) -> AttentionKern
         return CpuAttentionKernel(geometry, num_blocks)
     if kind == "cuda":
         return FlashAttentionKernel(geometry, num_blocks)
-    raise ValueError(f"unknown attention kernel {kind!r}; expected 'cpu' or 'cuda'")
+    if kind == "none":
+        return NullKernel(geometry, num_blocks)
+    raise ValueError(f"unknown attention kernel {kind!r}; expected 'cpu', 'cuda' or 'none' (benchmarks only)")

@@ -43,10 +43,11 @@ class LocalServer:
 
 
 def start_local_server(transport: str = "shm", kv_cache_gib: float = 0.125, http_port: int = 0,
-                       timeout_s: float = 180.0, env: dict | None = None, threads: int = 1) -> LocalServer:
+                       timeout_s: float = 180.0, env: dict | None = None, threads: int = 1,
+                       extra_args: tuple[str, ...] = ()) -> LocalServer:
     ready = Path(tempfile.mkdtemp(prefix="attn-server-")) / "ready.json"
     cmd = [sys.executable, "-m", "vllm_disagg.attention.cli", "--transport", transport,
-           "--kv-cache-gib", str(kv_cache_gib), "--http-port", str(http_port), "--threads", str(threads), "--ready-file", str(ready), "--parent-pid", str(os.getpid())]
+           "--kv-cache-gib", str(kv_cache_gib), "--http-port", str(http_port), "--threads", str(threads), "--ready-file", str(ready), "--parent-pid", str(os.getpid()), *extra_args]
     proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, stdout=subprocess.DEVNULL)
     deadline = time.monotonic() + timeout_s
     while not ready.exists():

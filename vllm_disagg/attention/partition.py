@@ -79,6 +79,13 @@ class RequestPlacer:
                 out[server] += seq_len
         return out
 
+    def place(self, first_block: int, seq_len: int) -> int:
+        """Place a request before its first step (its KV is pushed by a prefill instance): least load."""
+        load = self.load()
+        server = min(range(self.num_servers), key=lambda s: (load[s], s))
+        self._where[first_block] = [server, self._step, seq_len]
+        return server
+
     def split(self, meta: StepMeta) -> list[RequestSplit]:
         self._step += 1
         qsl = meta.query_start_loc.tolist()

@@ -28,6 +28,7 @@ from vllm_disagg.transport import TransportOptions, get_transport
 
 logger = init_logger(__name__)
 _META_CACHE = 8  # steps whose metadata we keep (pipelining keeps a few in flight)
+_QKV, _Q, _KV = ("q", "k", "v"), ("q",), ("k", "v")
 
 
 class _Metrics:
@@ -45,6 +46,21 @@ class _Metrics:
         self.queue = Gauge("vllm:disagg_attention_queue_depth", "Messages received, not yet answered",
                            registry=r)
         self.sessions = Gauge("vllm:disagg_attention_sessions", "Connected model workers", registry=r)
+        self._layer_children: dict[int, object] = {}
+        self._message_children: dict[int, object] = {}
+
+    def layer(self, layer: int):
+        """The histogram child of `layer` (labels() costs a lock and a tuple per call: cache it)."""
+        child = self._layer_children.get(layer)
+        if child is None:
+            child = self._layer_children[layer] = self.layer_seconds.labels(str(layer))
+        return child
+
+    def message(self, mtype: int):
+        child = self._message_children.get(mtype)
+        if child is None:
+            child = self._message_children[mtype] = self.messages.labels(wire.TYPE_NAMES[mtype])
+        return child
 
 
 class DisaggAttentionServer:
@@ -53,19 +69,27 @@ class DisaggAttentionServer:
 
     def __init__(self, transport: str = "shm", kv_cache_bytes: int = 256 << 20, kernel: str = "cpu",
                  http_host: str = "127.0.0.1", http_port: int = 0, auth_token: str | None = None,
-                 recv_timeout_s: float = 1.0, num_threads: int | None = None):
+                 recv_timeout_s: float = 1.0, num_threads: int | None = None, data_port: int = 0,
+                 spin_us: float | None = None, kv_transport: str | None = None):
         from vllm_disagg import envs
 
         token = auth_token or envs.auth_token()
         if not token:
             raise ValueError("attention server needs a shared token: set VLLM_DISAGG_AUTH_TOKEN")
         self.transport_kind = transport
-        self.transport = get_transport(transport, TransportOptions(auth_token=token, host=http_host))
+        spin = {} if spin_us is None else {"spin_us": spin_us}  # None: the transport's default
+        self.transport = get_transport(transport, TransportOptions(auth_token=token, host=http_host,
+                                                                      port=data_port, **spin))
         self.kv_cache_bytes = kv_cache_bytes
         self.kernel_kind = kernel
         self.num_threads = num_threads
         self.kernel: AttentionKernel | None = None
         self.metrics = _Metrics()
+        self.ingest = None  # prefill -> this server's KV (LL, kv_ingest.py); None: no prefill pushes here
+        if kv_transport:
+            from vllm_disagg.attention.kv_ingest import KVIngest
+
+            self.ingest = KVIngest(kv_transport, token, http_host, registry=self.metrics.registry)
         self._http_addr = (http_host, http_port)
         self._recv_timeout = recv_timeout_s
         self._lock = threading.Lock()  # one kernel call at a time (sessions share the KV)
@@ -93,7 +117,7 @@ class DisaggAttentionServer:
             "status": "ok", "http": f"{host}:{port}", "address": self.listener.address if self.listener else None,
             "transport": self.transport_kind, "kernel": self.kernel_kind,
             "num_blocks": self.kernel.num_blocks if self.kernel else None,
-            "protocol": wire.PROTOCOL_VERSION,
+            "protocol": wire.PROTOCOL_VERSION, **(self.ingest.info() if self.ingest else {}),
         }
 
     def stop(self) -> None:
@@ -103,6 +127,8 @@ class DisaggAttentionServer:
             self.httpd.server_close()
         if self.listener:
             self.listener.close()
+        if self.ingest:
+            self.ingest.close()
         for t in self._threads:  # daemon threads: a slow one must not hold up the exit
             t.join(timeout=1)
 
@@ -126,6 +152,10 @@ class DisaggAttentionServer:
 
     # ---- one session -----------------------------------------------------------------------
     def _serve_channel(self, ch) -> None:
+        if self.num_threads:
+            # OpenMP's thread count is per OS thread: the kernels run on this one, and left at the
+            # default (one per core) their idle OpenMP workers spin on our core after every call
+            torch.set_num_threads(self.num_threads)
         session = _Session()
         self.metrics.sessions.inc()
         try:
@@ -152,7 +182,7 @@ class DisaggAttentionServer:
             self._reply_error(ch, 0, str(err))
             return
         self.metrics.bytes_in.inc(sum(msg.lengths))
-        self.metrics.messages.labels(wire.TYPE_NAMES[h.mtype]).inc()
+        self.metrics.message(h.mtype).inc()
         try:
             reply = self._dispatch(session, h, msg.buffers)
         except (ProtocolError, ValueError, RuntimeError, NotImplementedError) as err:
@@ -161,7 +191,7 @@ class DisaggAttentionServer:
         if reply is not None:
             header, tensors = reply
             ch.send(header.pack(), tensors)
-            self.metrics.bytes_out.inc(sum(t.numel() * t.element_size() for t in tensors))
+            self.metrics.bytes_out.inc(sum(t.nbytes for t in tensors))  # tensors or memoryviews
 
     def _reply_error(self, ch, seq: int, text: str) -> None:
         self.metrics.errors.inc()
@@ -194,8 +224,13 @@ class DisaggAttentionServer:
                 if num_blocks < 1:
                     raise ValueError(f"kv_cache_bytes={self.kv_cache_bytes} holds no block of {g}")
                 self.kernel = make_kernel(self.kernel_kind, g, num_blocks)
+                if self.ingest is not None:
+                    self.ingest.attach(self.kernel.caches)
                 logger.info("attention server: %d blocks for %s", num_blocks, g)
         session.geometry = g
+        # reused for every reply (sent before the next message is read): no allocation per layer
+        session.out = torch.empty(g.max_num_tokens, g.num_heads, g.head_size, dtype=g.torch_dtype)
+        session.out_bytes = wire.byte_view(session.out)  # lives as long as session.out
         reply = {"num_blocks": self.kernel.num_blocks, "supports_lse": self.kernel.supports_lse,
                  "kernel": self.kernel_kind}
         return wire.Header(wire.INIT_OK, seq=h.seq), [torch.frombuffer(bytearray(json.dumps(reply).encode()),
@@ -216,23 +251,24 @@ class DisaggAttentionServer:
             session.remember(h.meta_id, meta)
         meta, state = session.lookup(h.meta_id)
         heads = {"q": g.num_heads, "k": g.num_kv_heads, "v": g.num_kv_heads}
-        acts = [wire.as_tensor(bufs[i], g.torch_dtype, (h.num_tokens, heads[x], g.head_size), x)
-                for i, x in enumerate(names)]
+        dtype, shape = g.torch_dtype, (h.num_tokens, 0, g.head_size)
+        acts = [wire.as_tensor(bufs[i], dtype, (shape[0], heads[x], shape[2]), x) for i, x in enumerate(names)]
         if meta.slot_mapping.shape[0] != h.num_tokens:
             raise ProtocolError(f"{h.num_tokens} tokens but the step metadata has {meta.slot_mapping.shape[0]}")
         return acts, meta, state
 
     def _attn(self, session: _Session, h: wire.Header, bufs):
-        (q, k, v), meta, _ = self._tensors(session, h, bufs, ["q", "k", "v"])
-        out = torch.empty_like(q)
+        (q, k, v), meta, _ = self._tensors(session, h, bufs, _QKV)
+        out = session.out[: h.num_tokens]
         with self._lock, self._timed(h.layer):
             state = session.state_for(h.meta_id, self.kernel)
             self.kernel.write_kv(h.layer, k, v, meta)
             self.kernel.attend(h.layer, q, meta, state, h.scale, out)
-        return wire.Header(wire.OUT, seq=h.seq, layer=h.layer, num_tokens=h.num_tokens), [out]
+        return (wire.Header(wire.OUT, seq=h.seq, layer=h.layer, num_tokens=h.num_tokens),
+                [session.out_bytes[: out.nbytes]])
 
     def _qprev(self, session: _Session, h: wire.Header, bufs):
-        (q,), meta, _ = self._tensors(session, h, bufs, ["q"])
+        (q,), meta, _ = self._tensors(session, h, bufs, _Q)
         if meta.num_reqs != h.num_tokens:
             raise ProtocolError("QPREV needs a decode-only step (one token per request)")
         with self._lock, self._timed(h.layer):
@@ -241,12 +277,12 @@ class DisaggAttentionServer:
                 [out.contiguous(), lse.contiguous()])
 
     def _kv(self, session: _Session, h: wire.Header, bufs):
-        (k, v), meta, _ = self._tensors(session, h, bufs, ["k", "v"])
+        (k, v), meta, _ = self._tensors(session, h, bufs, _KV)
         with self._lock:
             self.kernel.write_kv(h.layer, k, v, meta)
 
     def _timed(self, layer: int):
-        return _Timer(self.metrics.layer_seconds.labels(str(layer)))
+        return _Timer(self.metrics.layer(layer))
 
 
 class _Session:
@@ -254,6 +290,8 @@ class _Session:
 
     def __init__(self) -> None:
         self.geometry: wire.Geometry | None = None
+        self.out: torch.Tensor | None = None
+        self.out_bytes: memoryview | None = None
         self._metas: OrderedDict[int, list] = OrderedDict()
 
     def remember(self, meta_id: int, meta: wire.StepMeta) -> None:
@@ -294,6 +332,12 @@ def _handler_for(server: DisaggAttentionServer):
                 body, ctype = json.dumps(server.info()).encode(), "application/json"
             elif self.path == "/metrics":
                 body, ctype = generate_latest(server.metrics.registry), "text/plain; version=0.0.4"
+            elif self.path.startswith("/kv/landed") and server.ingest is not None:
+                try:
+                    body, ctype = json.dumps(server.ingest.http_landed(self.path)).encode(), "application/json"
+                except ValueError as err:
+                    self.send_error(400, str(err))
+                    return
             else:
                 self.send_error(404, "try /health or /metrics")
                 return

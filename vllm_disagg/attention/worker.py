@@ -37,7 +37,8 @@ def client_from_config(vllm_config) -> DisaggAttentionClient | None:
     if ra is None or not ra.servers:
         return None
     return DisaggAttentionClient(ra.servers, transport=ra.transport, partition=ra.partition,
-                                 send_q_early=ra.send_q_early, timeout_s=ra.timeout_s, auth_token=cfg.auth_token)
+                                 send_q_early=ra.send_q_early, timeout_s=ra.timeout_s, auth_token=cfg.auth_token,
+                                 spin_us=ra.spin_us)
 
 
 def connect_client(client: DisaggAttentionClient, vllm_config) -> int:

@@ -63,10 +63,7 @@ class PushReceiver:
         self._on_failure = ("the decode instance recomputes the prompt" if failure_policy == "recompute"
                             else "the request fails (kv_load_failure_policy=fail)")
         self._stats, self._stats_lock = stats
-        self._receiver = data.kv_receiver(name="decode")
-        for layer_idx, tensor in enumerate(layers):
-            self._receiver.register_region(str(layer_idx), tensor)
-        self.address = self._receiver.start()
+        self.address = self._open_receiver(data, layers)
         self._client = SideChannelClient(lambda addr, timeout: control.connect_msg(addr, timeout=timeout))
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="disagg-kv-register")
         self._lock = threading.Lock()
@@ -75,6 +72,17 @@ class PushReceiver:
         self._late: dict[str, float] = {}  # transfer ids given up on; their notifications are dropped
         self._errors: dict[str, tuple[str, bool]] = {}
         logger.info("KV push receiver listening on %s", self.address)
+
+    def _open_receiver(self, data: Any, layers: list[Any]) -> str:
+        """This worker's KV receiver, one region per layer (`kv.attn_targets` lands KV elsewhere)."""
+        self._receiver = data.kv_receiver(name="decode")
+        for layer_idx, tensor in enumerate(layers):
+            self._receiver.register_region(str(layer_idx), tensor)
+        return self._receiver.start()
+
+    def _register_fields(self, spec: RecvSpec) -> dict:
+        """More REGISTER body fields (`targets` for attention servers); may raise DisaggError."""
+        return {}
 
     # ------------------------------------------------------------ engine thread
     def start(self, specs: list[RecvSpec]) -> None:
@@ -167,6 +175,7 @@ class PushReceiver:
         body.update(address=self.address, start_block=spec.start_block, push_timeout_s=spec.push_timeout_s,
                     num_prompt_tokens=spec.num_prompt_tokens, prompt_digest=spec.prompt_digest)
         try:
+            body.update(self._register_fields(spec))
             reply = decode_msg(
                 self._client.call(spec.remote, encode_msg(SideMsg(MsgType.REGISTER, body, spec.block_ids)),
                                   timeout=min(spec.push_timeout_s, 10.0)),

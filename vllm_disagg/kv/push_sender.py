@@ -16,6 +16,11 @@ Lifecycle of one push (`_Push`, keyed by req_id; the decode side knows it by tra
 Blocks are read by the sender thread while the engine keeps running: safe because the scheduler
 keeps them allocated until finished_sending, and CPU_ATTN has written a layer's KV when
 save_kv_layer runs. (On GPU a stream event must be recorded per layer before queueing; not done.)
+
+Targets: by default the decode worker's own receiver (`address`). A decode model worker with remote
+attention registers `targets` instead, "address,num_shards,shard" per attention server, ";"-joined
+(`vllm_disagg.kv.attn_targets`): each gets KV-head slice `shard` of `num_shards` of every block (a
+contiguous part of the block in the CPU layout), or whole blocks with `num_shards=1`.
 """
 
 from __future__ import annotations
@@ -50,12 +55,15 @@ logger = init_logger(__name__)
 @dataclass
 class _Registration:
     address: str
+    """Decode side's name for logs (its receiver, or its first attention server)."""
     block_ids: tuple[int, ...]
     start_block: int
     timeout_s: float
     num_prompt_tokens: int
     prompt_digest: str
     t_arrival: float = field(default_factory=time.monotonic)
+    targets: tuple[tuple[str, int, int], ...] = ()
+    """(receiver address, num_shards, shard): where each layer's blocks (or their head slice) go."""
 
 
 @dataclass
@@ -206,7 +214,8 @@ class PushSender:
             check_compatible(self.handshake, msg.body, self.token, tid, peer)
             reg = _Registration(str(msg.body["address"]), msg.block_ids, int(msg.body["start_block"]),
                                 float(msg.body.get("push_timeout_s") or self.cfg.push_timeout_s),
-                                int(msg.body["num_prompt_tokens"]), str(msg.body.get("prompt_digest") or ""))
+                                int(msg.body["num_prompt_tokens"]), str(msg.body.get("prompt_digest") or ""),
+                                targets=_targets(msg.body, self.handshake.num_kv_heads))
         except HandshakeMismatch as err:
             why = (f"KV handshake mismatch on {err.field!r}: prefill {self.address} has {err.local!r}, "
                    f"decode {msg.body.get('address', peer)} has {err.remote!r}")
@@ -294,18 +303,24 @@ class PushSender:
                           push.reg.block_ids[lo - first : hi - first])
 
     def _issue(self, push: _Push, writes: list[BlockWrite], layer: int) -> None:
-        nbytes = sum(len(w.src_block_ids) for w in writes) * self.handshake.block_nbytes
+        for address, num_shards, shard in push.reg.targets:
+            if not self._issue_to(push, _shard_writes(writes, num_shards, shard), layer, address, num_shards):
+                return
+
+    def _issue_to(self, push: _Push, writes: list[BlockWrite], layer: int, address: str, num_shards: int) -> bool:
+        nbytes = sum(len(w.src_block_ids) for w in writes) * self.handshake.block_nbytes // num_shards
         try:
-            peer = self._peer(push.reg.address)
+            peer = self._peer(address)
             handle = peer.write_blocks(writes, push.transfer_id, layer)
         except (DisaggError, OSError, ValueError) as err:
-            self._peers.pop(push.reg.address, None)
+            self._peers.pop(address, None)
             with self._cond:
-                self._fail(push, f"write to {push.reg.address} failed: {err}")
-            return
+                self._fail(push, f"write to {address} failed: {err}")
+            return False
         with self._cond:
             push.t_first_issue = push.t_first_issue or time.monotonic()
             push.handles.append((handle, layer, time.monotonic(), nbytes))
+        return True
 
     def _peer(self, address: str) -> Any:
         peer = self._peers.get(address)
@@ -318,7 +333,8 @@ class PushSender:
         for push in self._pushes.values():
             for handle, layer, *_ in push.handles:
                 if handle.state() is XferState.FAILED and push.error is None:
-                    self._peers.pop(push.reg.address, None)
+                    for address, *_ in push.reg.targets:
+                        self._peers.pop(address, None)
                     self._fail(push, f"write of layer {layer} failed: {handle.error}")
             if push.error or push.done or push.reg is None or push.pending:
                 if push.pending and now > push.deadline and push.error is None:
@@ -373,3 +389,40 @@ class PushSender:
         except (DisaggError, OSError) as err:
             logger.debug("KV sender close: %s", err)
 
+
+def _targets(body: dict, num_kv_heads: int) -> tuple[tuple[str, int, int], ...]:
+    """The registration's write targets (default: the decode worker's own receiver), checked.
+
+    Side-channel bodies are flat, so `targets` is "ADDR,NUM_SHARDS,SHARD;ADDR,NUM_SHARDS,SHARD;..."."""
+    raw = body.get("targets")
+    if raw is None:
+        return ((str(body["address"]), 1, 0),)
+    items = raw.split(";") if isinstance(raw, str) else []
+    if not 1 <= len(items) <= 64:
+        raise ValueError(f"targets: expected 1..64 'ADDR,NUM_SHARDS,SHARD' separated by ';', got {raw!r}"[:200])
+    out = []
+    for item in items:
+        address, num_shards, shard = item.rsplit(",", 2)  # ValueError when malformed: REJECT
+        num_shards, shard = int(num_shards), int(shard)
+        if not address or num_shards < 1 or num_kv_heads % num_shards or not 0 <= shard < num_shards:
+            raise ValueError(f"target {address!r}: shard {shard} of {num_shards} does not split "
+                             f"{num_kv_heads} KV heads")
+        out.append((address, num_shards, shard))
+    return tuple(out)
+
+
+def encode_targets(targets: list[tuple[str, int, int]]) -> str:
+    """`targets` for a REGISTER body (the decode side of `_targets`)."""
+    return ";".join(f"{address},{num_shards},{shard}" for address, num_shards, shard in targets)
+
+
+def _shard_writes(writes: list[BlockWrite], num_shards: int, shard: int) -> list[BlockWrite]:
+    """KV-head slice `shard` of every block: block b of `[NB, H, ...]` viewed as NB*num_shards contiguous
+    sub-blocks, of which b*num_shards + shard is this shard's heads (zero-copy)."""
+    if num_shards == 1:
+        return writes
+    out = []
+    for w in writes:
+        src = w.src.view(w.src.shape[0] * num_shards, -1)
+        out.append(BlockWrite(w.region, src, [b * num_shards + shard for b in w.src_block_ids], w.dst_block_ids))
+    return out

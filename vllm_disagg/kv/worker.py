@@ -59,6 +59,10 @@ class DisaggConnectorWorker:
         self.layer_ids: dict[str, int] = {}
         self.sender: Any = None
         self.receiver: Any = None
+        from vllm_disagg.kv.attn_targets import attention_settings
+
+        self._attention = attention_settings(vllm_config)
+        """remote_attention of a Lamina model worker: its KV tensors are placeholders, pushes go to servers."""
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         if not self.token:
@@ -69,6 +73,9 @@ class DisaggConnectorWorker:
         names = sorted(kv_caches, key=_layer_index)
         self.layer_ids = {name: i for i, name in enumerate(names)}
         layers = [kv_caches[n] for n in names]
+        if self._attention is not None and self.is_producer:
+            raise DisaggConfigError("a remote-attention model worker holds no KV to send: it can only be "
+                                    "a decode (kv_consumer) instance")
         for name, tensor in zip(names, layers, strict=True):
             if not tensor.is_contiguous():
                 raise ValueError(f"DisaggConnector ships whole blocks and needs contiguous KV; {name} is not")
@@ -83,7 +90,13 @@ class DisaggConnectorWorker:
             self.sender = PushSender(self._make_transport(self.kv, self.token, "tcp", port),
                                      self._make_transport(self.kv, self.token, self.kv.transport, 0),
                                      info, self.token, layers, self.kv, stats)
-        if self.is_consumer:
+        if self.is_consumer and self._attention is not None:  # Lamina: KV lands on the attention servers
+            from vllm_disagg.kv.attn_targets import AttnPushReceiver
+
+            self.receiver = AttnPushReceiver(self._make_transport(self.kv, self.token, "tcp", 0), info, self.token,
+                                             stats, self.vllm_config.kv_transfer_config.kv_load_failure_policy,
+                                             self._attention)
+        elif self.is_consumer:
             from vllm_disagg.kv.push_receiver import PushReceiver
 
             rx_port = 0 if self.is_producer or self.kv.transport != "tcp" else port

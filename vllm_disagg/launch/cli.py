@@ -2,6 +2,11 @@
 """`vllm-disagg up`: start a local Splitwise deployment (P/D pools + router) and serve until Ctrl-C.
 
     vllm-disagg up --prefill 1 --decode 1 --model smollm2-135m --port 8000 --dtype float32
+    vllm-disagg up --prefill 0 --attention 2 --attention-partition head --dtype float32   # Lamina
+
+`--attention K` starts K attention servers (`vllm-disagg attn-server`, one shared auth token) and runs
+the model worker (the decode instance; with `--prefill 0`, one instance doing both phases) with remote
+attention on them.
 
 Arguments this command does not know (`--dtype`, `--max-model-len`, ...) go to every vLLM instance.
 `--prefill 0 --decode 0` (or `--mixed N` alone) runs plain instances behind the router.
@@ -50,12 +55,41 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--log-dir", default=None, help="instance logs (default: a new temp dir)")
     parser.add_argument("--state-file", default=None,
                         help="write endpoint, instance URLs and pids here as JSON once healthy")
+    g = parser.add_argument_group("Lamina attention servers (with --attention K)")
+    g.add_argument("--attention-partition", choices=("head", "request"), default="head",
+                   help="split the KV across attention servers by KV head (Lamina default) or by request")
+    g.add_argument("--pipeline", type=int, choices=(1, 2), default=1,
+                   help="batches in flight: 2 = ping-pong on the NanoFlow nano-batch executor")
+    g.add_argument("--attention-transport", choices=("shm", "tcp"), default="shm",
+                   help="data path of the per-layer exchange (default shm: same host)")
+    g.add_argument("--attention-kv-cache-gib", type=float, default=0.25, help="KV memory of each attention server")
+    g.add_argument("--send-q-early", action=argparse.BooleanOptionalAction, default=None,
+                   help="send Q first and merge the partial softmax (default: the config's default)")
     from vllm_disagg.launch.ray import add_ray_args
 
     add_ray_args(parser)  # --backend local|ray, --address, --attention, --ray-namespace
     _keep_unknown_args(parser)
     parser.set_defaults(func=run)
     return parser
+
+
+def plan_from_args(args: argparse.Namespace) -> list:
+    """Instance specs of `up`; `--attention K` without `--prefill` turns the decode instance into a mixed
+    one (both phases), which then becomes the model worker of the K attention servers."""
+    from vllm_disagg.launch.local import AttentionPlan, attach_attention, plan_instances
+
+    num_attention = getattr(args, "attention", 0)
+    num_decode, num_mixed = args.decode, args.mixed
+    if num_attention and not args.prefill:
+        num_decode, num_mixed = 0, num_mixed + num_decode
+    specs = plan_instances(args.prefill, num_decode, num_mixed, args.cores_per_instance, num_attention=num_attention)
+    if args.layerwise_threshold is not None:
+        for spec in specs:
+            spec.kv_extra["layerwise_threshold_tokens"] = args.layerwise_threshold
+    attach_attention(specs, AttentionPlan(num_attention, args.attention_partition, args.pipeline,
+                                          args.attention_transport, args.attention_kv_cache_gib, args.send_q_early,
+                                          args.transport))
+    return specs
 
 
 def _keep_unknown_args(parser: argparse.ArgumentParser) -> None:
@@ -93,14 +127,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _up(args: argparse.Namespace) -> int:
-    from vllm_disagg.launch.local import LaunchError, LocalCluster, plan_instances
+    from vllm_disagg.launch.local import LaunchError, LocalCluster
     from vllm_disagg.router.policy import SchedulerConfig
     from vllm_disagg.router.server import Router, RouterServer
 
-    specs = plan_instances(args.prefill, args.decode, args.mixed, args.cores_per_instance)
-    if args.layerwise_threshold is not None:
-        for spec in specs:
-            spec.kv_extra["layerwise_threshold_tokens"] = args.layerwise_threshold
+    try:
+        specs = plan_from_args(args)
+    except ValueError as err:
+        print(f"vllm-disagg up: {err}", flush=True)
+        return 2
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="vllm-disagg-up-"))
     vllm_args = list(getattr(args, "vllm_args", []))
     if not args.access_log:
@@ -113,9 +148,15 @@ async def _up(args: argparse.Namespace) -> int:
         loop.add_signal_handler(sig, stop.set)
     server = None
     try:
-        cluster.start()
         print(f"vllm-disagg up: starting {len(specs)} instance(s), logs in {log_dir}", flush=True)
-        if not await _until(cluster.wait_healthy(args.health_timeout_s), stop):
+        attention = [s for s in specs if s.role == "attention"]
+        if attention:  # the model worker connects to them while it loads
+            cluster.start(attention)
+            if not await _until(cluster.wait_healthy(args.health_timeout_s, attention), stop):
+                return 130
+        engines = [s for s in specs if s.role != "attention"]
+        cluster.start(engines)
+        if not await _until(cluster.wait_healthy(args.health_timeout_s, engines), stop):
             return 130
         router = Router(cluster.router_config(push_timeout_s=args.push_timeout_s),
                         SchedulerConfig(args.prefill_queue_threshold, args.decode_queue_threshold))

@@ -1,10 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
-"""A whole Splitwise deployment on one host: P/D (or mixed) `vllm serve` processes plus the router.
+"""A whole Splitwise deployment on one host: P/D (or mixed) `vllm serve` processes plus the router,
+and optionally Lamina attention servers (`vllm-disagg attn-server`) for the decode instance.
 
 Lifecycle: `plan_instances()` -> `LocalCluster.start()` (one process group per instance, pinned to its
 own cores with VLLM_CPU_OMP_THREADS_BIND, on 127.0.0.1) -> `wait_healthy()` -> `router_config()` ->
 `stop()` (SIGTERM to each group, SIGKILL after a grace period). Instances get vLLM's native flags
 (`--kv-transfer-config`, `--additional-config`), so this works with or without the `--plugin` patch.
+With attention servers, `start(attention_specs(...))` runs them first: the model worker connects to them
+while it loads, so they must answer `/health` before it starts.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ class InstanceSpec:
     """One vLLM server of the deployment."""
 
     role: str
-    """prefill | decode | mixed"""
+    """prefill | decode | mixed | attention (a `vllm-disagg attn-server`, not a vLLM engine)"""
     index: int
     http_port: int
     kv_port: int | None
@@ -57,6 +60,8 @@ class InstanceSpec:
     """More environment for this instance only."""
     args: list = field(default_factory=list)
     """More `vllm serve` arguments for this instance only (after the shared ones)."""
+    disagg_extra: dict = field(default_factory=dict)
+    """More `additional_config["disagg"]` sections (remote_attention, nanoflow) for this instance."""
 
     @property
     def name(self) -> str:
@@ -97,19 +102,23 @@ def core_slices(num_instances: int, cores_per_instance: int, cores: list[int] | 
 
 
 def plan_instances(num_prefill: int, num_decode: int, num_mixed: int, cores_per_instance: int = 1,
-                   ports: list[int] | None = None) -> list[InstanceSpec]:
-    """Ports and cores for every instance; with no P/D and no mixed, one plain (mixed) instance."""
+                   ports: list[int] | None = None, num_attention: int = 0) -> list[InstanceSpec]:
+    """Ports and cores for every instance; with no P/D and no mixed, one plain (mixed) instance.
+
+    Attention servers come first (they must be up before their model worker starts)."""
     if num_prefill and not num_decode:
         raise ValueError("--prefill needs at least one --decode instance to push to")
     if not (num_prefill or num_decode or num_mixed):
         num_mixed = 1
-    roles = ["prefill"] * num_prefill + ["decode"] * num_decode + ["mixed"] * num_mixed
+    roles = (["attention"] * num_attention + ["prefill"] * num_prefill + ["decode"] * num_decode
+             + ["mixed"] * num_mixed)
     num_kv = num_prefill + num_decode
     ports = ports or free_ports(len(roles) + num_kv)
     cores = core_slices(len(roles), cores_per_instance)
-    specs, kv_ports, counts = [], iter(ports[len(roles):]), dict.fromkeys(("prefill", "decode", "mixed"), 0)
+    counts = dict.fromkeys(("attention", "prefill", "decode", "mixed"), 0)
+    specs, kv_ports = [], iter(ports[len(roles):])
     for i, role in enumerate(roles):
-        kv_port = next(kv_ports) if role != "mixed" else None
+        kv_port = next(kv_ports) if role in _KV_ROLE else None
         specs.append(InstanceSpec(role, counts[role], ports[i], kv_port, cores[i]))
         counts[role] += 1
     return specs
@@ -118,17 +127,72 @@ def plan_instances(num_prefill: int, num_decode: int, num_mixed: int, cores_per_
 def serve_command(spec: InstanceSpec, model: str, transport: str, extra_args: list[str],
                   served_name: str | None = None, vllm_cmd: list[str] | None = None) -> list[str]:
     """The `vllm serve` command line of one instance (native flags; unknown args passed through)."""
+    if spec.role == "attention":
+        return attn_server_command(spec)
     cmd = [*(vllm_cmd or vllm_serve_prefix()), model, "--host", HOST, "--port", str(spec.http_port)]
     if served_name and "--served-model-name" not in extra_args:
         cmd += ["--served-model-name", served_name]
+    disagg = dict(spec.disagg_extra)
     if spec.role in _KV_ROLE:
-        kv_cfg = {**CONNECTOR, "kv_role": _KV_ROLE[spec.role]}
-        kv = {"kv_port": spec.kv_port, "transport": transport, **spec.kv_extra}
-        disagg = {"disagg": {"role": spec.role, "kv": kv}}
-        cmd += ["--kv-transfer-config", json.dumps(kv_cfg), "--additional-config", json.dumps(disagg)]
+        cmd += ["--kv-transfer-config", json.dumps({**CONNECTOR, "kv_role": _KV_ROLE[spec.role]})]
+        disagg.update(role=spec.role, kv={"kv_port": spec.kv_port, "transport": transport, **spec.kv_extra})
+    if disagg:
+        cmd += ["--additional-config", json.dumps({"disagg": disagg})]
     if any(a.startswith("--disagg-") for a in extra_args) and "--plugin" not in extra_args:
         cmd += ["--plugin", "disagg"]  # e.g. `up --disagg-nano-batches 2`: folded into additional_config
     return cmd + list(extra_args) + list(spec.args)
+
+
+@dataclass
+class AttentionPlan:
+    """`up --attention K`: K attention servers serving one model-worker instance."""
+
+    num: int = 0
+    partition: str = "head"
+    """head | request (RemoteAttentionSection.partition)"""
+    pipeline: int = 1
+    """1, or 2 for ping-pong pipelining (runs on the NanoFlow nano-batch executor)"""
+    transport: str = "shm"
+    """Data path of the per-layer exchange."""
+    kv_cache_gib: float = 0.25
+    """KV memory of each attention server."""
+    send_q_early: bool | None = None
+    """None keeps the config default."""
+    kv_transport: str | None = None
+    """With prefill instances: the servers accept their KV pushes on this transport (= `up --transport`)."""
+
+
+def attach_attention(specs: list[InstanceSpec], plan: AttentionPlan) -> InstanceSpec | None:
+    """Point the model worker (the decode instance, or the only mixed one without P/D) at the servers.
+
+    A server holds the KV of exactly one model worker (attention/README "Limits"), so K servers serve
+    one instance. Prefill instances push their KV straight into the servers (`kv/attn_targets.py`)."""
+    servers = [f"{HOST}:{s.http_port}" for s in specs if s.role == "attention"]
+    if not servers:
+        return None
+    users = [s for s in specs if s.role in ("decode", "mixed")]
+    if len(users) != 1:
+        raise ValueError("--attention K serves exactly one model worker: use one --decode (or one instance "
+                         f"without --prefill), got {[s.name for s in users]}")
+    ra = {"servers": servers, "partition": plan.partition, "pipeline": plan.pipeline, "transport": plan.transport}
+    if plan.send_q_early is not None:
+        ra["send_q_early"] = plan.send_q_early
+    users[0].disagg_extra["remote_attention"] = ra
+    if plan.pipeline > 1:  # n=2 ping-pong = the NanoFlow nano-batch executor (one overlap mechanism)
+        users[0].disagg_extra["nanoflow"] = {"nano_batches": plan.pipeline}
+    for s in specs:
+        if s.role == "attention":
+            s.args = ["--transport", plan.transport, "--kv-cache-gib", str(plan.kv_cache_gib), *s.args]
+            if plan.kv_transport and any(p.role == "prefill" for p in specs):
+                s.args += ["--kv-transport", plan.kv_transport]
+    return users[0]
+
+
+def attn_server_command(spec: InstanceSpec) -> list[str]:
+    """`vllm-disagg attn-server` of one attention server; it exits with the launcher (--parent-pid)."""
+    threads = len(spec.cores.split(","))
+    return [sys.executable, "-m", "vllm_disagg.attention.cli", "--host", HOST, "--http-port", str(spec.http_port),
+            "--threads", str(threads), "--parent-pid", str(os.getpid()), *spec.args]
 
 
 def vllm_serve_prefix() -> list[str]:
@@ -163,12 +227,15 @@ class LocalCluster:
     kv_cache_gib: int | None = 1
     log_dir: Path = field(default_factory=lambda: Path.cwd() / "vllm-disagg-logs")
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    _token: str | None = field(default=None, repr=False)
 
-    def start(self) -> None:
+    def start(self, specs: list[InstanceSpec] | None = None) -> None:
+        """Start `specs` (default: all); call again with the rest to start in stages."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        base = dict(os.environ)
-        base.setdefault(VLLM_DISAGG_AUTH_TOKEN, secrets.token_hex(16))  # one token for every peer
-        for spec in self.specs:
+        if not self._token:
+            self._token = os.environ.get(VLLM_DISAGG_AUTH_TOKEN) or secrets.token_hex(16)  # one for every peer
+        base = {**os.environ, VLLM_DISAGG_AUTH_TOKEN: self._token}
+        for spec in self.specs if specs is None else specs:
             cmd = serve_command(spec, self.model, self.transport, self.extra_args, self.served_name)
             log = open(self.log_path(spec), "wb")  # noqa: SIM115  (owned by the child)
             logger.info("starting %s on %s (cores %s): %s", spec.name, spec.url, spec.cores, " ".join(cmd))
@@ -180,10 +247,10 @@ class LocalCluster:
     def log_path(self, spec: InstanceSpec) -> Path:
         return self.log_dir / f"{spec.name}.log"
 
-    async def wait_healthy(self, timeout_s: float = 900.0) -> None:
-        """Until every instance answers GET /health with 200; fails fast when one exits."""
+    async def wait_healthy(self, timeout_s: float = 900.0, specs: list[InstanceSpec] | None = None) -> None:
+        """Until every instance (of `specs`) answers GET /health with 200; fails fast when one exits."""
         deadline = time.monotonic() + timeout_s
-        pending = {s.name: s for s in self.specs}
+        pending = {s.name: s for s in (self.specs if specs is None else specs)}
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
             while pending:
                 for name, spec in list(pending.items()):
@@ -208,6 +275,7 @@ class LocalCluster:
 
     def router_config(self, **overrides) -> RouterConfig:
         by_role = {r: [s for s in self.specs if s.role == r] for r in ("prefill", "decode", "mixed")}
+        # attention servers are not in a pool: only their model worker talks to them
         return RouterConfig(prefill_urls=[s.url for s in by_role["prefill"]],
                             prefill_kv=[s.kv_addr for s in by_role["prefill"]],
                             decode_urls=[s.url for s in by_role["decode"]],

@@ -1,11 +1,15 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Remote attention (Lamina) on the nano-batch executor: n nano-batches in flight, n=2 = ping-pong.
+"""Remote attention (Lamina) on the nano-batch executor: the one overlap mechanism for both.
 
 `--worker-cls vllm_disagg.nanoflow.remote.NanoFlowRemoteAttentionWorker` with both
-`remote_attention` and `nanoflow` in `additional_config["disagg"]`. The attention ops of every
-layer run on the "net" unit (the remote impl is network-bound), so while nano-batch i waits for
-its attention servers, the "dense" unit computes nano-batch i+1. Composition only: the remote
-worker/runner are the Lamina helper's (`vllm_disagg.attention.worker`).
+`remote_attention` and `nanoflow` in `additional_config["disagg"]`. The step is cut into nano-batches
+either way; `remote_attention.pipeline` picks what overlaps:
+- 2 (ping-pong): the remote impl is marked network-bound, so every layer's attention RPC runs on
+  the executor's "net" unit and, while nano-batch i waits for its attention servers, the "dense"
+  unit computes nano-batch i+1 (paper section 4.3, n=2).
+- 1: the same nano-batches, the same RPCs, run one after the other (one batch in flight): the
+  baseline that isolates what the overlap buys, on the same runner and executor.
+Composition only: the remote worker/runner are `vllm_disagg.attention.worker`'s.
 """
 
 from __future__ import annotations
@@ -16,18 +20,32 @@ from vllm_disagg.nanoflow.overlap import NETWORK_BOUND_ATTR
 from vllm_disagg.nanoflow.runner import enable_nano_ubatching, nanoflow_runner_cls, runner_stats
 
 
-def mark_remote_impl_network_bound() -> None:
-    impl = remote_backend._classes()["RemoteAttentionImpl"]
-    if not getattr(impl, NETWORK_BOUND_ATTR, False):
-        setattr(impl, NETWORK_BOUND_ATTR, True)
+def mark_remote_impl_network_bound(bound: bool = True) -> None:
+    """Set on the impl class before the model binds its pipeline (read once at load_model)."""
+    setattr(remote_backend._classes()["RemoteAttentionImpl"], NETWORK_BOUND_ATTR, bound)
+
+
+def pipeline_depth(vllm_config) -> int:
+    from vllm_disagg.config import disagg_config_from_vllm
+
+    cfg = disagg_config_from_vllm(vllm_config)
+    ra = cfg.remote_attention if cfg is not None else None
+    # this worker exists to overlap: ping-pong unless the config asks for depth 1 explicitly
+    return ra.pipeline if ra is not None and "pipeline" in ra.model_fields_set else 2
 
 
 class NanoFlowRemoteAttentionWorker(DisaggAttentionWorker):
     """DisaggAttentionWorker whose runner also nano-batches (inert parts stay inert)."""
 
     def init_device(self) -> None:
+        depth = pipeline_depth(self.vllm_config)
+        if depth > 2:
+            raise NotImplementedError(
+                f"remote_attention.pipeline={depth}: only n=1 and n=2 (ping-pong) have a runtime; n>2 needs "
+                "context migration across model replicas (vllm_disagg.attention.schedule has the schedule)"
+            )
         enable_nano_ubatching(self.vllm_config)
-        mark_remote_impl_network_bound()
+        mark_remote_impl_network_bound(depth >= 2)
         super().init_device()
         runner = self.model_runner  # DisaggAttentionRunner when remote attention is configured
         runner.__class__ = nanoflow_runner_cls(type(runner))

@@ -1,15 +1,20 @@
 # SPDX-License-Identifier: Apache-2.0
 """A pair of single-producer/single-consumer byte rings in one memfd, woken by eventfds.
 
-Layout per direction: a 128-byte control block (head at byte 0, writer-waiting flag at 8, tail at
-64, on separate cache lines) followed by `cap` data bytes. The writer copies then publishes
-`tail`; the reader copies out then publishes `head`. Plain aligned 8-byte stores and x86-64's
-store ordering (TSO) make this safe without locks; other CPUs would need explicit barriers.
+Layout per direction: a 128-byte control block (head at byte 0, writer-waiting flag at 8,
+reader-sleeping flag at 16, tail at 64, on separate cache lines) followed by `cap` data bytes.
+The writer copies then publishes `tail`; the reader copies out then publishes `head`. Plain
+aligned 8-byte stores and x86-64's store ordering (TSO) make this safe without locks; other CPUs
+would need explicit barriers.
 
-Waking: the reader spins `spin_us`, then sleeps in poll() on its data eventfd plus the unix
-socket of the connection, which doubles as the liveness signal: EOF there means the peer died.
-The writer signals the data eventfd after every send (cheap, and no wake-up is ever lost).
-The rare full-ring wait uses a flag plus 1 ms poll slices so a lost wake costs at most 1 ms.
+Waking (spin-then-block): the reader spins `spin_us` on `tail`, then raises its sleeping flag
+and sleeps in poll() on its data eventfd plus the unix socket of the connection, which doubles
+as the liveness signal: EOF there means the peer died. The writer signals the eventfd only when
+the flag is up, so a spinning reader costs the writer no syscall. The flag/tail handshake is
+Dekker's (store mine, load theirs), which TSO may reorder; `_fence()` (a locked instruction:
+CPython's lock acquire/release) sits between the store and the load on both sides. The sleeps
+are also cut into `_WAKE_SLICE_S` slices, so even a lost wake would cost at most that.
+The rare full-ring wait uses the writer-waiting flag and 1 ms poll slices the same way.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import os
 import select
 import socket
 import struct
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -28,8 +34,16 @@ from vllm_disagg.transport.wire import FRAME_HDR, T_SHM_SETUP, as_byte_view, pac
 
 CTRL_BYTES = 128
 DEFAULT_RING_BYTES = 4 << 20
-_HEAD, _WAITING, _TAIL = 0, 1, 8  # indexes in the control block viewed as u64
+_HEAD, _WAITING, _SLEEPING, _TAIL = 0, 1, 2, 8  # indexes in the control block viewed as u64
 _SPACE_SLICE_S = 0.001
+_WAKE_SLICE_S = 0.01
+_FENCE_LOCK = threading.Lock()
+
+
+def _fence() -> None:
+    """Full memory barrier: the lock's atomic read-modify-write is a LOCK-prefixed instruction."""
+    _FENCE_LOCK.acquire()
+    _FENCE_LOCK.release()
 _SETUP = struct.Struct("<Q")
 
 
@@ -78,7 +92,7 @@ class RingStream:
             while off < n:
                 free = tx.cap - (self._tail - tx.ctrl[_HEAD])
                 if free == 0:
-                    os.eventfd_write(self._tx_data, 1)
+                    self._wake_reader()
                     self._wait_space(deadline)
                     continue
                 pos = self._tail % tx.cap
@@ -88,8 +102,13 @@ class RingStream:
                 self._tail += k
                 tx.ctrl[_TAIL] = self._tail
             total += n
-        os.eventfd_write(self._tx_data, 1)
+        self._wake_reader()
         return total
+
+    def _wake_reader(self) -> None:
+        _fence()  # our tail store must be visible before we read the peer's sleeping flag
+        if self._tx.ctrl[_SLEEPING]:
+            os.eventfd_write(self._tx_data, 1)
 
     def _wait_space(self, deadline: float) -> None:
         tx = self._tx
@@ -109,7 +128,7 @@ class RingStream:
         while off < n:
             avail = rx.ctrl[_TAIL] - self._head
             if avail == 0:
-                self._wait(lambda: rx.ctrl[_TAIL] != self._head, self._rx_data, deadline, None)
+                self._wait_data(deadline)
                 continue
             pos = self._head % rx.cap
             k = min(avail, n - off, rx.cap - pos)
@@ -125,11 +144,28 @@ class RingStream:
         self.recv_into(memoryview(buf), timeout)
         return buf
 
-    def _wait(self, ready, efd: int, deadline: float, slice_s: float | None) -> None:
-        spin_end = time.perf_counter() + self._spin_s
-        while time.perf_counter() < spin_end:
-            if ready():
-                return
+    def _wait_data(self, deadline: float) -> None:
+        rx = self._rx
+        ctrl, head = rx.ctrl, self._head
+        if self._spin_s > 0:
+            clock = time.perf_counter
+            spin_end = clock() + self._spin_s
+            while clock() < spin_end:
+                if ctrl[_TAIL] != head:
+                    return
+        ctrl[_SLEEPING] = 1
+        try:
+            _fence()  # the flag must be visible before we read tail (pairs with _wake_reader)
+            self._wait(lambda: ctrl[_TAIL] != head, self._rx_data, deadline, _WAKE_SLICE_S, spin=False)
+        finally:
+            ctrl[_SLEEPING] = 0
+
+    def _wait(self, ready, efd: int, deadline: float, slice_s: float | None, spin: bool = True) -> None:
+        if spin and self._spin_s > 0:
+            spin_end = time.perf_counter() + self._spin_s
+            while time.perf_counter() < spin_end:
+                if ready():
+                    return
         poller = select.poll()
         poller.register(efd, select.POLLIN)
         poller.register(self.sock, select.POLLIN | select.POLLHUP)

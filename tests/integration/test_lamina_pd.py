@@ -1,0 +1,155 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Prefill -> attention servers (issue 4): `vllm-disagg up --prefill 1 --decode 1 --attention 2`.
+
+The prefill instance pushes its KV (P/D connector and transport) straight into the two attention
+servers' blocks, KV-head slices (head-wise) or whole blocks to the request's server (request-wise);
+the decode model worker holds no KV and starts decoding once the push landed. Greedy float32 tokens
+and their logprobs equal plain vLLM; every pushed byte is counted on the servers, and no request fell
+back to recomputing its prompt. With the prefill instance killed, decode recomputes (same tokens).
+Real processes on 127.0.0.1 throughout.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import gc
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ENGINE_ARGS = ["--load-format", "dummy", "--dtype", "float32", "--enforce-eager",
+               "--max-model-len", "1024", "--block-size", "32", "--no-enable-prefix-caching", "--seed", "0"]
+BLOCK_SIZE = 32
+# multi-block prompts of different lengths (and a one-block one), sent concurrently
+PROMPTS = [[(7 * i + 3 * j) % 500 + 3 for j in range(n)] for i, n in enumerate((70, 97, 33, 5))]
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    """Tiny random Llama (2 layers, 2 KV heads) with a tokenizer: the HTTP API returns logprobs."""
+    from vllm_disagg.testing import TokenizerUnavailable, tiny_llama_with_tokenizer
+
+    try:
+        return str(tiny_llama_with_tokenizer(tmp_path_factory.mktemp("tiny-tok"), num_hidden_layers=2))
+    except TokenizerUnavailable as err:
+        pytest.skip(str(err))
+
+
+@pytest.fixture(scope="module")
+def plain(model_dir):
+    """Greedy float32 token ids and their logprobs from plain vLLM (in process)."""
+    from vllm import LLM, SamplingParams
+
+    from vllm_disagg.testing import tiny_llm_kwargs
+
+    llm = LLM(**tiny_llm_kwargs(model_dir, max_model_len=1024, skip_tokenizer_init=False))
+    try:
+        sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, logprobs=0)
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sp, use_tqdm=False)
+        return [(list(o.outputs[0].token_ids), [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids,
+                                                                                o.outputs[0].logprobs, strict=True)])
+                for o in outs]
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.killpg(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+@contextlib.contextmanager
+def _up(tmp_path, *argv: str):
+    state_file = tmp_path / "state.json"
+    cmd = [sys.executable, "-m", "vllm_disagg.cli.main", "up", "--port", "0", "--state-file", str(state_file),
+           "--log-dir", str(tmp_path / "logs"), *argv]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600
+        while not state_file.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read().decode()[-3000:]
+            time.sleep(1)
+        state = json.loads(state_file.read_text())
+        yield state
+        os.kill(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        deadline = time.monotonic() + 10
+        while any(_alive(i["pid"]) for i in state["instances"]) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [i["name"] for i in state["instances"] if _alive(i["pid"])], "outlived `up`"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _complete(state: dict, prompt: list[int], stream: bool) -> tuple[list[int], list[float], dict | None]:
+    body = {"model": state["model"], "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True, "logprobs": 0, "stream": stream}
+    req = urllib.request.Request(f"{state['endpoint']}/v1/completions", method="POST",
+                                 headers={"Content-Type": "application/json"}, data=json.dumps(body).encode())
+    ids, lps, params = [], [], None
+    with urllib.request.urlopen(req, timeout=300) as resp:
+        events = [json.load(resp)] if not stream else [
+            json.loads(line[6:]) for line in (raw.strip() for raw in resp)
+            if line.startswith(b"data: ") and line != b"data: [DONE]"]
+    for event in events:
+        params = event.get("kv_transfer_params") or params
+        for choice in event.get("choices", []):
+            ids += choice.get("token_ids") or []
+            lps += (choice.get("logprobs") or {}).get("token_logprobs") or []
+    return ids, lps, params
+
+
+def _ingested(url: str) -> float:
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
+        for line in resp.read().decode().splitlines():
+            if line.startswith("vllm:disagg_attention_kv_ingest_bytes_total"):
+                return float(line.split()[-1])
+    raise AssertionError(f"{url} exports no KV ingest counter")
+
+
+@pytest.mark.parametrize("partition", ["head", "request"])
+def test_prefill_pushes_into_attention_servers_and_decode_matches_plain_vllm(
+        model_dir, plain, tmp_path, partition):
+    with open(os.path.join(model_dir, "config.json")) as f:
+        cfg = json.load(f)
+    block_nbytes = cfg["num_key_value_heads"] * BLOCK_SIZE * 2 * cfg["head_dim"] * 4  # float32
+    with _up(tmp_path, "--prefill", "1", "--decode", "1", "--attention", "2", "--attention-partition", partition,
+             "--layerwise-threshold", "64", "--model", model_dir, *ENGINE_ARGS) as state:
+        assert [i["role"] for i in state["instances"]] == ["attention", "attention", "prefill", "decode"]
+        with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+            got = list(pool.map(lambda p: _complete(state, p, False), PROMPTS))
+        got.append(_complete(state, PROMPTS[1], True))  # streamed
+        want = plain + [plain[1]]
+        for (ids, lps, params), (ref_ids, ref_lps) in zip(got, want, strict=True):
+            assert not (params or {}).get("disagg_kv_error"), params  # pushed, not recomputed on D
+            assert ids == ref_ids
+            assert lps == pytest.approx(ref_lps, abs=1e-3)
+        landed = [_ingested(i["url"]) for i in state["instances"][:2]]
+        blocks = sum(math.ceil(len(p) / BLOCK_SIZE) for p in PROMPTS + [PROMPTS[1]])
+        assert sum(landed) == blocks * cfg["num_hidden_layers"] * block_nbytes
+        assert all(b > 0 for b in landed)  # both servers hold pushed KV
+        if partition == "head":
+            assert landed[0] == landed[1]  # each server got its half of every block
+        # a dead prefill instance: the decode model worker recomputes the prompt onto the servers
+        [prefill] = [i for i in state["instances"] if i["role"] == "prefill"]
+        os.killpg(prefill["pid"], signal.SIGKILL)
+        ids, lps, _ = _complete(state, PROMPTS[2], False)
+        assert ids == plain[2][0] and lps == pytest.approx(plain[2][1], abs=1e-3)
+        assert [_ingested(i["url"]) for i in state["instances"][:2]] == landed  # nothing pushed

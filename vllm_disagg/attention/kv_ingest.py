@@ -1,0 +1,127 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Prefill -> attention server: the server's KV receiver, so a prefill instance pushes straight into it.
+
+The prefill instance's `PushSender` (the P/D connector, unchanged transport) writes whole blocks of
+each layer into this server's cache regions: head-wise, each server's block is one KV-head slice of
+the prefill block (contiguous in the CPU layout `[num_blocks, num_kv_heads, block_size, 2*head_dim]`);
+request-wise, whole blocks. Block ids are the decode model worker's, which are the servers' ids.
+
+Lifecycle: `attach(caches)` once the first client's INIT fixed the geometry (again if it changes:
+the old receiver closes, its in-flight writes fail at the sender), a thread drains the transport's
+landing notifications into per-transfer byte counts, the decode model worker polls them with
+`GET /kv/landed?ids=T1,T2` (JSON `{transfer_id: bytes}`, `-1` while nothing landed) and drops them
+with `&forget=1` once it has counted them. Counts unclaimed for 10 minutes are dropped.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from urllib.parse import parse_qs, urlsplit
+
+from prometheus_client import CollectorRegistry, Counter
+from vllm.logger import init_logger
+
+from vllm_disagg.errors import DisaggError
+from vllm_disagg.transport import TransportOptions, get_transport
+
+logger = init_logger(__name__)
+_FORGET_AFTER_S = 600.0
+_MAX_IDS = 256  # per poll; a decode worker has at most a batch of pending pushes
+_ID_CHARS = frozenset("0123456789abcdefABCDEF-_")
+
+
+class KVIngest:
+    """The KV receiver of one attention server (`transport` must be the prefill side's kv.transport)."""
+
+    def __init__(self, transport: str, auth_token: str, host: str = "127.0.0.1", port: int = 0,
+                 registry: CollectorRegistry | None = None, poll_s: float = 0.001):
+        self.kind = transport
+        self._transport = get_transport(transport, TransportOptions(auth_token=auth_token, host=host, port=port))
+        self._receiver = None
+        self.address: str | None = None
+        self._lock = threading.Lock()
+        self._landed: dict[str, list[float]] = {}  # transfer_id -> [bytes, last update]
+        self._poll_s = poll_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.bytes_landed = Counter("vllm:disagg_attention_kv_ingest_bytes",
+                                    "KV bytes pushed by prefill instances that landed in this server's cache",
+                                    registry=registry)
+        self.writes = Counter("vllm:disagg_attention_kv_ingest_writes", "Prefill KV writes that landed",
+                              registry=registry)
+
+    def attach(self, caches: list) -> str:
+        """Expose `caches` (one tensor per layer, `[num_blocks, ...]`) as regions "0".."L-1"."""
+        old = self._receiver
+        if old is not None:
+            old.close()
+        receiver = self._transport.kv_receiver(name="attention")
+        for layer, tensor in enumerate(caches):
+            receiver.register_region(str(layer), tensor)
+        self.address = receiver.start()
+        with self._lock:
+            self._receiver = receiver
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._drain_loop, name="attn-kv-ingest", daemon=True)
+            self._thread.start()
+        logger.info("attention server: prefill KV pushes land at %s (%s)", self.address, self.kind)
+        return self.address
+
+    def info(self) -> dict:
+        return {"kv_address": self.address, "kv_transport": self.kind}
+
+    def _drain_loop(self) -> None:
+        while not self._stop.wait(self._poll_s):
+            with self._lock:
+                receiver = self._receiver
+            if receiver is None:
+                continue
+            try:
+                notes = receiver.poll_notifications()
+            except DisaggError as err:  # a closed (replaced) receiver
+                logger.debug("KV ingest: %s", err)
+                continue
+            if notes:
+                self._count(notes)
+            self._gc(time.monotonic())
+
+    def _count(self, notes) -> None:
+        now = time.monotonic()
+        with self._lock:
+            for note in notes:
+                entry = self._landed.setdefault(note.transfer_id, [0, now])
+                entry[0] += note.nbytes
+                entry[1] = now
+        self.bytes_landed.inc(sum(n.nbytes for n in notes))
+        self.writes.inc(len(notes))
+
+    def _gc(self, now: float) -> None:
+        with self._lock:
+            for tid in [t for t, (_, seen) in self._landed.items() if now - seen > _FORGET_AFTER_S]:
+                del self._landed[tid]
+
+    def landed(self, ids: list[str], forget: bool = False) -> dict[str, int]:
+        with self._lock:
+            out = {t: int(self._landed[t][0]) if t in self._landed else -1 for t in ids}
+            if forget:
+                for t in ids:
+                    self._landed.pop(t, None)
+        return out
+
+    def http_landed(self, path: str) -> dict[str, int]:
+        """`/kv/landed?ids=A,B[&forget=1]`; ValueError (-> HTTP 400) on anything malformed."""
+        query = parse_qs(urlsplit(path).query)
+        ids = [t for t in ",".join(query.get("ids", [])).split(",") if t]
+        if len(ids) > _MAX_IDS or any(len(t) > 64 or not set(t) <= _ID_CHARS for t in ids):
+            raise ValueError(f"ids: at most {_MAX_IDS} transfer ids of [0-9a-f-_], 64 chars each")
+        return self.landed(ids, forget=query.get("forget", ["0"])[0] == "1")
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=1)
+        with self._lock:
+            receiver, self._receiver = self._receiver, None
+        if receiver is not None:
+            receiver.close()

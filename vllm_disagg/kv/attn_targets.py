@@ -1,0 +1,173 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Decode side of prefill -> attention-server pushes: a Lamina model worker holds no KV, so the prefill
+instance writes straight into the attention servers' blocks (issue 4).
+
+Same connector, side channel and contract as P/D (`push_receiver.py`): D's scheduler allocates block
+ids (= the servers' block ids), this receiver registers them with the prefill side, and the request
+is reported in finished_recving once every byte landed; a dead or stalled prefill instance makes D
+recompute the prompt (kv_load_failure_policy=recompute), written to the servers by the model.
+
+What differs from `PushReceiver`:
+- REGISTER carries `targets` = [kv address, num_shards, shard] per server instead of one receiver:
+  head-wise every server gets its KV-head slice of every block; request-wise the request's server
+  (placed now, on the engine thread, by the attention client's `RequestPlacer`) gets whole blocks.
+- Landing is counted on the servers (`attention/kv_ingest.py`); a thread polls their
+  `GET /kv/landed` while receives are pending and sums the bytes per transfer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+import urllib.request
+from typing import Any
+
+from vllm.logger import init_logger
+
+from vllm_disagg.errors import DisaggError, PeerLostError
+from vllm_disagg.kv.metadata import RecvSpec
+from vllm_disagg.kv.push_receiver import PushReceiver
+from vllm_disagg.kv.push_sender import encode_targets
+
+__all__ = ["AttnPushReceiver", "attention_settings"]
+
+logger = init_logger(__name__)
+_POLL_S = 0.002
+
+
+def attention_settings(vllm_config: Any):
+    """The `remote_attention` section when this decode worker runs remote attention, else None."""
+    from vllm_disagg.config import disagg_config_from_vllm
+
+    cfg = disagg_config_from_vllm(vllm_config)
+    ra = cfg.remote_attention if cfg else None
+    return ra if ra is not None and ra.servers else None
+
+
+class AttnPushReceiver(PushReceiver):
+    """PushReceiver whose KV lands on the attention servers `ra.servers` (head- or request-wise)."""
+
+    def __init__(self, control: Any, handshake: Any, token: str, stats: Any, failure_policy: str, ra: Any,
+                 placer: Any = None):
+        self.servers, self.partition, self.http_timeout_s = list(ra.servers), ra.partition, min(ra.timeout_s, 5.0)
+        self._placer = placer
+        self._kv_addrs: list[str] | None = None
+        self._where: dict[str, int] = {}  # transfer_id -> server (request-wise)
+        self._totals: dict[str, int] = {}  # transfer_id -> bytes landed over all servers
+        self._totals_lock = threading.Lock()
+        # the attention servers use vLLM's CPU layout; our own tensors are zero-byte `meta` placeholders
+        handshake = dataclasses.replace(handshake, kv_layout=handshake.kv_layout.replace("meta:", "cpu:", 1))
+        super().__init__(control, None, handshake, token, [], stats, failure_policy)
+        self._stop = threading.Event()
+        self._poller = threading.Thread(target=self._poll_loop, name="disagg-kv-attn-landed", daemon=True)
+        self._poller.start()
+
+    # ------------------------------------------------------------ PushReceiver hooks
+    def _open_receiver(self, data: Any, layers: list[Any]) -> str:
+        self._receiver = None
+        return "attention:" + ",".join(self.servers)
+
+    def start(self, specs: list[RecvSpec]) -> None:
+        if self.partition == "request":  # engine thread: the same thread the placer splits steps on
+            for spec in specs:
+                self._where[spec.transfer_id] = self._place(spec)
+        super().start(specs)
+
+    def _place(self, spec: RecvSpec) -> int:
+        if self._placer is None:
+            from vllm_disagg.attention import backend
+
+            self._placer = backend._CLIENT.placer if backend._CLIENT is not None else None
+        if self._placer is None or not spec.block_ids or spec.start_block:
+            return -1  # registration fails below: D recomputes
+        if len(self._where) > 4096:  # finished transfers: oldest first
+            for tid in list(self._where)[:2048]:
+                del self._where[tid]
+        return self._placer.place(spec.block_ids[0], spec.num_prompt_tokens)
+
+    def _register_fields(self, spec: RecvSpec) -> dict:
+        addrs = self._kv_addresses()
+        if self.partition == "head":
+            return {"targets": encode_targets([(a, len(addrs), i) for i, a in enumerate(addrs)])}
+        server = self._where.get(spec.transfer_id, -1)
+        if server < 0:
+            raise DisaggError("request-wise push needs the request's whole prompt in fresh blocks and a placer")
+        return {"targets": encode_targets([(addrs[server], 1, 0)])}
+
+    def _kv_addresses(self) -> list[str]:
+        """Each server's KV receiver address (asked once; a restarted server gets asked again)."""
+        if self._kv_addrs is None:
+            addrs = []
+            for server in self.servers:
+                info = self._get(server, "/health")
+                if not info.get("kv_address"):
+                    raise DisaggError(f"attention server {server} accepts no prefill KV (start it with --kv-transport)")
+                if info.get("kernel") != "cpu":
+                    raise DisaggError(f"attention server {server} runs kernel {info.get('kernel')!r}; prefill "
+                                      "pushes are written in vLLM's CPU layout")
+                addrs.append(str(info["kv_address"]))
+            self._kv_addrs = addrs
+        return self._kv_addrs
+
+    def _drain_notifications(self) -> None:
+        with self._totals_lock:
+            totals = dict(self._totals)
+        with self._lock:
+            for tid, landed in totals.items():
+                recv = self._by_tid.get(tid)
+                if recv is not None and recv.state not in ("failed", "cancelling", "done"):
+                    recv.landed_bytes = landed
+                    if landed >= recv.expected_bytes:
+                        recv.state = "done"
+
+    def _fail_lost_peers(self) -> None:
+        """Dead prefill instances show up as push_timeout_s expiry (the servers keep no peer list here)."""
+
+    def _set_failed(self, recv, reason: str) -> None:
+        self._kv_addrs = None if "attention server" in reason else self._kv_addrs
+        super()._set_failed(recv, reason)
+
+    # ------------------------------------------------------------ landing poller
+    def _poll_loop(self) -> None:
+        while not self._stop.wait(_POLL_S):
+            with self._lock:
+                pending = [r.spec.transfer_id for r in self._recvs.values() if r.state == "registered"]
+            if not pending:
+                continue
+            try:
+                totals = self._landed(pending)
+            except DisaggError as err:
+                logger.warning("KV push to attention servers: %s", err)
+                self._stop.wait(0.1)
+                continue
+            with self._totals_lock:
+                self._totals = totals
+
+    def _landed(self, tids: list[str]) -> dict[str, int]:
+        """Bytes landed per transfer, summed over the servers that receive it."""
+        totals = dict.fromkeys(tids, 0)
+        for i, server in enumerate(self.servers):
+            mine = [t for t in tids if self.partition == "head" or self._where.get(t) == i]
+            for start in range(0, len(mine), 128):
+                chunk = mine[start:start + 128]
+                for tid, nbytes in self._get(server, "/kv/landed?ids=" + ",".join(chunk)).items():
+                    if tid in totals and nbytes > 0:
+                        totals[tid] += int(nbytes)
+        return totals
+
+    def _get(self, server: str, path: str) -> dict:
+        try:
+            with urllib.request.urlopen(f"http://{server}{path}", timeout=self.http_timeout_s) as resp:
+                out = json.loads(resp.read())
+        except (OSError, ValueError) as err:
+            raise PeerLostError(f"attention server {server}{path}: {err}") from err
+        if not isinstance(out, dict):
+            raise PeerLostError(f"attention server {server}{path}: expected a JSON object")
+        return out
+
+    def close(self) -> None:
+        self._stop.set()
+        self._poller.join(timeout=1)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._client.close()
