@@ -364,7 +364,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="< 5 min, batch 32 only, one repetition")
     args = ap.parse_args()
-    os.environ.setdefault("VLLM_DISAGG_AUTH_TOKEN", TOKEN)
+    os.environ["VLLM_DISAGG_AUTH_TOKEN"] = TOKEN  # the engines' clients must present the servers' token
     from vllm_disagg.testing import apply_test_env
 
     apply_test_env(in_process=True)

@@ -197,9 +197,9 @@ def bench_remote(model_dir: str, quick: bool) -> dict:
     ops) over n=1 (the same nano-batches and RPCs run serially), same runner and executor, at batch
     32 and context 512 (Lamina's regime: attention is a real share of the decode step). Both engines
     live together and run in turn; each is taken at its best round (load only slows runs down)."""
-    from attn_bench import DECODE_BATCH, DECODE_CONTEXT, paired_speedup, run_engines, speedup  # noqa: I001
+    from attn_bench import TOKEN, DECODE_BATCH, DECODE_CONTEXT, paired_speedup, run_engines, speedup  # noqa: I001
 
-    os.environ.setdefault("VLLM_DISAGG_AUTH_TOKEN", "bench-token")
+    os.environ["VLLM_DISAGG_AUTH_TOKEN"] = TOKEN  # the engines' clients must present the servers' token
     names = ["remote_pipeline_n1", "remote_pipeline_n2"]
     eng = run_engines([DECODE_BATCH], DECODE_CONTEXT, max_tokens=10 if quick else 24, reps=3 if quick else 5,
                       only=names)
