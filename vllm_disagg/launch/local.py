@@ -28,6 +28,7 @@ from pathlib import Path
 import aiohttp
 
 from vllm_disagg.envs import VLLM_DISAGG_AUTH_TOKEN
+from vllm_disagg.launch.reaper import start_reaper
 from vllm_disagg.router.config import RouterConfig
 
 logger = logging.getLogger(__name__)
@@ -227,6 +228,7 @@ class LocalCluster:
     kv_cache_gib: int | None = 1
     log_dir: Path = field(default_factory=lambda: Path.cwd() / "vllm-disagg-logs")
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    _reapers: dict[str, int] = field(default_factory=dict, repr=False)  # pipe write ends, see launch/reaper.py
     _token: str | None = field(default=None, repr=False)
 
     def start(self, specs: list[InstanceSpec] | None = None) -> None:
@@ -243,6 +245,8 @@ class LocalCluster:
                 cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 env=instance_env(spec, self.kv_cache_gib, base), start_new_session=True)
             log.close()
+            # a launcher killed with SIGKILL cannot stop its instances: the reaper does
+            self._reapers[spec.name] = start_reaper(self.procs[spec.name].pid)
 
     def log_path(self, spec: InstanceSpec) -> Path:
         return self.log_dir / f"{spec.name}.log"
@@ -306,6 +310,9 @@ class LocalCluster:
         deadline = time.monotonic() + 5
         while any(_group_exists(p.pid) for p in self.procs.values()) and time.monotonic() < deadline:
             time.sleep(0.1)
+        for fd in self._reapers.values():
+            os.close(fd)  # the groups are gone: let their reapers exit
+        self._reapers.clear()
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:

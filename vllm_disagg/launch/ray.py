@@ -179,11 +179,9 @@ class InstanceServer:
                                     env=env, start_new_session=True)
 
     def _start_reaper(self) -> int:
-        read_fd, write_fd = os.pipe()
-        subprocess.Popen([sys.executable, "-m", "vllm_disagg.launch.reaper", str(read_fd), str(self.proc.pid)],
-                         pass_fds=(read_fd,), start_new_session=True, stdin=subprocess.DEVNULL)
-        os.close(read_fd)
-        return write_fd  # kept open for the actor's lifetime; closes when it dies
+        from vllm_disagg.launch.reaper import start_reaper
+
+        return start_reaper(self.proc.pid)  # kept open for the actor's lifetime; closes when it dies
 
     def _watch_ready(self) -> None:
         while not self._ready.is_set() and self.proc.poll() is None:
