@@ -31,7 +31,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "up", help="start P/D vLLM pools and the router on 127.0.0.1",
         description=__doc__.splitlines()[0], allow_abbrev=False,
         epilog="Unknown arguments are passed to every `vllm serve` instance.")
-    parser.add_argument("--prefill", type=int, default=1, help="prefill (P) instances")
+    parser.add_argument("--prefill", type=int, default=None,
+                        help="prefill (P) instances (default 1; 0 with --attention: one instance does both phases)")
     parser.add_argument("--decode", type=int, default=1, help="decode (D) instances")
     parser.add_argument("--mixed", type=int, default=0, help="plain instances serving whole requests")
     parser.add_argument("--model", default="smollm2-135m", help="embedded model name or a local path")
@@ -78,6 +79,7 @@ def plan_from_args(args: argparse.Namespace) -> list:
     one (both phases), which then becomes the model worker of the K attention servers."""
     from vllm_disagg.launch.local import AttentionPlan, attach_attention, plan_instances
 
+    resolve_prefill(args)
     num_attention = getattr(args, "attention", 0)
     num_decode, num_mixed = args.decode, args.mixed
     if num_attention and not args.prefill:
@@ -112,6 +114,13 @@ def resolve_model(name_or_path: str) -> str:
     from vllm_disagg.models import resolve_model as resolve  # lazy: pulls may take a minute
 
     return resolve(name_or_path)
+
+
+def resolve_prefill(args: argparse.Namespace) -> None:
+    """`--prefill` left out: 1 P instance, except with `--attention K` on the local backend, where one
+    instance does both phases on the attention servers (the Ray backend keeps 1 P + D)."""
+    if args.prefill is None:
+        args.prefill = 0 if getattr(args, "attention", 0) else 1
 
 
 def run(args: argparse.Namespace) -> int:

@@ -98,6 +98,8 @@ class ActorSpec:
 
 def plan_actor_specs(args: argparse.Namespace, model: str) -> list[ActorSpec]:
     """One spec per instance, attention workers first (decode needs their addresses)."""
+    if args.prefill is None:  # left out: one P instance (see launch.cli.resolve_prefill for local)
+        args.prefill = 1
     if args.prefill and not args.decode:
         raise ValueError("--prefill needs at least one --decode instance to push to")
     mixed = args.mixed if (args.prefill or args.decode or args.mixed) else 1

@@ -78,3 +78,8 @@ def test_no_attention_flag_leaves_the_plain_pd_plan_unchanged():
     specs = _plan("--prefill", "1", "--decode", "1")
     assert [s.name for s in specs] == ["prefill0", "decode0"]
     assert all("remote_attention" not in s.disagg_extra for s in specs)
+
+
+def test_leaving_out_prefill_means_one_p_instance_but_none_with_attention_servers():
+    assert [s.role for s in _plan()] == ["prefill", "decode"]
+    assert [s.role for s in _plan("--attention", "2")] == ["attention", "attention", "mixed"]
