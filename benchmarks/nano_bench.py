@@ -14,7 +14,7 @@ median of per-round ratios; one OpenMP thread per engine) on a "medium" random L
 - `remote_attention_overlap_speedup`: remote attention (a Lamina server on shm, own core) on the
   nano-batch executor, 2 nano-batches with the attention RPC on the "net" unit (n=2) over the same
   nano-batches run serially (n=1), decode at batch 32 / context 512. Same code and figure as
-  `attn_bench.py`'s pipeline_speedup (one overlap mechanism). Goal >= 1.3.
+  `attn_bench.py`'s pipeline_speedup_ctx512 (one overlap mechanism). Goal >= 1.3.
 - `tp_allreduce_overlap_speedup`: TP=2 over gloo, all-reduce on the "net" unit vs the same graph
   inline. Executor level (two real gloo ranks, TP-sharded GEMMs, no vLLM engine: a TP=2 engine
   takes 1.5-2 min to start here); the full run adds engine-level TP=2 (`tp_engine_speedup`).
@@ -191,7 +191,7 @@ def executor_overhead_us_per_op(num_layers: int, reps: int = 200) -> float:
 
 
 def bench_remote(model_dir: str, quick: bool) -> dict:
-    """The one overlap mechanism, measured exactly as `attn_bench.py`'s pipeline_speedup (same code):
+    """The one overlap mechanism, measured exactly as `attn_bench.py`'s pipeline_speedup_ctx512 (same code):
     remote attention (one Lamina server on shm, pinned to core 1) on the nano-batch executor with
     2 nano-batches, n=2 (attention RPCs on the "net" unit, overlapping the other nano-batch's dense
     ops) over n=1 (the same nano-batches and RPCs run serially), same runner and executor, at batch
@@ -210,7 +210,7 @@ def bench_remote(model_dir: str, quick: bool) -> dict:
         "remote_attention_method": f"decode tokens/s, batch {DECODE_BATCH}, context {DECODE_CONTEXT}: 2 nano-batches "
                                    "with the attention RPC on the net unit (n=2) over the same nano-batches run "
                                    "serially (n=1), each at its best of the rounds run in turn; = attn_bench "
-                                   "pipeline_speedup",
+                                   "pipeline_speedup_ctx512",
         "remote_n1_tokens_per_s": n1["decode_tokens_per_s"],
         "remote_n2_tokens_per_s": n2["decode_tokens_per_s"],
         "remote_same_tokens": n1["token_ids"] == n2["token_ids"] and n1["same_tokens_every_round"]

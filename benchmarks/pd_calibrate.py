@@ -5,7 +5,9 @@ One deployment (pd_bench's: SmolLM2-135M shape, dummy weights, bf16, P on core 0
 router in this process), three measurements:
 (a) prefill points: single requests at several prompt lengths through the router, one at a time;
     P's engine prefill time (`vllm:request_prefill_time_seconds`) is the curve, the full push time
-    and its exposed part feed the KV model, TTFT is kept to check the no-load residual.
+    and its exposed part feed the KV model, TTFT is kept to check the no-load residual. Then batched
+    points: k 512-token prompts queued on P behind a busy step, which vLLM's scheduler runs as one
+    step (k x 512 <= max_num_batched_tokens), as bursts do in (c).
 (b) decode points: B identical requests sent straight to D (local prefill there), the inter-token
     gaps while all B are decoding together = D's iteration time at batch B and that context.
 (c) validation: fixed prompt/output lengths at a fixed Poisson rate through the router; per-request
@@ -56,10 +58,12 @@ from vllm_disagg.planner.calibrate import validate  # noqa: E402
 from vllm_disagg.planner.catalog import ModelSpec  # noqa: E402
 
 PLAN = {
-    True: {"prefill_sizes": [128, 512, 2048], "prefill_reps": 3, "decode_batches": [1, 4, 12],
+    True: {"prefill_sizes": [128, 512, 2048], "prefill_reps": 3, "batched_prompts": [2, 4], "batched_reps": 2,
+           "decode_batches": [1, 4, 12],
            "decode_contexts": [128, 512], "decode_tokens": 20, "decode_reps": 3, "val_requests": 30,
            "val_max_s": 90.0},
-    False: {"prefill_sizes": [128, 256, 512, 1024, 2048], "prefill_reps": 3,
+    False: {"prefill_sizes": [128, 256, 512, 1024, 2048], "prefill_reps": 3, "batched_prompts": [2, 3, 4],
+            "batched_reps": 3,
             "decode_batches": [1, 2, 4, 8, 16, 24], "decode_contexts": [128, 512, 1024],
             "decode_tokens": 32, "decode_reps": 3, "val_requests": 80, "val_max_s": 240.0},
 }
@@ -89,6 +93,42 @@ async def prefill_points(session, router_url: str, p_url: str, sizes: list[int],
     return rows
 
 
+async def batched_prefill_points(session, router_url: str, p_url: str, n: int, counts: list[int], reps: int,
+                                 single_ms: float) -> list[dict]:
+    """k prompts of n tokens sent while P prefills a blocker of n tokens: all k wait, and vLLM's scheduler
+    puts them into P's next step (k*n <= max_num_batched_tokens), as a burst does in (c); the engine's
+    step counter checks that it was 2 steps. The step's time is the first-token gap between the batch and
+    the blocker (both end the same way: exposed push + one D iteration). Cross-check: each queued request's
+    engine prefill time is that step, so (sum of prefill times - the blocker's) / k, with the blocker's
+    taken as the single-prompt point (on a busy box that point's noise lands here, hence not the fit)."""
+    rows = []
+    for k in counts:
+        rng = random.Random(1000 + k)
+        reps_rows = []
+        for _ in range(reps):
+            before = await metrics(session, p_url)
+            blocker = asyncio.create_task(stream(session, router_url, {"prompt": prompt(n, rng), "max_tokens": 2}))
+            await asyncio.sleep(min(0.3, single_ms / 4e3))  # the blocker's step is under way on P
+            outs = await asyncio.gather(*(stream(session, router_url, {"prompt": prompt(n, rng), "max_tokens": 2})
+                                          for _ in range(k)))
+            first = await blocker
+            await asyncio.sleep(1.2)
+            after = await metrics(session, p_url)
+            delta = {m: after.get(m, 0.0) - before.get(m, 0.0) for m in _STEP}
+            gap = statistics.median(o["t0"] + o["times"][0] for o in outs) - (first["t0"] + first["times"][0])
+            reps_rows.append({"step_ms": (1e3 * delta[_STEP[0]] - single_ms) / k, "first_token_gap_ms": 1e3 * gap,
+                              "num_steps": round(delta[_STEP[2]]), "num_requests": round(delta[_STEP[1]])})
+        good = [r for r in reps_rows if r["num_steps"] == 2 and r["num_requests"] == k + 1]
+        use = good or reps_rows  # none confirmed (counter missing?): keep all, flagged by num_one_step_reps
+        rows.append({"num_prompts": k, "num_tokens": n, "ms": statistics.median(r["first_token_gap_ms"] for r in use),
+                     "engine_step_ms": statistics.median(r["step_ms"] for r in use),
+                     "num_one_step_reps": len(good), "reps": reps_rows})
+        log(f"batched prefill { {key: v for key, v in rows[-1].items() if key != 'reps'} }")
+    return rows
+
+
+_STEP = ("vllm:request_prefill_time_seconds_sum", "vllm:request_prefill_time_seconds_count",
+         "vllm:iteration_tokens_total_count", "vllm:iteration_tokens_total_sum", "vllm:request_queue_time_seconds_sum")
 _PROBE = ("vllm:request_prefill_time_seconds_sum", "vllm:disagg_kv_request_transfer_seconds_sum",
           "vllm:disagg_kv_exposed_transfer_seconds_sum", "vllm:disagg_kv_exposed_transfer_seconds_count")
 
@@ -135,8 +175,8 @@ async def decode_points(session, d_url: str, batches: list[int], contexts: list[
 
 
 # ---------------------------------------------------------- (c) validation
-async def validation(session, router_url: str, prompt_tokens: int, output_tokens: int, rate: float,
-                     num: int, seed: int = 7) -> dict:
+async def validation(session, router_url: str, p_url: str, prompt_tokens: int, output_tokens: int,
+                     rate: float, num: int, seed: int = 7) -> dict:
     """Poisson arrivals of identical-shape requests; per-request TTFT and mean TBT."""
     rng = random.Random(seed)
     arrivals, t = [], 0.0
@@ -154,12 +194,17 @@ async def validation(session, router_url: str, prompt_tokens: int, output_tokens
         rows[i] = {"sent_s": out["t0"] - start, "ttft_ms": 1e3 * ts[0],
                    "tbt_ms": 1e3 * (ts[-1] - ts[0]) / max(1, len(ts) - 1), "num_tokens": len(ts)}
 
+    before = await metrics(session, p_url)
     await asyncio.gather(*(one(i) for i in range(num)))
+    await asyncio.sleep(1.2)
+    after = await metrics(session, p_url)
+    p_engine = {m.removeprefix("vllm:"): after.get(m, 0.0) - before.get(m, 0.0) for m in _STEP}
     ttft, tbt = [r["ttft_ms"] for r in rows], [r["tbt_ms"] for r in rows]
     return {"rps": rate, "prompt_tokens": prompt_tokens, "output_tokens": output_tokens, "num_requests": num,
             "arrivals_s": [r["sent_s"] for r in rows],
             **{f"ttft_ms_p{q}": _pct(ttft, q) for q in (50, 90)},
-            **{f"tbt_ms_p{q}": _pct(tbt, q) for q in (50, 90)}, "requests": rows}
+            **{f"tbt_ms_p{q}": _pct(tbt, q) for q in (50, 90)}, "requests": rows,
+            "p_engine": p_engine}  # diagnostic: P's steps, tokens and prefill/queue seconds during (c)
 
 
 async def paired_tbt(session, router_url: str, d_url: str, prompt_tokens: int, output_tokens: int,
@@ -192,23 +237,28 @@ def engine_facts(log_dir: Path) -> dict:
     d_log = (log_dir / "calib" / "decode0.log").read_text(errors="replace")
     if m := re.search(r"max_num_batched_tokens=(\d+)", p_log):
         facts["max_num_batched_tokens"] = int(m.group(1))
+    if m := re.search(r"enable_chunked_prefill=(True|False)", p_log):
+        facts["chunked_prefill"] = m.group(1) == "True"
     if m := re.search(r"KV cache size: ([\d,]+) tokens", d_log):
         facts["kv_capacity_tokens"] = int(m.group(1).replace(",", ""))
     return facts
 
 
-def build_profile(pre: list[dict], dec: list[dict], val: dict, facts: dict) -> dict:
+def build_profile(pre: list[dict], dec: list[dict], val: dict, facts: dict, batched: list[dict]) -> dict:
     """The planner profile: curves from (a)+(b), the validation workload as `measured`."""
     machine = {"kv_capacity_tokens": facts.get("kv_capacity_tokens", (384 << 20) // 23040),
+               # vLLM 0.32's CPU default for `vllm serve` (arg_utils.get_batch_defaults); P does not log it
                "max_num_batched_tokens": facts.get("max_num_batched_tokens", 2048),
+               "chunked_prefill": facts.get("chunked_prefill", True),
                "layerwise_min_tokens": 0, "first_token_on": "decode",
                "kv_layerwise_overhead_ms": statistics.median(r["exposed_ms"] for r in pre if r["exposed_ms"] is not None)}
-    measured = {k: v for k, v in val.items() if k != "requests"}
+    measured = {k: v for k, v in val.items() if k not in ("requests", "p_engine")}
     return {"schema": "vllm-disagg-profile/1", "device": f"cpu x{os.cpu_count()} (1 core per instance)",
             "model": "smollm2-135m (dummy weights, bf16)",
-            # CPU attention is a large, quadratic share of prefill: batched prompts cost per prompt
+            # a + b*T + c*sum(n^2) + d*T^2: the batched points tell per-prompt (c) from per-batch (d) growth
             "prefill_fit": "quadratic",
             "prefill": [{"num_tokens": r["num_tokens"], "ms": r["prefill_ms"]} for r in pre],
+            "prefill_batched": [{k: r[k] for k in ("num_prompts", "num_tokens", "ms")} for r in batched],
             "decode": dec,
             "kv_transfer": [{"num_tokens": r["num_tokens"], "ms": r["transfer_ms"]} for r in pre
                             if r["transfer_ms"] is not None],
@@ -225,6 +275,9 @@ async def run(quick: bool, model_dir: Path, log_dir: Path, load: float) -> dict:
             try:
                 await stream(session, router.url, {"prompt": [5] * 300, "max_tokens": 2})  # warm up
                 pre = await prefill_points(session, router.url, p.url, plan["prefill_sizes"], plan["prefill_reps"])
+                single = next(r["prefill_ms"] for r in pre if r["num_tokens"] == 512)
+                bat = await batched_prefill_points(session, router.url, p.url, 512, plan["batched_prompts"],
+                                                   plan["batched_reps"], single)
                 dec = await decode_points(session, d.url, plan["decode_batches"], plan["decode_contexts"],
                                           plan["decode_tokens"], plan["decode_reps"])
                 p_len, o_len = 512, 24
@@ -232,21 +285,22 @@ async def run(quick: bool, model_dir: Path, log_dir: Path, load: float) -> dict:
                 rate = round(load / t_pre, 3)  # P's offered load from its own measured prefill time
                 num = max(12, min(plan["val_requests"], int(rate * plan["val_max_s"])))
                 log(f"validation: {num} x ({p_len} in, {o_len} out) at {rate}/s")
-                val = await validation(session, router.url, p_len, o_len, rate, num)
+                val = await validation(session, router.url, p.url, p_len, o_len, rate, num)
                 # the same probe after (c): a changed box (other tenants) shows here, not in the error
                 after = await prefill_points(session, router.url, p.url, [p_len], plan["prefill_reps"])
                 paired = await paired_tbt(session, router.url, d.url, p_len, o_len, plan["prefill_reps"])
                 log(f"paired TBT {paired['median_ms']}")
             finally:
                 await router.stop()
-    out.update(prefill=pre, decode=dec, validation=val, facts=engine_facts(log_dir), prefill_after=after,
+    out.update(prefill=pre, prefill_batched=bat, decode=dec, validation=val, facts=engine_facts(log_dir), prefill_after=after,
                paired_tbt=paired,
                load1_end=os.getloadavg()[0])
     return out
 
 
 def compare(raw: dict, model_dir: Path) -> dict:
-    profile = build_profile(raw["prefill"], raw["decode"], raw["validation"], raw["facts"])
+    profile = build_profile(raw["prefill"], raw["decode"], raw["validation"], raw["facts"],
+                            raw.get("prefill_batched", []))
     model = ModelSpec.from_hf_config(model_dir / "config.json", name="smollm2-135m")
     cmp = validate(model, profile)
     residual = [r["ttft_ms"] - r["prefill_ms"] - (r["exposed_ms"] or 0.0) for r in raw["prefill"]]
@@ -271,6 +325,9 @@ def plot(result: dict, path: Path) -> None:
     fig, (a, b, c) = plt.subplots(1, 3, figsize=(15, 4))
     a.plot([r["num_tokens"] for r in prof["prefill"]], [r["ms"] for r in prof["prefill"]], "o-", label="P prefill")
     a.plot([r["num_tokens"] for r in raw["prefill"]], [r["ttft_ms"] for r in raw["prefill"]], "s--", label="TTFT")
+    for r in prof.get("prefill_batched", []):
+        a.plot(r["num_prompts"] * r["num_tokens"], r["ms"], "^", color="C2")
+        a.annotate(f"{r['num_prompts']}x{r['num_tokens']}", (r["num_prompts"] * r["num_tokens"], r["ms"]))
     a.set(xlabel="prompt tokens", ylabel="ms", title="(a) single prompts")
     a.legend()
     for ctx in sorted({r["context_tokens"] for r in prof["decode"]}):

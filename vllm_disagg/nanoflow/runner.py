@@ -290,6 +290,13 @@ class NanoFlowRunnerMixin:
                 tokens = max(1, num_tokens // n_of.get(node.name, spec.n_dense))
                 if node.name in costs and costs[node.name]:
                     return _interp(costs[node.name], tokens)
+                if node.name == "attn" and spec.attn_unit == NET:
+                    # remote attention (server kernel over the whole context + round trip) is not
+                    # FLOP-proportional here; taken as long as a nano-batch's dense layer, the list
+                    # schedule issues each nano-batch's next kqv right after its own o/ugd (ping-pong
+                    # order) instead of after the other nano-batch's, which left the net unit idle
+                    rel = self.nano_pipeline.relative_cost
+                    return sum(rel(name, tokens) for name in ("kqv", "o", "ugd"))
                 return self.nano_pipeline.relative_cost(node.name, tokens)
 
             serial = self.nano_executor.exclusive_units

@@ -13,6 +13,7 @@ workload feeds the model.
 `machine` describes the measured deployment:
     kv_capacity_tokens    KV tokens each instance holds
     max_num_batched_tokens  prompt tokens per iteration (vLLM's chunk budget)
+    chunked_prefill       vLLM fills that budget, chunking the last prompt (default true)
     layerwise_min_tokens  shortest prompt pushed layer-wise
     kv_layerwise_overhead_ms  visible part of a layer-wise push
     first_token_on        "decode" (vLLM P/D: D samples token 1) or "prefill" (Splitwise)
@@ -60,6 +61,7 @@ def sim_options(machine: dict) -> SimOptions:
     return SimOptions(SchedulerConfig(None, None),
                       layerwise_min_tokens=int(machine.get("layerwise_min_tokens", 0)),
                       prompt_token_cap=int(machine.get("max_num_batched_tokens", PROMPT_TOKEN_CAP)),
+                      chunked_prefill=bool(machine.get("chunked_prefill", True)),
                       first_token_on_decode=machine.get("first_token_on", "decode") == "decode")
 
 

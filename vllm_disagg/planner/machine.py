@@ -3,7 +3,9 @@
 
 One class serves every pool; what it batches depends on what it was given:
 * prompts FCFS, batched up to `prompt_token_cap` tokens (2048; a longer
-  prompt runs alone);
+  prompt runs alone), or, with `chunked_prefill` (vLLM V1's scheduler, where the
+  cap is max_num_batched_tokens), the budget is filled exactly: the last prompt
+  taken gets a chunk of what is left and goes on first in the next iteration;
 * decodes FCFS with continuous batching, admitted only while their KV fits
   (memory-aware: the rest wait in `decode_waiting`);
 * a machine running both (mixed pool, or a baseline) does mixed continuous
@@ -34,6 +36,8 @@ class SimRequest:
     first_token_s: float | None = None
     done_s: float | None = None
     kv_on_decode: bool = False
+    num_prefilled: int = 0
+    """Prompt tokens already computed (chunked prefill)."""
 
     @property
     def req_id(self) -> str:
@@ -57,12 +61,11 @@ class Batch:
     """One iteration: prompts to prefill and decodes to advance one token."""
 
     prompts: list[SimRequest]
+    """Prompts whose prefill completes in this iteration."""
     decodes: list[SimRequest]
     duration_s: float
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return sum(r.trace.num_prompt_tokens for r in self.prompts)
+    num_prompt_tokens: int = 0
+    """Prompt tokens computed in this iteration (chunks included)."""
 
 
 @dataclass(eq=False)
@@ -72,6 +75,7 @@ class SimMachine:
     kv_capacity_tokens: int
     prompt_token_cap: int = PROMPT_TOKEN_CAP
     max_preemptions: int = 1
+    chunked_prefill: bool = False
     prefill_queue: deque = field(default_factory=deque)
     decode_waiting: deque = field(default_factory=deque)
     running: list = field(default_factory=list)
@@ -92,18 +96,24 @@ class SimMachine:
     def next_batch(self) -> Batch | None:
         """Pick the next iteration's batch (None if idle)."""
         self._admit_decodes()
-        prompts = self._take_prompts()
+        chunks = self._take_chunks() if self.chunked_prefill else [
+            (r, r.trace.num_prompt_tokens) for r in self._take_prompts()]
         decodes = list(self.running)
-        if not prompts and not decodes:
+        if not chunks and not decodes:
             return None
         ctx = sum(r.num_context_tokens for r in decodes)
-        n_prompt = sum(r.trace.num_prompt_tokens for r in prompts)
-        ms = self.perf.mixed_ms(n_prompt, len(decodes), ctx,
-                                [r.trace.num_prompt_tokens for r in prompts])
-        if prompts and decodes:
+        n_prompt = sum(m for _, m in chunks)
+        ms = self.perf.mixed_ms(n_prompt, len(decodes), ctx, [m for _, m in chunks],
+                                [r.num_prefilled for r, _ in chunks])
+        done = []
+        for req, m in chunks:
+            req.num_prefilled += m
+            if req.num_prefilled >= req.trace.num_prompt_tokens:
+                done.append(req)
+        if chunks and decodes:
             self.num_mixed_iterations += 1
         self.num_iterations += 1
-        return Batch(prompts, decodes, ms / 1e3)
+        return Batch(done, decodes, ms / 1e3, n_prompt)
 
     def _admit_decodes(self) -> None:
         while self.decode_waiting:
@@ -132,6 +142,28 @@ class SimMachine:
             self.num_kv_tokens += need
             taken.append(req)
             total += n
+        return taken
+
+    def _take_chunks(self) -> list[tuple[SimRequest, int]]:
+        """vLLM V1: fill `prompt_token_cap` (max_num_batched_tokens) FCFS, chunking the last prompt;
+        a partly prefilled prompt stays at the head of the queue (its KV already held). Running
+        decodes are scheduled first and take one token of the budget each."""
+        taken: list[tuple[SimRequest, int]] = []
+        budget = self.prompt_token_cap - len(self.running)
+        for req in list(self.prefill_queue):
+            if budget <= 0:
+                break
+            if req.num_prefilled == 0:
+                need = self._prompt_kv(req)
+                if self.num_kv_tokens + need > self.kv_capacity_tokens and not self._preempt_for(need):
+                    if taken or self.running:
+                        break
+                self.num_kv_tokens += need
+            m = min(budget, req.trace.num_prompt_tokens - req.num_prefilled)
+            taken.append((req, m))
+            budget -= m
+            if req.num_prefilled + m >= req.trace.num_prompt_tokens:
+                self.prefill_queue.remove(req)
         return taken
 
     def _prompt_kv(self, req: SimRequest) -> int:

@@ -42,19 +42,24 @@ class PerfModel:
     kv_ms_per_context_token: float
     kv_transfer_curve: Curve | None = None
     source: str = "roofline"
-    prefill_quadratic: tuple[float, float, float] | None = None
-    """Measured a + b*n + c*n^2 (see Profile.prefill_quadratic); None = the curve of batch tokens."""
+    prefill_quadratic: tuple[float, float, float, float] | None = None
+    """Measured a + b*T + c*sum(n^2) + d*T^2 (see Profile.prefill_quadratic); None = the curve of
+    batch tokens."""
 
     def prefill_ms(self, num_tokens: int) -> float:
         return self.prefill_curve(max(1, num_tokens))
 
-    def prefill_batch_ms(self, prompt_lengths: list[int]) -> float:
-        """One prompt iteration over these prompts. Splitwise's form (and SplitwiseSim's) is the
-        curve at the batch's total tokens; a quadratic profile keeps attention per prompt."""
+    def prefill_batch_ms(self, prompt_lengths: list[int], prior_tokens: list[int] | None = None) -> float:
+        """One prompt iteration over these prompts (or chunks, after `prior_tokens` computed ones).
+        Splitwise's form (and SplitwiseSim's) is the curve at the batch's total tokens; a quadratic
+        profile splits per-prompt growth (a chunk of m after p pays (p+m)^2 - p^2) from per-batch growth."""
         if self.prefill_quadratic is None:
             return self.prefill_ms(sum(prompt_lengths))
-        a, b, c = self.prefill_quadratic
-        return a + b * sum(prompt_lengths) + c * sum(n * n for n in prompt_lengths)
+        a, b, c, d = self.prefill_quadratic
+        prior = prior_tokens or [0] * len(prompt_lengths)
+        total = sum(prompt_lengths)
+        per_prompt = sum((p + m) ** 2 - p * p for m, p in zip(prompt_lengths, prior))
+        return a + b * total + c * per_prompt + d * total * total
 
     def decode_ms(self, batch_size: int, num_context_tokens: int) -> float:
         """One token for each of `batch_size` requests holding the given KV."""
@@ -62,12 +67,13 @@ class PerfModel:
         return max(0.1, self.decode_curve(batch_size) + self.kv_ms_per_context_token * extra)
 
     def mixed_ms(self, num_prompt_tokens: int, batch_size: int, num_context_tokens: int,
-                 prompt_lengths: list[int] | None = None) -> float:
+                 prompt_lengths: list[int] | None = None, prior_tokens: list[int] | None = None) -> float:
         """Mixed batching (Sarathi-style): decode tokens ride in the dense batch."""
         if num_prompt_tokens == 0:
             return self.decode_ms(batch_size, num_context_tokens)
         lengths = list(prompt_lengths) if prompt_lengths else [num_prompt_tokens]
-        return self.prefill_batch_ms(lengths + [1] * batch_size) + (
+        prior = list(prior_tokens) if prior_tokens else [0] * len(lengths)
+        return self.prefill_batch_ms(lengths + [1] * batch_size, prior + [0] * batch_size) + (
             self.kv_ms_per_context_token * num_context_tokens)
 
     def kv_serialized_ms(self, num_tokens: int) -> float:

@@ -8,6 +8,7 @@ Splitwise's performance model (§V-B), and extrapolate linearly.
 
     {"schema": "vllm-disagg-profile/1", "device": "...", "model": "...",
      "prefill":     [{"num_tokens": 128, "ms": 9.1}, ...],
+     "prefill_batched": [{"num_prompts": 4, "num_tokens": 512, "ms": 40.0}, ...],
      "decode":      [{"batch_size": 1, "ms": 4.2, "context_tokens": 512}, ...],
      "kv_transfer": [{"num_tokens": 128, "ms": 0.8}, ...],
      "mtime":       [{"batch_size": 1, "ms": 3.0}, ...],
@@ -76,10 +77,13 @@ class Profile:
     atime_context_ref: float | None = None
     ops: dict[str, Curve] = field(default_factory=dict)
     measured: dict = field(default_factory=dict)
-    prefill_quadratic: tuple[float, float, float] | None = None
-    """(a, b, c) of a + b*n + c*n^2 ms, fitted to `prefill` when the profile asks for it
-    (`"prefill_fit": "quadratic"`): a batch of prompts then costs a + b*sum(n) + c*sum(n^2),
-    attention being quadratic per prompt, not in the batch's total tokens."""
+    prefill_quadratic: tuple[float, float, float, float] | None = None
+    """(a, b, c, d) of one prompt iteration's ms = a + b*T + c*sum(n^2) + d*T^2 (T = the batch's
+    tokens, n = each prompt's), fitted when the profile asks for it (`"prefill_fit": "quadratic"`).
+    c is what grows per prompt (attention), d what grows with the whole batch (e.g. dense layers
+    slowing down once activations leave the cache). Single prompts (T = n) cannot tell c from d:
+    only `prefill_batched` points (k prompts queued into one step) can. Without them d = 0, i.e.
+    the unmeasured assumption that a batch pays attention per prompt and nothing more."""
 
     def curve(self, name: str) -> Curve | None:
         return self.curves.get(name)
@@ -112,23 +116,38 @@ def parse_profile(data: dict) -> Profile:
     if fit not in ("piecewise", "quadratic"):
         raise ValueError(f"profile prefill_fit {fit!r}: want 'piecewise' or 'quadratic'")
     if fit == "quadratic" and data.get("prefill"):
-        prof.prefill_quadratic = _quadratic_fit(data["prefill"])
+        prof.prefill_quadratic = _quadratic_fit(data["prefill"], data.get("prefill_batched") or [])
     return prof
 
 
-def _quadratic_fit(points: list[dict]) -> tuple[float, float, float]:
-    """Least squares a + b*n + c*n^2 with a, b, c >= 0 (linear, then constant, if a term goes negative)."""
-    n = np.array([p["num_tokens"] for p in points], float)
-    ms = np.array([p["ms"] for p in points], float)
-    for cols in ((0, 1, 2), (1, 2), (0, 1), (1,), (0,)):
-        basis = np.column_stack([n ** k for k in cols])
-        coef, *_ = np.linalg.lstsq(basis, ms, rcond=None)
-        if (coef >= 0).all():
-            out = [0.0, 0.0, 0.0]
-            for k, v in zip(cols, coef):
-                out[k] = float(v)
-            return out[0], out[1], out[2]
-    return float(ms.mean()), 0.0, 0.0
+def _quadratic_fit(points: list[dict], batched: list[dict] = ()) -> tuple[float, float, float, float]:
+    """Non-negative least squares of ms = a + b*T + c*sum(n^2) + d*T^2 over single prompts
+    (`points`) and batches of `num_prompts` equal prompts (`batched`); see Profile.prefill_quadratic.
+
+    Exact NNLS by enumeration: the best of the unconstrained fits on every subset of the four
+    terms whose coefficients are all >= 0. d only enters when batched points separate it from c."""
+    rows = [(1, p["num_tokens"], p["ms"]) for p in points]
+    try:
+        rows += [(int(p["num_prompts"]), p["num_tokens"], p["ms"]) for p in batched]
+    except (KeyError, TypeError) as exc:
+        raise ValueError(f"profile section 'prefill_batched': {exc}") from exc
+    k, n, ms = (np.array(col, float) for col in zip(*rows))
+    total = k * n
+    terms = np.column_stack([np.ones_like(n), total, k * n * n, total * total])
+    usable = (0, 1, 2, 3) if (k > 1).any() else (0, 1, 2)
+    best, best_err = (float(ms.mean()), 0.0, 0.0, 0.0), np.inf
+    for mask in range(1, 1 << len(usable)):
+        cols = [c for i, c in enumerate(usable) if mask >> i & 1]
+        coef, *_ = np.linalg.lstsq(terms[:, cols], ms, rcond=None)
+        if (coef < 0).any():
+            continue
+        err = float(np.sum((terms[:, cols] @ coef - ms) ** 2))
+        if err < best_err * (1 - 1e-9):  # ties: the first (simplest) subset wins
+            out = [0.0] * 4
+            for c, v in zip(cols, coef):
+                out[c] = float(v)
+            best, best_err = (out[0], out[1], out[2], out[3]), err
+    return best
 
 
 def _mean_context(points: list[dict] | None) -> float | None:

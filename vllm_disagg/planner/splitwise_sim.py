@@ -40,6 +40,9 @@ class SimOptions:
     layerwise_min_tokens: int = 512
     prompt_token_cap: int = PROMPT_TOKEN_CAP
     max_preemptions: int = 1
+    chunked_prefill: bool = False
+    """vLLM V1's rule instead of Splitwise's: fill `prompt_token_cap` (max_num_batched_tokens) with
+    queued prompts, chunking the last one (see machine.py)."""
     max_sim_s: float | None = None
     """Stop (and report unfinished requests) after this simulated time."""
     first_token_on_decode: bool = False
@@ -86,7 +89,8 @@ class ClusterSim:
             for i in range(group.count):
                 mid = f"{group.pool.value[0]}{g_idx}-{i}"
                 self.machines[mid] = SimMachine(mid, perf, cap, self.options.prompt_token_cap,
-                                                self.options.max_preemptions)
+                                                self.options.max_preemptions,
+                                                self.options.chunked_prefill)
                 self.scheduler.add_instance(mid, group.pool, kv_capacity_tokens=cap)
         self._events: list = []
         self._seq = itertools.count()

@@ -5,6 +5,7 @@ import pytest
 from planner_fixtures import SIMPLE_PROFILE, TINY, machine
 
 from vllm_disagg.planner.calibrate import measured_trace, validate
+from vllm_disagg.planner.profile import parse_profile
 from vllm_disagg.planner.splitwise_sim import MachineGroup, SimOptions, simulate
 from vllm_disagg.planner.traces import TraceRequest
 from vllm_disagg.router.policy import Pool
@@ -66,3 +67,22 @@ def test_queueing_on_the_prompt_machine_shows_in_predicted_ttft_percentiles():
 def test_a_profile_without_the_validation_workload_is_refused():
     with pytest.raises(ValueError, match="measured"):
         validate(TINY, {**SIMPLE_PROFILE, "measured": {"rps": 1.0}})
+
+
+def test_prompts_queued_behind_a_busy_prompt_machine_share_its_next_iteration_at_the_batched_cost():
+    # What the CPU validation showed: a burst queues on P while it prefills, and vLLM's scheduler
+    # puts every queued prompt (up to max_num_batched_tokens) into P's next step. Here a batch of
+    # k prompts costs what one prompt of their total length costs (measured batched points).
+    pts = [{"num_tokens": n, "ms": 100 + n + 0.001 * n * n} for n in (128, 512, 2048)]
+    batched = [{"num_prompts": k, "num_tokens": 512, "ms": 100 + 512 * k + 0.001 * (512 * k) ** 2}
+               for k in (2, 4)]
+    prof = parse_profile({"prefill_fit": "quadratic", "prefill": pts, "prefill_batched": batched,
+                          "decode": [{"batch_size": 1, "ms": 20}, {"batch_size": 8, "ms": 30}]})
+    groups = [MachineGroup(machine(100_000), Pool.PREFILL, 1),
+              MachineGroup(machine(100_000), Pool.DECODE, 1)]
+    trace = [TraceRequest("r0", 0.0, 512, 2)] + [TraceRequest(f"r{i}", 0.01 * i, 512, 2) for i in (1, 2, 3, 4)]
+    res = simulate(TINY, groups, trace, SimOptions(prompt_token_cap=2048), prof)
+    one, four = (100 + 512 + 0.001 * 512**2) / 1e3, (100 + 2048 + 0.001 * 2048**2) / 1e3
+    first = {r.req_id: r.first_token_s for r in res.requests}
+    assert first["r0"] == pytest.approx(one)
+    assert [first[f"r{i}"] for i in (1, 2, 3, 4)] == pytest.approx([one + four] * 4)

@@ -51,8 +51,9 @@ def test_a_quadratic_prefill_profile_charges_attention_per_prompt_in_a_batch():
     pts = [{"num_tokens": n, "ms": 100 + n + 0.001 * n * n} for n in (128, 512, 2048)]
     prof = parse_profile({"prefill_fit": "quadratic", "prefill": pts,
                           "decode": [{"batch_size": 1, "ms": 20}, {"batch_size": 8, "ms": 30}]})
-    a, b, c = prof.prefill_quadratic
+    a, b, c, d = prof.prefill_quadratic
     assert (a, b, c) == pytest.approx((100, 1, 0.001), rel=1e-6)
+    assert d == 0.0  # single prompts cannot tell per-prompt from per-batch growth
     perf = build_perf_model(TINY, machine(10_000), prof)
     four = perf.prefill_batch_ms([512] * 4)
     assert four == pytest.approx(100 + 2048 + 0.001 * 4 * 512**2)
@@ -62,6 +63,41 @@ def test_a_quadratic_prefill_profile_charges_attention_per_prompt_in_a_batch():
     assert piecewise.prefill_batch_ms([512] * 4) == pytest.approx(piecewise.prefill_ms(2048))
 
 
+def _batched_profile(batch_ms) -> dict:
+    """Single prompts 100 + n + 0.001 n^2 ms; `batch_ms(k)` for k queued 512-token prompts."""
+    pts = [{"num_tokens": n, "ms": 100 + n + 0.001 * n * n} for n in (128, 512, 2048)]
+    batched = [{"num_prompts": k, "num_tokens": 512, "ms": batch_ms(k)} for k in (2, 4)]
+    return {"prefill_fit": "quadratic", "prefill": pts, "prefill_batched": batched,
+            "decode": [{"batch_size": 1, "ms": 20}, {"batch_size": 8, "ms": 30}]}
+
+
+def test_batched_prefill_points_decide_whether_a_batch_grows_per_prompt_or_with_its_total():
+    # A batch that costs what one prompt of its total length costs (growth with the batch's tokens).
+    as_total = parse_profile(_batched_profile(lambda k: 100 + 512 * k + 0.001 * (512 * k) ** 2))
+    a, b, c, d = as_total.prefill_quadratic
+    assert (a, b, c, d) == pytest.approx((100, 1, 0, 0.001), rel=1e-6, abs=1e-9)
+    perf = build_perf_model(TINY, machine(10_000), as_total)
+    assert perf.prefill_batch_ms([512] * 4) == pytest.approx(perf.prefill_ms(2048), rel=1e-6)
+    # A batch that pays attention per prompt only.
+    per_prompt = parse_profile(_batched_profile(lambda k: 100 + 512 * k + 0.001 * k * 512**2))
+    assert per_prompt.prefill_quadratic == pytest.approx((100, 1, 0.001, 0), rel=1e-6, abs=1e-9)
+
+
+def test_a_batched_point_without_its_prompt_count_is_refused():
+    data = _batched_profile(lambda k: 1000.0)
+    data["prefill_batched"] = [{"num_tokens": 512, "ms": 900.0}]
+    with pytest.raises(ValueError, match="prefill_batched"):
+        parse_profile(data)
+
+
 def test_an_unknown_prefill_fit_is_refused():
     with pytest.raises(ValueError, match="prefill_fit"):
         parse_profile({"prefill_fit": "cubic", "prefill": [{"num_tokens": 1, "ms": 1}]})
+
+
+def test_a_prompt_chunk_pays_attention_over_the_tokens_before_it():
+    perf = build_perf_model(TINY, machine(10_000), parse_profile(_batched_profile(lambda k: 100 + 512 * k)))
+    a, b, c, d = perf.prefill_quadratic
+    chunk = perf.prefill_batch_ms([400], [200])
+    assert chunk == pytest.approx(a + b * 400 + c * (600**2 - 200**2) + d * 400**2)
+    assert perf.prefill_batch_ms([200]) + perf.prefill_batch_ms([400], [200]) > perf.prefill_batch_ms([600])

@@ -117,3 +117,19 @@ def test_a_time_limit_reports_unfinished_requests(simple_profile):
     res = simulate(TINY, _pd(), [_req(0, 0.0, 500, 1000)],
                    SimOptions(max_sim_s=0.5), profile=simple_profile)
     assert res.num_unfinished == 1
+
+
+def test_chunked_prefill_fills_the_token_budget_and_finishes_the_split_prompt_first(simple_profile):
+    # vLLM V1: max_num_batched_tokens=1000; r1-r3 (600 each) queue behind r0. Step 2 takes r1 and
+    # 400 tokens of r2, step 3 the other 200 of r2 and all of r3 (10 ms + 0.1 ms/token each step).
+    groups = [MachineGroup(machine(100_000), Pool.PREFILL, 1),
+              MachineGroup(machine(100_000), Pool.DECODE, 1)]
+    trace = [TraceRequest("r0", 0.0, 600, 2)] + [TraceRequest(f"r{i}", 0.001, 600, 2) for i in (1, 2, 3)]
+
+    def first_tokens(chunked: bool) -> list[float]:
+        opts = SimOptions(SchedulerConfig(None, None), prompt_token_cap=1000, chunked_prefill=chunked)
+        res = simulate(TINY, groups, trace, opts, simple_profile)
+        return [r.first_token_s for r in res.requests]
+
+    assert first_tokens(True) == pytest.approx([0.070, 0.180, 0.270, 0.270])
+    assert first_tokens(False) == pytest.approx([0.070, 0.140, 0.210, 0.280])  # Splitwise: whole prompts
