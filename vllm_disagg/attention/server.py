@@ -63,6 +63,9 @@ class _Metrics:
         return child
 
 
+_PROCESS_KERNEL_LOCK = threading.Lock()
+
+
 class DisaggAttentionServer:
     """One attention worker. `kv_cache_bytes` bounds its KV; capacity in blocks follows from the
     geometry the first client sends."""
@@ -92,7 +95,10 @@ class DisaggAttentionServer:
             self.ingest = KVIngest(kv_transport, token, http_host, registry=self.metrics.registry)
         self._http_addr = (http_host, http_port)
         self._recv_timeout = recv_timeout_s
-        self._lock = threading.Lock()  # one kernel call at a time (sessions share the KV)
+        # one kernel call at a time: sessions share the KV, and vLLM's CPU kernels share one
+        # unlocked process-wide scratch pad (nanoflow/executor.CPU_KERNEL_LOCK), so several servers
+        # in one process (tests, embedding) must not compute concurrently either
+        self._lock = _PROCESS_KERNEL_LOCK
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self.listener = None
