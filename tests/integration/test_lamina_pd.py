@@ -12,18 +12,16 @@ Real processes on 127.0.0.1 throughout.
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import gc
 import json
 import math
 import os
 import signal
-import subprocess
-import sys
-import time
 import urllib.request
 
 import pytest
+
+from vllm_disagg.testing import running_up
 
 pytestmark = pytest.mark.slow
 
@@ -66,38 +64,6 @@ def plain(model_dir):
         gc.collect()
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.killpg(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-
-
-@contextlib.contextmanager
-def _up(tmp_path, *argv: str):
-    state_file = tmp_path / "state.json"
-    cmd = [sys.executable, "-m", "vllm_disagg.cli.main", "up", "--port", "0", "--state-file", str(state_file),
-           "--log-dir", str(tmp_path / "logs"), *argv]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 600
-        while not state_file.exists():
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read().decode()[-3000:]
-            time.sleep(1)
-        state = json.loads(state_file.read_text())
-        yield state
-        os.kill(proc.pid, signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0
-        deadline = time.monotonic() + 10
-        while any(_alive(i["pid"]) for i in state["instances"]) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not [i["name"] for i in state["instances"] if _alive(i["pid"])], "outlived `up`"
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-
-
 def _complete(state: dict, prompt: list[int], stream: bool) -> tuple[list[int], list[float], dict | None]:
     body = {"model": state["model"], "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
             "ignore_eos": True, "return_token_ids": True, "logprobs": 0, "stream": stream}
@@ -130,8 +96,9 @@ def test_prefill_pushes_into_attention_servers_and_decode_matches_plain_vllm(
     with open(os.path.join(model_dir, "config.json")) as f:
         cfg = json.load(f)
     block_nbytes = cfg["num_key_value_heads"] * BLOCK_SIZE * 2 * cfg["head_dim"] * 4  # float32
-    with _up(tmp_path, "--prefill", "1", "--decode", "1", "--attention", "2", "--attention-partition", partition,
-             "--layerwise-threshold", "64", "--model", model_dir, *ENGINE_ARGS) as state:
+    with running_up(tmp_path, "--prefill", "1", "--decode", "1", "--attention", "2", "--attention-partition",
+                    partition, "--layerwise-threshold", "64", "--model", model_dir, *ENGINE_ARGS) as up:
+        state = up.state
         assert [i["role"] for i in state["instances"]] == ["attention", "attention", "prefill", "decode"]
         with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
             got = list(pool.map(lambda p: _complete(state, p, False), PROMPTS))

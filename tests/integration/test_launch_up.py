@@ -8,41 +8,23 @@ that leaves no process of the deployment behind.
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import json
-import os
-import signal
 import subprocess
 import sys
-import time
 import urllib.request
 
 import pytest
 
+from vllm_disagg.testing import running_up
+
 pytestmark = pytest.mark.slow
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.killpg(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-
-
 def test_up_serves_one_plain_instance_passes_vllm_args_and_stops_cleanly(tiny_model_dir, tmp_path):
-    state_file = tmp_path / "state.json"
-    cmd = [sys.executable, "-m", "vllm_disagg.cli.main", "up", "--prefill", "0", "--decode", "0",
-           "--model", tiny_model_dir, "--port", "0", "--state-file", str(state_file),
-           "--log-dir", str(tmp_path / "logs"), "--load-format", "dummy", "--skip-tokenizer-init",
-           "--dtype", "float32", "--enforce-eager", "--max-model-len", "1024"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 600
-        while not state_file.exists():
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read().decode()[-3000:]
-            time.sleep(1)
-        state = json.loads(state_file.read_text())
+    with running_up(tmp_path, "--prefill", "0", "--decode", "0", "--model", tiny_model_dir, "--load-format",
+                    "dummy", "--skip-tokenizer-init", "--dtype", "float32", "--enforce-eager",
+                    "--max-model-len", "1024") as up:
+        state = up.state
         [inst] = state["instances"]
         assert inst["role"] == "mixed" and inst["kv"] is None
         models = json.load(urllib.request.urlopen(f"{state['endpoint']}/v1/models", timeout=10))
@@ -53,16 +35,7 @@ def test_up_serves_one_plain_instance_passes_vllm_args_and_stops_cleanly(tiny_mo
                              "temperature": 0, "return_token_ids": True}).encode())
         out = json.load(urllib.request.urlopen(req, timeout=60))
         assert len(out["choices"][0]["token_ids"]) == 4
-        os.kill(proc.pid, signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0
-        assert b"ready. OpenAI endpoint" in proc.stdout.read()
-        deadline = time.monotonic() + 10  # SIGKILLed members vanish once init reaps them
-        while _alive(inst["pid"]) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not _alive(inst["pid"]), "the vLLM instance's process group outlived `up`"
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+    assert b"ready. OpenAI endpoint" in up.output  # exited 0 on SIGTERM, nothing left behind
 
 
 # ------------------------------------------------------------------ Lamina: `up --attention K`
@@ -71,32 +44,6 @@ ENGINE_ARGS = ["--load-format", "dummy", "--skip-tokenizer-init", "--dtype", "fl
 # multi-block prompts (block size 32) of different lengths, sent concurrently
 ATTN_PROMPTS = [[(7 * i + 3 * j) % 500 + 3 for j in range(n)] for i, n in enumerate((70, 97, 33, 5))]
 ATTN_MAX_TOKENS = 8
-
-
-@contextlib.contextmanager
-def _up(tmp_path, *argv: str):
-    """`vllm-disagg up ...` until its state file appears; SIGTERM and a leftover check on exit."""
-    state_file = tmp_path / "state.json"
-    cmd = [sys.executable, "-m", "vllm_disagg.cli.main", "up", "--port", "0", "--state-file", str(state_file),
-           "--log-dir", str(tmp_path / "logs"), *argv]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 600
-        while not state_file.exists():
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read().decode()[-3000:]
-            time.sleep(1)
-        state = json.loads(state_file.read_text())
-        yield state, state_file
-        os.kill(proc.pid, signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0
-        deadline = time.monotonic() + 10
-        pids = [i["pid"] for i in state["instances"]]
-        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not [p for p in pids if _alive(p)], "a process group of the deployment outlived `up`"
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
 
 
 def _complete(state: dict, prompt: list[int], stream: bool) -> list[int]:
@@ -151,8 +98,9 @@ def _attention_metrics(url: str) -> dict[str, float]:
 
 def test_up_with_two_attention_servers_and_no_prefill_matches_plain_vllm_and_status_lists_them(
         tiny_model_dir, plain_attn_tokens, tmp_path):
-    with _up(tmp_path, "--prefill", "0", "--attention", "2", "--attention-partition", "head",
-             "--model", tiny_model_dir, *ENGINE_ARGS) as (state, state_file):
+    with running_up(tmp_path, "--prefill", "0", "--attention", "2", "--attention-partition", "head",
+                    "--model", tiny_model_dir, *ENGINE_ARGS) as up:
+        state, state_file = up.state, up.state_file
         roles = [i["role"] for i in state["instances"]]
         assert roles == ["attention", "attention", "mixed"]
         got = _concurrent_then_streamed(state)
