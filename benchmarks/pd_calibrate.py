@@ -1,8 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """Planner calibration on the real CPU 1P+1D deployment (issue 6): fit, then predict an unseen load.
 
-One deployment (pd_bench's: SmolLM2-135M shape, dummy weights, bf16, P on core 0, D on core 1, the
-router in this process), three measurements:
+One deployment (pd_bench's: SmolLM2-135M shape, dummy weights, bf16, the router in this process).
+Every thread of P's processes (API server, EngineCore, Worker) is bound to P's core, every thread of
+D's and of this harness to D's core (vLLM binds only the Worker's compute threads; its EngineCore
+spin-waits on the Worker and would float onto P's core). Three measurements:
 (a) prefill points: single requests at several prompt lengths through the router, one at a time;
     P's engine prefill time (`vllm:request_prefill_time_seconds`) is the curve, the full push time
     and its exposed part feed the KV model, TTFT is kept to check the no-load residual. Then batched
@@ -12,14 +14,18 @@ router in this process), three measurements:
     gaps while all B are decoding together = D's iteration time at batch B and that context.
 (c) validation: fixed prompt/output lengths at a fixed Poisson rate through the router; per-request
     TTFT and TBT (a request's mean gap, Splitwise's definition), P50/P90, and the arrival times used.
-Diagnostics (not fitted on): the 512-token prefill probe again after (c) (box drift), and TBT of
-requests alternately straight to D and through the router (what the P/D path adds to decode).
+Diagnostics (not fitted on): the 512-token prefill probe again after (c) (box drift); TBT of
+requests alternately straight to D and through the router (what the P/D path adds to decode); P's
+prefill with D decoding vs idle and D's gaps with P prefilling vs idle (cross interference); per
+phase, the CPU seconds of every thread of P, D and the harness and each core's busy time (`others`
+= other tenants: the errors only describe the model when that is ~0).
 The planner's perf model is fitted from (a)+(b) only; `vllm_disagg.planner.calibrate.validate`
 replays (c)'s arrivals through the simulator (same router policy and batching code) and reports
 predicted vs measured percentiles and their relative errors.
 
     python benchmarks/pd_calibrate.py --quick   # < 5 min, one JSON object on stdout
     python benchmarks/pd_calibrate.py           # more points, longer validation
+    python benchmarks/pd_calibrate.py --quick --no-pin   # vLLM's own binding only (*_nopin files)
 Writes results/pd_profile_calib{_quick}.json (the profile: `vllm-disagg plan splitwise --profile ...
 --validate` re-runs the comparison), results/pd_calibrate{_quick}.json and .png.
 """
@@ -28,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -40,6 +47,7 @@ import time
 from pathlib import Path
 
 import aiohttp
+import psutil
 
 sys.path.insert(0, str(Path(__file__).parent))
 from pd_bench import (  # noqa: E402
@@ -61,11 +69,11 @@ PLAN = {
     True: {"prefill_sizes": [128, 512, 2048], "prefill_reps": 3, "batched_prompts": [2, 4], "batched_reps": 2,
            "decode_batches": [1, 4, 12],
            "decode_contexts": [128, 512], "decode_tokens": 20, "decode_reps": 3, "val_requests": 30,
-           "val_max_s": 90.0},
+           "val_max_s": 90.0, "cross_reps": 2},
     False: {"prefill_sizes": [128, 256, 512, 1024, 2048], "prefill_reps": 3, "batched_prompts": [2, 3, 4],
             "batched_reps": 3,
             "decode_batches": [1, 2, 4, 8, 16, 24], "decode_contexts": [128, 512, 1024],
-            "decode_tokens": 32, "decode_reps": 3, "val_requests": 80, "val_max_s": 240.0},
+            "decode_tokens": 32, "decode_reps": 3, "val_requests": 80, "val_max_s": 240.0, "cross_reps": 4},
 }
 
 
@@ -202,6 +210,7 @@ async def validation(session, router_url: str, p_url: str, prompt_tokens: int, o
     ttft, tbt = [r["ttft_ms"] for r in rows], [r["tbt_ms"] for r in rows]
     return {"rps": rate, "prompt_tokens": prompt_tokens, "output_tokens": output_tokens, "num_requests": num,
             "arrivals_s": [r["sent_s"] for r in rows],
+            "first_token_s": [r["sent_s"] + r["ttft_ms"] / 1e3 for r in rows],  # D's replay (calibrate.py)
             **{f"ttft_ms_p{q}": _pct(ttft, q) for q in (50, 90)},
             **{f"tbt_ms_p{q}": _pct(tbt, q) for q in (50, 90)}, "requests": rows,
             "p_engine": p_engine}  # diagnostic: P's steps, tokens and prefill/queue seconds during (c)
@@ -223,10 +232,178 @@ async def paired_tbt(session, router_url: str, d_url: str, prompt_tokens: int, o
     return {"tbt_ms": tbt, "median_ms": med, "router_over_direct": med["via_router"] / med["direct_d"]}
 
 
+async def cross_interference(session, router_url: str, p_url: str, n: int, reps: int, batch: int = 4) -> dict:
+    """Diagnostic, not fitted on: does one instance slow the other down although each has its own core?
+    (a) measures P's prefill with D idle and (b) D's iterations with P idle, while in (c) both run at
+    once. Interleaved pairs: an n-token probe through the router with D idle, then the same while D
+    decodes `batch` routed streams (short prompts, long outputs, their prefills done before the probe).
+    P's engine prefill time of the probe, and D's token gaps while the probe's prefill runs vs after it."""
+    rng = random.Random(4242)
+    rows: dict[str, list[float | None]] = {"prefill_ms_d_idle": [], "prefill_ms_d_decoding": [],
+                                    "d_gap_ms_p_idle": [], "d_gap_ms_p_prefilling": []}
+    for _ in range(reps):
+        rows["prefill_ms_d_idle"].append(await _probe_prefill_ms(session, router_url, p_url, prompt(n, rng)))
+        first: list[asyncio.Future] = [asyncio.get_running_loop().create_future() for _ in range(batch)]
+        bg = [asyncio.create_task(_stream_signal(session, router_url, prompt(32, rng), 160, f)) for f in first]
+        await asyncio.wait_for(asyncio.gather(*first), timeout=120)
+        await asyncio.sleep(0.8)  # the batch's own prefill stats reach P's frontend first
+        t0 = time.perf_counter()
+        busy_ms = await _probe_prefill_ms(session, router_url, p_url, prompt(n, rng), settle_s=0.0)
+        rows["prefill_ms_d_decoding"].append(busy_ms)
+        busy_end = t0 + (busy_ms or 0.0) / 1e3
+        for out in await asyncio.gather(*bg):
+            ts = [out["t0"] + t for t in out["times"]]
+            for a, b in zip(ts, ts[1:]):
+                if t0 + 0.05 <= a and b <= busy_end:
+                    rows["d_gap_ms_p_prefilling"].append(1e3 * (b - a))
+                elif a >= busy_end + 0.3:  # after the probe's KV landed and its first D step
+                    rows["d_gap_ms_p_idle"].append(1e3 * (b - a))
+        await asyncio.sleep(1.2)
+    rows = {k: [x for x in v if x is not None] for k, v in rows.items()}
+    med = {k: statistics.median(v) if v else None for k, v in rows.items()}
+    return {**{k: [round(x, 2) for x in v] for k, v in rows.items() if k.startswith("prefill")},
+            "median_ms": med, "num_gaps": {k: len(v) for k, v in rows.items() if k.startswith("d_gap")},
+            "prefill_ratio": _ratio(med["prefill_ms_d_decoding"], med["prefill_ms_d_idle"]),
+            "decode_ratio": _ratio(med["d_gap_ms_p_prefilling"], med["d_gap_ms_p_idle"])}
+
+
+async def _probe_prefill_ms(session, router_url: str, p_url: str, body_prompt: list[int],
+                            settle_s: float = 1.2) -> float | None:
+    """P's engine prefill time of one request (from P's counters, read around it)."""
+    before = await metrics(session, p_url)
+    await stream(session, router_url, {"prompt": body_prompt, "max_tokens": 2})
+    await asyncio.sleep(max(settle_s, 0.6))  # the stats reach P's frontend with its next step
+    after = await metrics(session, p_url)
+    count = after.get(_STEP[1], 0.0) - before.get(_STEP[1], 0.0)
+    if round(count) != 1:  # another request's stats landed in the window: the sum is not this probe's
+        log(f"prefill probe: {count} requests counted in its window, dropped")
+        return None
+    return 1e3 * (after.get(_PROBE[0], 0.0) - before.get(_PROBE[0], 0.0))
+
+
+async def _stream_signal(session, url: str, body_prompt: list[int], max_tokens: int, first: asyncio.Future) -> dict:
+    """A streamed request that resolves `first` at its first token."""
+    t0 = time.perf_counter()
+    times: list[float] = []
+    body = {"prompt": body_prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+    async with session.post(f"{url}/v1/completions", json=body) as resp:
+        async for line in resp.content:
+            if line.startswith(b"data: {") and b'"text"' in line:
+                times.append(time.perf_counter() - t0)
+                if not first.done():
+                    first.set_result(None)
+    if not first.done():
+        first.set_result(None)
+    return {"t0": t0, "times": times}
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
+
+
 def _pct(xs: list[float], q: float) -> float:
     import numpy as np
 
     return float(np.percentile(xs, q))
+
+
+# ------------------------------------------------------------- CPU accounting
+class CpuAccount:
+    """Who used which core, per phase: CPU seconds of every thread of P's and D's process trees and
+    of this harness (router + client), each thread's allowed cores, and each core's busy time.
+
+    Thread times are the kernel's (utime + stime), so contention shows as wall time without CPU time;
+    `others_s` (cores' busy time not spent by P, D or the harness) is the other tenants."""
+
+    def __init__(self, p_port: int, d_port: int) -> None:
+        me = psutil.Process()
+        self.groups: dict[str, list] = {"P": [], "D": [], "harness": [me]}
+        for child in me.children(recursive=False):
+            cmd = child.cmdline()
+            port = cmd[cmd.index("--port") + 1] if "--port" in cmd else None
+            key = {str(p_port): "P", str(d_port): "D"}.get(port)
+            if key:
+                self.groups[key] += [child, *child.children(recursive=True)]
+        self.marks: list[tuple[str, dict]] = []
+
+    def pin(self, cores: dict[str, set[int]]) -> dict[str, str]:
+        """Bind every thread of each group's processes to its cores (threads and processes created
+        later inherit it). vLLM's `VLLM_CPU_OMP_THREADS_BIND` binds only the worker's compute
+        threads: the API server and the EngineCore (which spins on the worker's result queue, and
+        steps at ~1 kHz while a request waits for its KV) float over every core, P's included."""
+        for group, procs in self.groups.items():
+            for proc in procs:
+                try:
+                    for th in proc.threads():
+                        with contextlib.suppress(OSError):
+                            os.sched_setaffinity(th.id, cores[group])
+                except psutil.Error:
+                    continue
+        return {g: ",".join(map(str, sorted(c))) for g, c in cores.items()}
+
+    def mark(self, label: str) -> None:
+        self.marks.append((label, self._snapshot()))
+
+    def _snapshot(self) -> dict:
+        threads: dict[tuple, dict] = {}
+        for group, procs in self.groups.items():
+            for proc in procs:
+                try:
+                    pname = proc.name()
+                    for th in proc.threads():
+                        threads[(group, th.id)] = {"name": f"{pname}/{_comm(proc.pid, th.id)}",
+                                                   "cpu_s": th.user_time + th.system_time,
+                                                   "wait_s": _runqueue_wait_s(proc.pid, th.id),
+                                                   "cores": _cores(th.id)}
+                except psutil.Error:
+                    continue
+        cores = [{"busy_s": c.user + c.nice + c.system + c.irq + c.softirq + c.steal, "steal_s": c.steal}
+                 for c in psutil.cpu_times(percpu=True)]
+        return {"t": time.perf_counter(), "threads": threads, "cores": cores}
+
+    def phases(self) -> dict:
+        """Per phase (between consecutive marks): wall, per-core busy/steal, per-group CPU seconds,
+        CPU seconds by allowed core set, and each group's busiest threads."""
+        out = {}
+        for (label, a), (_, b) in zip(self.marks, self.marks[1:]):
+            groups: dict[str, dict] = {}
+            for key, th in b["threads"].items():
+                old = a["threads"].get(key, {"cpu_s": 0.0, "wait_s": 0.0})
+                cpu, wait = th["cpu_s"] - old["cpu_s"], th["wait_s"] - old["wait_s"]
+                g = groups.setdefault(key[0], {"cpu_s": 0.0, "by_cores": {}, "threads": []})
+                g["cpu_s"] += cpu
+                g["by_cores"][th["cores"]] = g["by_cores"].get(th["cores"], 0.0) + cpu
+                g["threads"].append({"name": th["name"], "cores": th["cores"], "cpu_s": round(cpu, 3),
+                                     "runqueue_wait_s": round(wait, 3)})
+            for g in groups.values():
+                g["threads"] = sorted(g["threads"], key=lambda x: -x["cpu_s"])[:6]
+            busy = [cb["busy_s"] - ca["busy_s"] for ca, cb in zip(a["cores"], b["cores"])]
+            out[label] = {"wall_s": b["t"] - a["t"], "core_busy_s": busy,
+                          "core_steal_s": [cb["steal_s"] - ca["steal_s"] for ca, cb in zip(a["cores"], b["cores"])],
+                          "groups": groups, "others_s": sum(busy) - sum(g["cpu_s"] for g in groups.values())}
+        return out
+
+
+def _comm(pid: int, tid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+    except OSError:
+        return "?"
+
+
+def _runqueue_wait_s(pid: int, tid: int) -> float:
+    """Time the thread was runnable but not running (waiting for a core), from schedstat."""
+    try:
+        return int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def _cores(tid: int) -> str:
+    try:
+        return ",".join(str(c) for c in sorted(os.sched_getaffinity(tid)))
+    except OSError:
+        return "?"
 
 
 # ------------------------------------------------------------- deployment facts
@@ -255,8 +432,10 @@ def build_profile(pre: list[dict], dec: list[dict], val: dict, facts: dict, batc
     measured = {k: v for k, v in val.items() if k not in ("requests", "p_engine")}
     return {"schema": "vllm-disagg-profile/1", "device": f"cpu x{os.cpu_count()} (1 core per instance)",
             "model": "smollm2-135m (dummy weights, bf16)",
-            # a + b*T + c*sum(n^2) + d*T^2: the batched points tell per-prompt (c) from per-batch (d) growth
-            "prefill_fit": "quadratic",
+            # Splitwise's form: a step costs the curve at its batch tokens, the batched points included
+            # (this CPU: 2 x 512 costs the curve at 1024, 4 x 512 about one 2048-token prompt; the
+            # quadratic a + b*T + c*sum(n^2) + d*T^2 missed the single 512-token point by -15 %)
+            "prefill_fit": "piecewise",
             "prefill": [{"num_tokens": r["num_tokens"], "ms": r["prefill_ms"]} for r in pre],
             "prefill_batched": [{k: r[k] for k in ("num_prompts", "num_tokens", "ms")} for r in batched],
             "decode": dec,
@@ -266,7 +445,7 @@ def build_profile(pre: list[dict], dec: list[dict], val: dict, facts: dict, batc
 
 
 # ------------------------------------------------------------------- main
-async def run(quick: bool, model_dir: Path, log_dir: Path, load: float) -> dict:
+async def run(quick: bool, model_dir: Path, log_dir: Path, load: float, pin: bool = True) -> dict:
     plan = PLAN[quick]
     out: dict = {"quick": quick, "load1_start": os.getloadavg()[0], "plan": plan}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as session:
@@ -274,10 +453,17 @@ async def run(quick: bool, model_dir: Path, log_dir: Path, load: float) -> dict:
             router = await start_router(p, d)
             try:
                 await stream(session, router.url, {"prompt": [5] * 300, "max_tokens": 2})  # warm up
+                cpu = CpuAccount(p.http_port, d.http_port)
+                # P's whole tree on P's core; D's and this harness (router + client, < 1 % of a core) on D's
+                p_core, d_core = ({int(c) for c in spec.cores.split(",")} for spec in (p, d))
+                out["pinned"] = cpu.pin({"P": p_core, "D": d_core, "harness": d_core}) if pin else None
+                cpu.mark("prefill")
                 pre = await prefill_points(session, router.url, p.url, plan["prefill_sizes"], plan["prefill_reps"])
                 single = next(r["prefill_ms"] for r in pre if r["num_tokens"] == 512)
+                cpu.mark("prefill_batched")
                 bat = await batched_prefill_points(session, router.url, p.url, 512, plan["batched_prompts"],
                                                    plan["batched_reps"], single)
+                cpu.mark("decode")
                 dec = await decode_points(session, d.url, plan["decode_batches"], plan["decode_contexts"],
                                           plan["decode_tokens"], plan["decode_reps"])
                 p_len, o_len = 512, 24
@@ -285,15 +471,22 @@ async def run(quick: bool, model_dir: Path, log_dir: Path, load: float) -> dict:
                 rate = round(load / t_pre, 3)  # P's offered load from its own measured prefill time
                 num = max(12, min(plan["val_requests"], int(rate * plan["val_max_s"])))
                 log(f"validation: {num} x ({p_len} in, {o_len} out) at {rate}/s")
+                cpu.mark("validation")
                 val = await validation(session, router.url, p.url, p_len, o_len, rate, num)
                 # the same probe after (c): a changed box (other tenants) shows here, not in the error
+                cpu.mark("prefill_after")
                 after = await prefill_points(session, router.url, p.url, [p_len], plan["prefill_reps"])
+                cpu.mark("paired_tbt")
                 paired = await paired_tbt(session, router.url, d.url, p_len, o_len, plan["prefill_reps"])
                 log(f"paired TBT {paired['median_ms']}")
+                cpu.mark("cross_interference")
+                cross = await cross_interference(session, router.url, p.url, p_len, plan["cross_reps"])
+                log(f"cross interference {cross['median_ms']}")
+                cpu.mark("end")
             finally:
                 await router.stop()
     out.update(prefill=pre, prefill_batched=bat, decode=dec, validation=val, facts=engine_facts(log_dir), prefill_after=after,
-               paired_tbt=paired,
+               paired_tbt=paired, cross_interference=cross, cpu=cpu.phases(),
                load1_end=os.getloadavg()[0])
     return out
 
@@ -310,8 +503,49 @@ def compare(raw: dict, model_dir: Path) -> dict:
                    box_drift_prefill_after_over_before=raw["prefill_after"][0]["prefill_ms"] / before,
                    validation_rps=raw["validation"]["rps"], no_load_ttft_residual_ms=residual,
                    paired_tbt_router_over_direct=raw["paired_tbt"]["router_over_direct"],
-                   load1_start=raw["load1_start"], load1_end=raw["load1_end"])
+                   load1_start=raw["load1_start"], load1_end=raw["load1_end"], pinned=raw.get("pinned"),
+                   cross_prefill_ratio=raw["cross_interference"]["prefill_ratio"],
+                   cross_decode_ratio=raw["cross_interference"]["decode_ratio"],
+                   cores_used=cpu_shares(raw["cpu"], (raw.get("pinned") or {}).get("P")),
+                   p_cpu_ms_per_request_validation=p_cpu_ms_per_request(raw),
+                   p_main_thread_validation=p_main_thread(raw),
+                   tbt_error_given_measured_first_tokens=cmp.get("decode_given_first_tokens", {}).get(
+                       "relative_error"))
     return {"summary": summary, "profile": profile, "comparison": cmp, "details": raw}
+
+
+def cpu_shares(phases: dict, p_core: str | None) -> dict:
+    """Cores' worth of CPU used by P, D, the harness and everything else (other tenants), per phase;
+    pinned, also the share of P's core that P did not get (`not_p_on_p_core`: ~0 on a quiet box)."""
+    out = {}
+    for name, ph in phases.items():
+        wall = ph["wall_s"] or 1.0
+        out[name] = {g: round(v["cpu_s"] / wall, 3) for g, v in ph["groups"].items()}
+        out[name]["others"] = round(ph["others_s"] / wall, 3)
+        if p_core is not None and p_core.isdigit():
+            p_cpu = ph["groups"].get("P", {}).get("cpu_s", 0.0)
+            out[name]["not_p_on_p_core"] = round((ph["core_busy_s"][int(p_core)] - p_cpu) / wall, 3)
+    return out
+
+
+def p_main_thread(raw: dict, phase: str = "validation") -> dict | None:
+    """P's busiest thread (the Worker's compute thread) in a phase: CPU, runqueue wait (runnable but
+    another thread had the core) and the rest of the wall time (blocked: idle, GIL, locks)."""
+    ph = raw["cpu"].get(phase)
+    if not ph or not ph["groups"].get("P"):
+        return None
+    top = ph["groups"]["P"]["threads"][0]
+    return {"wall_s": ph["wall_s"], "cpu_s": top["cpu_s"], "runqueue_wait_s": top.get("runqueue_wait_s"),
+            "other_s": ph["wall_s"] - top["cpu_s"] - (top.get("runqueue_wait_s") or 0.0)}
+
+
+def p_cpu_ms_per_request(raw: dict) -> float | None:
+    """P's CPU per validation request (ms): an upper bound of its work, since the Worker also spins
+    (vLLM's shm queue busy-loops up to 1 s after each step, yielding to anyone else on the core).
+    Against a single prefill's CPU time (0.79-0.85 s for 512 tokens here) it bounds how much more
+    work P did per request in (c) than in (a); wall time beyond that was waiting for the core."""
+    ph = raw["cpu"].get("validation")
+    return 1e3 * ph["groups"]["P"]["cpu_s"] / raw["validation"]["num_requests"] if ph else None
 
 
 def plot(result: dict, path: Path) -> None:
@@ -351,15 +585,18 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="< 5 min; prints one JSON object")
     parser.add_argument("--load", type=float, default=0.4,
                         help="validation: P's busy fraction (offered rate x measured prefill time)")
+    parser.add_argument("--no-pin", action="store_true",
+                        help="leave P's and D's API server and EngineCore unpinned (only the worker's compute "
+                             "threads bound, as `vllm-disagg up` does), for comparison")
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # run the `finally`s: stop every server
     log_dir = Path(tempfile.mkdtemp(prefix="pd-calib-logs-"))
     log(f"instance logs in {log_dir}")
     with tempfile.TemporaryDirectory(prefix="pd-calib-") as tmp:
         model_dir = make_model(Path(tmp))
-        raw = asyncio.run(run(args.quick, model_dir, log_dir, args.load))
+        raw = asyncio.run(run(args.quick, model_dir, log_dir, args.load, pin=not args.no_pin))
         result = compare(raw, model_dir)
-    suffix = "_quick" if args.quick else ""
+    suffix = ("_quick" if args.quick else "") + ("_nopin" if args.no_pin else "")
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"pd_profile_calib{suffix}.json").write_text(json.dumps(result["profile"], indent=1))
     (RESULTS / f"pd_calibrate{suffix}.json").write_text(json.dumps(result, indent=1))

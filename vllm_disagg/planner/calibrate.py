@@ -24,10 +24,11 @@ from __future__ import annotations
 import numpy as np
 
 from vllm_disagg.planner.catalog import HardwareSpec, ModelSpec
+from vllm_disagg.planner.machine import SimMachine, SimRequest
 from vllm_disagg.planner.perf_model import PROMPT_TOKEN_CAP, build_perf_model
 from vllm_disagg.planner.profile import parse_profile
 from vllm_disagg.planner.slo import slo_report
-from vllm_disagg.planner.splitwise_sim import MachineGroup, SimOptions, simulate
+from vllm_disagg.planner.splitwise_sim import MachineGroup, SimOptions, kv_capacity_tokens, simulate
 from vllm_disagg.planner.traces import TraceRequest
 from vllm_disagg.router.policy import Pool, SchedulerConfig
 
@@ -84,7 +85,48 @@ def validate(model: ModelSpec, raw: dict, seed: int = 0) -> dict:
             "measured": measured,
             "relative_error": {k: (predicted[k] - v) / v for k, v in measured.items()},
             "num_requests": len(trace), "num_unfinished": result.num_unfinished,
-            "per_request": _per_request(result.requests)}
+            "per_request": _per_request(result.requests),
+            **_decode_given_first_tokens(model, prof, hw, meas, measured)}
+
+
+def _decode_given_first_tokens(model: ModelSpec, prof, hw: HardwareSpec, meas: dict, measured: dict) -> dict:
+    """When the measurement has each request's first-token time (`first_token_s`, seconds from the
+    same origin as `arrivals_s`): D alone, each request joining its running batch at its measured
+    first token. The TBT this predicts uses the measured P and handoff timing, so it separates D's
+    own model error from TTFT errors that change who decodes together."""
+    firsts = meas.get("first_token_s")
+    if not firsts:
+        return {}
+    perf = build_perf_model(model, hw, prof)
+    d = SimMachine("d", perf, kv_capacity_tokens(model, hw))
+    trace = measured_trace(meas)
+    if len(firsts) != len(trace):
+        raise ValueError(f"measured first_token_s has {len(firsts)} entries, arrivals {len(trace)}")
+    pending = sorted(((float(t), SimRequest(tr, num_generated=1, first_token_s=float(t)))
+                      for t, tr in zip(firsts, trace) if tr.num_output_tokens > 1),
+                     key=lambda x: x[0], reverse=True)  # pop() takes the earliest
+    now, done = 0.0, []
+    while pending or d.has_work():
+        while pending and pending[-1][0] <= now:
+            d.decode_waiting.append(pending.pop()[1])
+        batch = d.next_batch()
+        if batch is None:
+            now = pending[-1][0]
+            continue
+        now += batch.duration_s
+        for req in batch.decodes:
+            req.num_generated += 1
+            if req.finished:
+                d.finish_decode(req)
+                req.done_s = now
+                done.append(req)
+    tbt = [1e3 * (r.done_s - r.first_token_s) / (r.trace.num_output_tokens - 1) for r in done]
+    if not tbt:  # one-token requests have no TBT
+        return {}
+    pred = {f"tbt_ms_p{q}": float(np.percentile(tbt, q)) for q in QUANTILES}
+    return {"decode_given_first_tokens": {
+        "predicted": pred,
+        "relative_error": {k: (pred[k] - v) / v for k, v in measured.items() if k in pred}}}
 
 
 def _per_request(requests) -> list[dict]:

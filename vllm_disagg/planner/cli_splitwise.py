@@ -162,9 +162,12 @@ def run_splitwise(args: argparse.Namespace) -> int:
 
 def _print(out: dict) -> None:
     if "predicted" in out:
+        given = out.get("decode_given_first_tokens", {})
         print(report.key_values({**{f"predicted {k}": v for k, v in out["predicted"].items()},
                                  **{f"measured {k}": v for k, v in out["measured"].items()},
-                                 **{f"error {k}": v for k, v in out["relative_error"].items()}},
+                                 **{f"error {k}": v for k, v in out["relative_error"].items()},
+                                 **{f"error {k}, D given measured first tokens": v
+                                    for k, v in given.get("relative_error", {}).items()}},
                                 "Calibration: simulated 1P+1D vs measured"))
         return
     if "simulated" in out:

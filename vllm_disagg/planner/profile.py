@@ -103,8 +103,9 @@ def parse_profile(data: dict) -> Profile:
                    measured=dict(data.get("measured", {})))
     for name, x_key in _CURVES.items():
         if data.get(name):
+            points = data[name] + (_batched_as_total(data) if name == "prefill" else [])
             try:
-                prof.curves[name] = Curve.from_points(data[name], x_key)
+                prof.curves[name] = Curve.from_points(points, x_key)
             except (KeyError, TypeError, ValueError) as exc:
                 raise ValueError(f"profile section {name!r}: {exc}") from exc
     prof.decode_context_ms_per_token = _context_slope(data.get("decode") or [])
@@ -118,6 +119,18 @@ def parse_profile(data: dict) -> Profile:
     if fit == "quadratic" and data.get("prefill"):
         prof.prefill_quadratic = _quadratic_fit(data["prefill"], data.get("prefill_batched") or [])
     return prof
+
+
+def _batched_as_total(data: dict) -> list[dict]:
+    """Piece-wise fit (Splitwise's form: an iteration costs the curve at its batch tokens): a batch of
+    k prompts of n tokens is one more point at k*n tokens. Quadratic fits use them separately."""
+    if data.get("prefill_fit", "piecewise") != "piecewise":
+        return []
+    try:
+        return [{"num_tokens": int(p["num_prompts"]) * p["num_tokens"], "ms": p["ms"]}
+                for p in data.get("prefill_batched") or []]
+    except (KeyError, TypeError) as exc:
+        raise ValueError(f"profile section 'prefill_batched': {exc}") from exc
 
 
 def _quadratic_fit(points: list[dict], batched: list[dict] = ()) -> tuple[float, float, float, float]:

@@ -86,3 +86,18 @@ def test_prompts_queued_behind_a_busy_prompt_machine_share_its_next_iteration_at
     first = {r.req_id: r.first_token_s for r in res.requests}
     assert first["r0"] == pytest.approx(one)
     assert [first[f"r{i}"] for i in (1, 2, 3, 4)] == pytest.approx([one + four] * 4)
+
+
+def test_decode_is_replayed_from_the_measured_first_tokens_to_separate_d_from_p():
+    # Requests 1 s apart decode alone (20 ms per token); two landing together decode as a batch of
+    # two (21 ms). The replay uses the measured first-token times, not the simulated P.
+    meas = {"first_token_s": [5.0, 9.0, 9.0, 20.0], "tbt_ms_p50": 20.0, "tbt_ms_p90": 25.0}
+    out = validate(TINY, _profile(meas))["decode_given_first_tokens"]
+    assert out["predicted"]["tbt_ms_p50"] == pytest.approx(20.5)
+    assert out["predicted"]["tbt_ms_p90"] == pytest.approx(21.0)
+    assert out["relative_error"]["tbt_ms_p90"] == pytest.approx(21.0 / 25.0 - 1)
+
+
+def test_a_first_token_list_that_does_not_match_the_arrivals_is_refused():
+    with pytest.raises(ValueError, match="first_token_s"):
+        validate(TINY, _profile({"first_token_s": [1.0], "ttft_ms_p50": 1.0}))

@@ -101,3 +101,17 @@ def test_a_prompt_chunk_pays_attention_over_the_tokens_before_it():
     chunk = perf.prefill_batch_ms([400], [200])
     assert chunk == pytest.approx(a + b * 400 + c * (600**2 - 200**2) + d * 400**2)
     assert perf.prefill_batch_ms([200]) + perf.prefill_batch_ms([400], [200]) > perf.prefill_batch_ms([600])
+
+
+def test_a_piecewise_profile_puts_each_batched_point_on_the_curve_at_its_total_tokens():
+    # Splitwise's form, and what the CPU measured: 4 x 512 queued prompts cost about one 2048-token
+    # prompt, so the batch is a point of the batch-token curve (averaged with a single at 2048).
+    data = {"prefill": [{"num_tokens": 512, "ms": 750.0}, {"num_tokens": 2048, "ms": 4500.0}],
+            "prefill_batched": [{"num_prompts": 2, "num_tokens": 512, "ms": 1450.0},
+                                {"num_prompts": 4, "num_tokens": 512, "ms": 5100.0}],
+            "decode": [{"batch_size": 1, "ms": 20.0}]}
+    curve = parse_profile(data).curve("prefill")
+    assert curve(512) == pytest.approx(750.0)
+    assert curve(1024) == pytest.approx(1450.0)
+    assert curve(2048) == pytest.approx(4800.0)
+    assert parse_profile({**data, "prefill_fit": "quadratic"}).curve("prefill")(1024) != pytest.approx(1450.0)
