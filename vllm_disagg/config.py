@@ -59,6 +59,9 @@ class RemoteAttentionSection(_Section):
     timeout_s: float = Field(30.0, gt=0)
     """Longest wait for one attention server's answer; past it the server counts as lost and its
     requests are rebuilt by recompute on the servers that remain."""
+    replacement_wait_s: float = Field(5.0, ge=0)
+    """After a server loss, how long to wait for every configured server to answer /health (a
+    replacement started at the lost address) before continuing on the ones that do."""
     spin_us: float | None = Field(None, ge=0)
     """shm: busy-poll this long for each reply before sleeping (None: the transport's default, 0 on
     <= 2 CPUs). Worth tens of microseconds per layer when the model worker has a core of its own."""

@@ -19,6 +19,7 @@ Needs: `kubectl` with kustomize (Debian: kubernetes-client; or $KUBECTL), `kuber
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -256,9 +257,46 @@ def test_every_vllm_serve_command_parses_with_the_plugin_into_its_role_and_kv_po
         if overlay == "lamina-cpu" and role == "decode":
             ra = disagg["remote_attention"]
             assert ra["transport"] == "tcp" and len(ra["servers"]) == 2
+            assert ra["partition"] == "head" and ra["replacement_wait_s"] >= 120  # waits for the pod's restart
             sts = one(rendered[overlay], "StatefulSet", "vllm-disagg-attention")
             assert sts["spec"]["replicas"] == len(ra["servers"])
             assert all(s.endswith(f".{sts['spec']['serviceName']}:8300") for s in ra["servers"])
+
+
+def attention_server_args(docs: list[dict]) -> tuple[argparse.Namespace, dict]:
+    """The attention StatefulSet's `vllm-disagg attn-server` args, parsed by its real parser."""
+    from vllm_disagg.attention.cli import add_server_args
+
+    container = one(docs, "StatefulSet", "vllm-disagg-attention")["spec"]["template"]["spec"]["containers"][0]
+    assert container["command"] == ["vllm-disagg", "attn-server"]
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    add_server_args(parser)
+    args = parser.parse_args([_substitute(a, {"VLLM_HOST_IP": "10.0.0.9"}) for a in container["args"]])
+    return args, {p["name"]: p["containerPort"] for p in container["ports"]}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_attention_server_listens_on_its_declared_ports(rendered, overlay):
+    args, ports = attention_server_args(rendered[overlay])
+    assert args.http_port == ports["http"] and args.data_port == ports["data"]
+    assert args.kv_port == ports.get("kv", 0)  # a fixed prefill KV port is declared where one listens
+
+
+def test_lamina_prefill_pushes_into_the_attention_servers_of_its_one_decode_model_worker(rendered):
+    """Same wiring as `vllm-disagg up --prefill 1 --decode 1 --attention 2`: the servers accept the prefill
+    pool's kv.transport (`--kv-transport`) and the decode pod is their only model worker."""
+    pytest.importorskip("vllm")
+    docs = rendered["lamina-cpu"]
+    args, ports = attention_server_args(docs)
+    serve = {o.split("vllm-disagg-")[1].split("/")[0]: argv for o, argv, _ in vllm_serve_commands(docs)}
+    prefill_transport = serve["prefill"][serve["prefill"].index("--disagg-transport") + 1]
+    assert args.kv_transport == prefill_transport and args.kernel == "cpu"  # pushes land in the CPU layout
+    assert args.kv_port == ports["kv"] and args.transport == "tcp"
+    decode = one(docs, "Deployment", "vllm-disagg-decode")["spec"]
+    assert decode["replicas"] == 1 and decode["strategy"]["type"] == "Recreate"
+    assert one(docs, "HorizontalPodAutoscaler", "vllm-disagg-decode")["spec"]["maxReplicas"] == 1
+    for overlay in ("gpu", "gpu-rdma"):  # cuda kernel: no CPU-layout pushes, D recomputes
+        assert attention_server_args(rendered[overlay])[0].kv_transport is None
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -405,8 +443,9 @@ def test_the_rendered_attention_server_command_serves_its_probe_paths_on_its_por
                 status, body = _wait_port(pod, proc, port, path, log)
                 assert status == 200, body
                 info = json.loads(body)
-                assert info["status"] == "ok" and info["transport"] == "tcp"
-                assert info["address"].startswith("127.0.0.1:")  # data path on VLLM_HOST_IP (the pod IP)
+                assert info["status"] == "ok" and info["transport"] == "tcp" and info["kv_transport"] == "tcp"
+                data_port = {p["name"]: p["containerPort"] for p in container["ports"]}["data"]
+                assert info["address"] == f"127.0.0.1:{data_port}"  # data path on VLLM_HOST_IP (the pod IP)
             ann = sts["spec"]["template"]["metadata"]["annotations"]
             status, body = pod.get(int(ann["prometheus.io/port"]), ann["prometheus.io/path"])
             assert status == 200 and "vllm:disagg_attention" in body

@@ -1,7 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """Remote attention (Lamina) on the nano-batch executor: at pipeline depth 2 the attention ops run on
 the "net" unit while the other nano-batch's dense ops run; at depth 1 the same nano-batches run
-serially (the benchmark's baseline). Greedy output equals plain vLLM token for token in both."""
+serially (the benchmark's baseline). Greedy output equals plain vLLM token for token in both, also
+when an attention server is SIGKILLed in the middle of the decode: the nano-batched step fails as a
+whole, the KV is rebuilt by recompute and the step re-runs (attention/recovery.py)."""
 
 from __future__ import annotations
 
@@ -34,10 +36,14 @@ def _generate(model_dir: str, **extra):
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_model_dir):
+def plain(tiny_model_dir):
+    return _generate(tiny_model_dir)[0]
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model_dir, plain):
     from vllm_disagg.attention.launcher import start_local_servers
 
-    plain, _ = _generate(tiny_model_dir)
     servers = start_local_servers(2, transport="shm", kv_cache_gib=0.0625)
     try:
         runs = {}
@@ -84,3 +90,80 @@ def test_remote_attention_ops_run_on_the_network_unit_thread(runs):
     assert stats["inline"] is False
     assert {u["name"] for u in stats["units"]} == {"dense", "net"}
     assert stats["decode_steps"] > 0 and stats["mixed_steps"] > 0
+
+
+def _decode_killing_one_server(model_dir: str, remote: dict, depth: int, kill, **over):
+    """Decode PROMPTS step by step; once every request has 2 tokens, `kill()` runs on a timer
+    thread while the next step runs (the loss lands anywhere inside the pipelined step or just
+    after it). Returns (tokens by request, nanoflow_stats, client)."""
+    import threading
+
+    from vllm import LLM, SamplingParams
+
+    from vllm_disagg.attention import backend  # the worker runs in this process (in-process engine)
+
+    ra = {**remote, "pipeline": depth, "timeout_s": 10.0}
+    llm = LLM(**tiny_llm_kwargs(
+        model_dir, max_num_batched_tokens=128, **over,
+        worker_cls="vllm_disagg.nanoflow.remote.NanoFlowRemoteAttentionWorker",
+        additional_config={"disagg": {"remote_attention": ra, "nanoflow": {"nano_batches": 2}}}))
+    try:
+        engine = llm.llm_engine
+        sp = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+        for i, prompt in enumerate(PROMPTS):
+            engine.add_request(str(i), prompt, sp)
+        done, lens, killer = {}, {}, None
+        while engine.has_unfinished_requests():
+            if killer is None and len(lens) == len(PROMPTS) and min(lens.values()) >= 2:
+                killer = threading.Timer(0.002, kill)
+                killer.start()
+            for out in engine.step():
+                lens[out.request_id] = len(out.outputs[0].token_ids)
+                if out.finished:
+                    done[int(out.request_id)] = list(out.outputs[0].token_ids)
+        assert killer is not None, "the decode ended before the kill"
+        killer.join()
+        stats = llm.collective_rpc("nanoflow_stats")[0]
+        return [done.get(i) for i in range(len(PROMPTS))], stats, backend.get_client()
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+
+
+@pytest.mark.parametrize(
+    ("depth", "partition", "replace"),
+    [(2, "head", False), (2, "request", False), (2, "head", True), (1, "request", False)],
+    ids=["n2-head-survivor", "n2-request-survivor", "n2-head-replacement", "n1-request-survivor"],
+)
+def test_killing_an_attention_server_inside_a_nano_batched_step_loses_no_request(
+    tiny_model_dir, plain, depth, partition, replace
+):
+    from vllm_disagg.attention.launcher import start_local_server, start_local_servers
+
+    own = start_local_servers(2, transport="shm", kv_cache_gib=0.0625)
+    replacement = []
+
+    def kill() -> None:
+        own[1].kill()
+        if replace:  # same address: the recovery waits for it (replacement_wait_s) and re-shards over both
+            port = int(own[1].http.rsplit(":", 1)[1])
+            replacement.append(start_local_server(transport="shm", kv_cache_gib=0.0625, http_port=port))
+
+    remote = {"servers": [s.http for s in own], "partition": partition}
+    if replace:
+        remote["replacement_wait_s"] = 120.0
+    # headroom for head-wise on the survivor: it then holds every head, so half its blocks
+    over = {} if replace or partition == "request" else {"num_gpu_blocks_override": 256}
+    try:
+        got, stats, client = _decode_killing_one_server(tiny_model_dir, remote, depth, kill, **over)
+    finally:
+        for s in own + replacement:
+            s.stop()
+    assert got == [toks for toks, _ in plain]  # every request finished, greedy tokens as plain vLLM
+    assert client.num_recoveries == 1
+    survivors = [own[0].http, own[1].http] if replace else [own[0].http]
+    assert [c.http_addr for c in client.conns] == survivors
+    (rec,) = stats["remote_recoveries"]
+    assert rec["server"] == own[1].http and rec["nano_batched"] and rec["tokens_rebuilt"] > 0
+    assert stats["inline"] is (depth == 1)

@@ -36,6 +36,9 @@ def add_server_args(p: argparse.ArgumentParser, with_host_port: bool = True) -> 
     p.add_argument("--kv-transport", default=None, choices=["tcp", "shm", "nixl"],
                    help="accept prefill KV pushes on this transport (the prefill instances' kv.transport; "
                         "default: none)")
+    p.add_argument("--kv-port", type=int, default=0,
+                   help="with --kv-transport tcp/nixl: fixed port of the prefill KV receiver, e.g. for k8s "
+                        "NetworkPolicies (0: pick one; reported on /health as kv_address)")
     p.add_argument("--kv-cache-gib", type=float, default=0.25, help="KV memory of this shard in GiB")
     p.add_argument("--kernel", default="cpu", choices=["cpu", "cuda", "none"],
                    help="attention kernel: vLLM's CPU kernel, or FlashAttention on a GPU (untested); 'none' "
@@ -58,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
         server = DisaggAttentionServer(
             transport=args.transport, kv_cache_bytes=int(args.kv_cache_gib * (1 << 30)),
             kernel=args.kernel, http_host=args.host, http_port=args.http_port, num_threads=args.threads,
-            data_port=args.data_port, kv_transport=args.kv_transport, spin_us=args.spin_us,
+            data_port=args.data_port, kv_transport=args.kv_transport, kv_port=args.kv_port, spin_us=args.spin_us,
         )
     except (ValueError, OSError) as err:
         print(f"vllm-disagg attn-server: {err}", file=sys.stderr)

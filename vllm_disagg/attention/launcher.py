@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """Start attention servers as local subprocesses (tests, benchmarks, `vllm-disagg up`).
 
-`start_local_servers(n)` runs `python -m vllm_disagg.attention.cli` n times and waits for each
-READY file; `LocalServer.kill()` is the fault-injection hook (SIGKILL), `stop()` the clean exit.
+`start_local_servers(n)` starts `python -m vllm_disagg.attention.cli` n times at once (their vLLM
+imports overlap, ~14 s each here) and waits for every READY file; `LocalServer.kill()` is the fault-injection hook (SIGKILL), `stop()` the clean exit.
 """
 
 from __future__ import annotations
@@ -42,13 +42,19 @@ class LocalServer:
                 self.kill()
 
 
-def start_local_server(transport: str = "shm", kv_cache_gib: float = 0.125, http_port: int = 0,
-                       timeout_s: float = 180.0, env: dict | None = None, threads: int = 1,
-                       extra_args: tuple[str, ...] = ()) -> LocalServer:
+def spawn_local_server(transport: str = "shm", kv_cache_gib: float = 0.125, http_port: int = 0,
+                       env: dict | None = None, threads: int = 1,
+                       extra_args: tuple[str, ...] = ()) -> tuple[subprocess.Popen, Path, list[str]]:
+    """Start one server process; `wait_ready` waits for its READY file."""
     ready = Path(tempfile.mkdtemp(prefix="attn-server-")) / "ready.json"
     cmd = [sys.executable, "-m", "vllm_disagg.attention.cli", "--transport", transport,
-           "--kv-cache-gib", str(kv_cache_gib), "--http-port", str(http_port), "--threads", str(threads), "--ready-file", str(ready), "--parent-pid", str(os.getpid()), *extra_args]
+           "--kv-cache-gib", str(kv_cache_gib), "--http-port", str(http_port), "--threads", str(threads),
+           "--ready-file", str(ready), "--parent-pid", str(os.getpid()), *extra_args]
     proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, stdout=subprocess.DEVNULL)
+    return proc, ready, cmd
+
+
+def wait_ready(proc: subprocess.Popen, ready: Path, cmd: list[str], timeout_s: float = 180.0) -> LocalServer:
     deadline = time.monotonic() + timeout_s
     while not ready.exists():
         if proc.poll() is not None:
@@ -60,13 +66,24 @@ def start_local_server(transport: str = "shm", kv_cache_gib: float = 0.125, http
     return LocalServer(proc, json.loads(ready.read_text()), ready)
 
 
-def start_local_servers(n: int, **kwargs) -> list[LocalServer]:
+def start_local_server(timeout_s: float = 180.0, **kwargs) -> LocalServer:
+    """One server, started and READY (kwargs: `spawn_local_server`'s)."""
+    return wait_ready(*spawn_local_server(**kwargs), timeout_s=timeout_s)
+
+
+def start_local_servers(n: int, timeout_s: float = 180.0, **kwargs) -> list[LocalServer]:
+    """n servers, started at once (their imports overlap) and all READY."""
+    spawned = []
     servers: list[LocalServer] = []
     try:
         for _ in range(n):
-            servers.append(start_local_server(**kwargs))
+            spawned.append(spawn_local_server(**kwargs))
+        for proc, ready, cmd in spawned:
+            servers.append(wait_ready(proc, ready, cmd, timeout_s))
     except BaseException:
-        for s in servers:
-            s.stop()
+        for proc, _, _ in spawned:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=10)
         raise
     return servers

@@ -5,8 +5,8 @@ Lamina keeps all request state on the attention workers; when one dies, its KV i
 the prompt text and the generated tokens". Here the model worker does it in place, inside the
 step that hit the failure (`DisaggAttentionRunner._model_forward`):
 
-1. `reconnect`: wait a short grace period for every configured server to answer `/health` (a
-   replacement started at the same address counts). Continue with the servers that answer: any
+1. `reconnect`: wait up to `remote_attention.replacement_wait_s` for every configured server to
+   answer `/health` (a replacement started at the same address counts). Continue with the servers that answer: any
    set for request-wise, a set whose size divides the KV heads for head-wise; else fail the step.
    Re-INIT re-shards the heads over the new set.
 2. `rebuild_kv`: for each request in the persistent batch, run the model once over its first
@@ -14,10 +14,16 @@ step that hit the failure (`DisaggAttentionRunner._model_forward`):
    backend writes that KV into the servers. Then the interrupted step is run again (rewriting
    the KV of layers that had already succeeded is idempotent).
 
-Requests therefore survive with no client-visible error. Not covered: a loss inside a
-nano-batched (pipelined) step fails the step (the engine reports the error; nothing hangs), and
-the servers left must hold the scheduler's number of blocks (leave headroom for a loss, or
-start a replacement at the lost address within `REPLACEMENT_WAIT_S`).
+`forward_with_recovery` wraps the runner's `_model_forward` at its OUTERMOST level, so a nano-batched
+step (n=2 ping-pong or n=1 on the NanoFlow executor, `vllm_disagg.nanoflow.remote`) recovers the same
+way: the executor re-raises the unit thread's `AttentionServerLost` on the caller's thread after
+every unit stopped (no op left running, its threads idle for the next step); the rebuild runs the
+model unsplit on the caller's thread, and the retry re-splits the step from its untouched inputs.
+
+Requests therefore survive with no client-visible error. Limits: the servers left must hold the
+scheduler's number of blocks (leave headroom for a loss, or start a replacement at the lost address
+within `remote_attention.replacement_wait_s`, default 5 s); a step gives up after `MAX_ATTEMPTS`
+losses in a row (the engine then reports the error; nothing hangs).
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ from vllm_disagg.attention.wire import StepMeta
 
 logger = init_logger(__name__)
 REPLACEMENT_WAIT_S = 5.0
+MAX_ATTEMPTS = 3
+"""Forward attempts per step: a second loss during the rebuild or the retry gets one more round."""
 
 
 def healthy(http_addr: str, timeout_s: float = 1.0) -> bool:
@@ -44,12 +52,14 @@ def healthy(http_addr: str, timeout_s: float = 1.0) -> bool:
         return False
 
 
-def reconnect(client: DisaggAttentionClient, required_blocks: int, wait_s: float = REPLACEMENT_WAIT_S) -> list[str]:
+def reconnect(client: DisaggAttentionClient, required_blocks: int, wait_s: float | None = None) -> list[str]:
     """Reconnect to the servers that are up (see module doc); returns their addresses.
 
     `required_blocks` is the scheduler's block count: fewer servers may hold fewer blocks each
     (head-wise: each takes more heads), which only works if the deployment left that headroom
     (e.g. `num_gpu_blocks_override`)."""
+    if wait_s is None:  # remote_attention.replacement_wait_s
+        wait_s = getattr(client, "replacement_wait_s", REPLACEMENT_WAIT_S)
     addrs = client.configured
     deadline = time.monotonic() + wait_s
     live = [a for a in addrs if healthy(a)]
@@ -105,3 +115,55 @@ def forget_splits(attn_metadata) -> None:
         for m in (group or {}).values():
             if isinstance(m, ClientMeta):
                 m._splits = None
+
+
+def recover(runner, err: AttentionServerLost) -> int:
+    """Reconnect, then rebuild the KV of the runner's batch; returns the tokens recomputed.
+
+    Runs on the step's caller thread, inside the step's forward context (its split metadata, if
+    any, is re-split against the new server set)."""
+    from vllm.forward_context import get_forward_context
+
+    logger.warning("remote attention: %s; rebuilding the KV by recompute", err)
+    ctx = get_forward_context()
+    reconnect(_client_of(runner), runner.kv_cache_config.num_blocks)
+    forget_splits(ctx.attn_metadata)
+    names = [n for groups in runner.attn_groups for g in groups for n in g.layer_names]
+    tokens = rebuild_kv(runner, names)
+    forget_splits(ctx.attn_metadata)
+    runner.remote_recovery_log = [*getattr(runner, "remote_recovery_log", []), {
+        "server": err.server, "nano_batched": ctx.ubatch_slices is not None, "tokens_rebuilt": tokens}]
+    return tokens
+
+
+def forward_with_recovery(runner, forward, *args, **kwargs):
+    """`forward(*args, **kwargs)`, recovering from server loss (module doc). Nested calls (the
+    stock runner's own wrapper under a nano-batch runner's) pass straight through, so recovery
+    always happens at the outermost level, outside any executor."""
+    if runner.__dict__.get("_recovery_active"):
+        return forward(*args, **kwargs)
+    runner._recovery_active = True
+    try:
+        err: AttentionServerLost | None = None
+        for _ in range(MAX_ATTEMPTS):
+            try:
+                if err is not None:
+                    recover(runner, err)
+                return forward(*args, **kwargs)
+            except AttentionServerLost as lost:
+                err = lost
+        raise err
+    finally:
+        runner._recovery_active = False
+
+
+def _client_of(runner) -> DisaggAttentionClient:
+    """The client this runner's model was built with (two in-process engines have two)."""
+    from vllm_disagg.attention import backend
+
+    layers = runner.vllm_config.compilation_config.static_forward_context.values()
+    for layer in layers:
+        client = getattr(getattr(layer, "impl", None), "_client", None)
+        if client is not None:
+            return client
+    return backend.get_client()

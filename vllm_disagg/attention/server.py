@@ -73,7 +73,7 @@ class DisaggAttentionServer:
     def __init__(self, transport: str = "shm", kv_cache_bytes: int = 256 << 20, kernel: str = "cpu",
                  http_host: str = "127.0.0.1", http_port: int = 0, auth_token: str | None = None,
                  recv_timeout_s: float = 1.0, num_threads: int | None = None, data_port: int = 0,
-                 spin_us: float | None = None, kv_transport: str | None = None):
+                 spin_us: float | None = None, kv_transport: str | None = None, kv_port: int = 0):
         from vllm_disagg import envs
 
         token = auth_token or envs.auth_token()
@@ -92,7 +92,7 @@ class DisaggAttentionServer:
         if kv_transport:
             from vllm_disagg.attention.kv_ingest import KVIngest
 
-            self.ingest = KVIngest(kv_transport, token, http_host, registry=self.metrics.registry)
+            self.ingest = KVIngest(kv_transport, token, http_host, port=kv_port, registry=self.metrics.registry)
         self._http_addr = (http_host, http_port)
         self._recv_timeout = recv_timeout_s
         # one kernel call at a time: sessions share the KV, and vLLM's CPU kernels share one

@@ -24,7 +24,7 @@ from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
 
 from vllm_disagg.attention import backend, register
-from vllm_disagg.attention.client import AttentionServerLost, DisaggAttentionClient
+from vllm_disagg.attention.client import DisaggAttentionClient
 from vllm_disagg.config import disagg_config_from_vllm
 
 logger = init_logger(__name__)
@@ -36,9 +36,11 @@ def client_from_config(vllm_config) -> DisaggAttentionClient | None:
     ra = cfg.remote_attention if cfg else None
     if ra is None or not ra.servers:
         return None
-    return DisaggAttentionClient(ra.servers, transport=ra.transport, partition=ra.partition,
-                                 send_q_early=ra.send_q_early, timeout_s=ra.timeout_s, auth_token=cfg.auth_token,
-                                 spin_us=ra.spin_us)
+    client = DisaggAttentionClient(ra.servers, transport=ra.transport, partition=ra.partition,
+                                   send_q_early=ra.send_q_early, timeout_s=ra.timeout_s, auth_token=cfg.auth_token,
+                                   spin_us=ra.spin_us)
+    client.replacement_wait_s = ra.replacement_wait_s  # read by recovery.reconnect
+    return client
 
 
 def connect_client(client: DisaggAttentionClient, vllm_config) -> int:
@@ -119,18 +121,6 @@ class DisaggAttentionRunner(CPUModelRunner):
         pass  # the servers own the blocks; attention never reads past seq_len
 
     def _model_forward(self, *args, **kwargs):
-        try:
-            return super()._model_forward(*args, **kwargs)
-        except AttentionServerLost as err:
-            from vllm.forward_context import get_forward_context
+        from vllm_disagg.attention import recovery
 
-            from vllm_disagg.attention import recovery
-
-            logger.warning("remote attention: %s; rebuilding the KV by recompute", err)
-            ctx = get_forward_context()
-            recovery.reconnect(backend.get_client(), self.kv_cache_config.num_blocks)
-            recovery.forget_splits(ctx.attn_metadata)
-            names = [n for groups in self.attn_groups for g in groups for n in g.layer_names]
-            recovery.rebuild_kv(self, names)
-            recovery.forget_splits(ctx.attn_metadata)
-            return super()._model_forward(*args, **kwargs)
+        return recovery.forward_with_recovery(self, super()._model_forward, *args, **kwargs)

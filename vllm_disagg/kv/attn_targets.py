@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import select
 import threading
 import urllib.request
 from typing import Any
@@ -43,6 +44,27 @@ def attention_settings(vllm_config: Any):
     cfg = disagg_config_from_vllm(vllm_config)
     ra = cfg.remote_attention if cfg else None
     return ra if ra is not None and ra.servers else None
+
+
+def side_channel_closed(client: Any, address: str) -> bool:
+    """True when the prefill side closed `client`'s idle channel to `address` (side_channel.py).
+
+    The channel is request/reply under its lock, so with no call in flight nothing may arrive on it:
+    readable then means EOF or the peer's goodbye frame. A channel busy with a call is left alone
+    (that call sees the loss itself)."""
+    with client._lock:
+        entry = client._channels.get(address)
+    sock = getattr(getattr(entry[0], "stream", None), "sock", None) if entry else None
+    if sock is None or not entry[1].acquire(blocking=False):
+        return False
+    try:
+        poller = select.poll()  # not select(): no FD_SETSIZE limit
+        poller.register(sock, select.POLLIN | select.POLLHUP | select.POLLERR)
+        return bool(poller.poll(0))
+    except (OSError, ValueError):  # dropped by our side meanwhile: the next call reconnects
+        return False
+    finally:
+        entry[1].release()
 
 
 class AttnPushReceiver(PushReceiver):
@@ -122,7 +144,20 @@ class AttnPushReceiver(PushReceiver):
                         recv.state = "done"
 
     def _fail_lost_peers(self) -> None:
-        """Dead prefill instances show up as push_timeout_s expiry (the servers keep no peer list here)."""
+        """A prefill instance that dies after ACCEPT closes its side channel to us (EOF, or its BYE):
+        fail its registered receives now instead of at push_timeout_s (the servers keep no peer list
+        for D). A host that vanishes without closing its sockets is still noticed at push_timeout_s."""
+        with self._lock:
+            remotes = {r.spec.remote for r in self._recvs.values() if r.state == "registered"}
+        lost = {a for a in remotes if side_channel_closed(self._client, a)}
+        if not lost:
+            return
+        with self._lock:
+            for recv in self._recvs.values():
+                if recv.spec.remote in lost and recv.state == "registered":
+                    self._set_failed(recv, f"prefill instance {recv.spec.remote} closed its side channel")
+        for address in lost:
+            self._client.drop(address)
 
     def _set_failed(self, recv, reason: str) -> None:
         self._kv_addrs = None if "attention server" in reason else self._kv_addrs

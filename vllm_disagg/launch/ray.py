@@ -12,6 +12,11 @@ start nodes with `ray start --resources '{"prefill": 4}'`), plus CPUs/GPUs and a
 `accelerator_type`. Peers find each other through GCS: the router (in this driver) reads the
 named actors' endpoints (`vllm_disagg.router.discovery.RayActorSource`), never a host list.
 
+Lamina (`--attention K`) is wired as on the local backend (`launch.local.attach_attention`): the
+servers accept the prefill instances' KV pushes (`--kv-transport` = `--transport`), and the one decode
+(or mixed) model worker gets `--attention-partition`, `--pipeline` and `--[no-]send-q-early`; the
+per-layer exchange is tcp, since the servers may sit on other nodes.
+
 Failures: when an actor dies, or its server exits (the actor then exits itself), Ray restarts it
 (`max_restarts`) in the same bundle; the restarted server comes up on new ports and the router's
 discovery swaps the old member for the new one. Meanwhile the router's own health checks have
@@ -87,6 +92,12 @@ class ActorSpec:
     attention_servers: list[str] = field(default_factory=list)
     http_port: int = 0
     """0: pick a free port at every (re)start; attention workers use a fixed one."""
+    kv_transport: str | None = None
+    """Attention worker: accept prefill KV pushes on this transport (the prefill instances' kv.transport);
+    None when the deployment has no prefill instance."""
+    remote_attention: dict = field(default_factory=dict)
+    """Decode/mixed model worker: `additional_config["disagg"]["remote_attention"]` besides the servers
+    (partition, pipeline, send_q_early), as `up --attention K` builds it on the local backend."""
     env: dict[str, str] = field(default_factory=dict)
     log_dir: str | None = None
     """Parent of the instance's log folder on its node (default: the node's temp dir)."""
@@ -110,19 +121,48 @@ def plan_actor_specs(args: argparse.Namespace, model: str) -> list[ActorSpec]:
                   log_dir=getattr(args, "log_dir", None))
     if not getattr(args, "access_log", False):
         common["vllm_args"].append("--disable-uvicorn-access-log")
-    specs = [ActorSpec("attention", i, http_port=args.attention_port + i, **common)
+    if args.attention and args.decode + mixed != 1:
+        raise ValueError("--attention K serves exactly one model worker: use one --decode (or --prefill 0 "
+                         f"--decode 0 for one mixed instance), got {args.decode} decode + {mixed} mixed")
+    attention = {**common, "kv_cache_gib": getattr(args, "attention_kv_cache_gib", args.kv_cache_gib),
+                 "kv_transport": args.transport if args.prefill else None}
+    specs = [ActorSpec("attention", i, http_port=args.attention_port + i, **attention)
              for i in range(args.attention)]
     for role, num in (("prefill", args.prefill), ("decode", args.decode), ("mixed", mixed)):
         specs += [ActorSpec(role, i, **common) for i in range(num)]
+    if args.attention:
+        for s in specs:
+            if s.role in ("decode", "mixed"):
+                s.remote_attention = remote_attention_settings(args)
     return specs
+
+
+REPLACEMENT_WAIT_S = 180.0
+"""Head-wise: how long a model worker waits for Ray to restart a lost attention worker (same bundle,
+same fixed port) before giving up; one survivor alone would not hold the scheduler's blocks."""
+
+
+def remote_attention_settings(args: argparse.Namespace) -> dict:
+    """The model worker's remote_attention settings from `up`'s flags (local: launch.local.attach_attention).
+    The per-layer exchange is tcp here: Ray places the servers on other nodes."""
+    ra = {"transport": "tcp", "partition": getattr(args, "attention_partition", "head"),
+          "pipeline": getattr(args, "pipeline", 1)}
+    if ra["partition"] == "head":  # request-wise goes on at once with the survivors
+        ra["replacement_wait_s"] = REPLACEMENT_WAIT_S
+    if getattr(args, "send_q_early", None) is not None:
+        ra["send_q_early"] = args.send_q_early
+    return ra
 
 
 def server_command(spec: ActorSpec, host: str, http_port: int, kv_port: int | None) -> list[str]:
     """The real command of an instance: `vllm serve ... --plugin disagg` or `vllm-disagg attn-server`."""
     exe_dir = Path(sys.executable).parent
     if spec.role == "attention":
-        return [str(exe_dir / "vllm-disagg"), "attn-server", "--transport", "tcp", "--host", host,
-                "--http-port", str(http_port), "--kv-cache-gib", str(spec.kv_cache_gib)]
+        cmd = [str(exe_dir / "vllm-disagg"), "attn-server", "--transport", "tcp", "--host", host,
+               "--http-port", str(http_port), "--kv-cache-gib", str(spec.kv_cache_gib)]
+        if spec.kv_transport:  # prefill instances push their KV straight into this server's blocks
+            cmd += ["--kv-transport", spec.kv_transport]
+        return cmd
     cmd = [str(exe_dir / "vllm"), "serve", spec.model, "--host", host, "--port", str(http_port)]
     if spec.served_name and "--served-model-name" not in spec.vllm_args:
         cmd += ["--served-model-name", spec.served_name]
@@ -132,8 +172,12 @@ def server_command(spec: ActorSpec, host: str, http_port: int, kv_port: int | No
     if spec.attention_servers and spec.role in ("decode", "mixed"):
         if spec.role == "mixed":
             cmd += ["--plugin", "disagg"]
+        ra = spec.remote_attention or {"transport": "tcp"}
+        disagg = {"remote_attention": ra}
+        if ra.get("pipeline", 1) > 1:  # n=2 ping-pong = the NanoFlow nano-batch executor
+            disagg["nanoflow"] = {"nano_batches": ra["pipeline"]}
         cmd += ["--disagg-attention-servers", ",".join(spec.attention_servers),
-                "--additional-config", json.dumps({"disagg": {"remote_attention": {"transport": "tcp"}}})]
+                "--additional-config", json.dumps({"disagg": disagg})]
     return cmd + list(spec.vllm_args)
 
 

@@ -9,13 +9,19 @@ either way; `remote_attention.pipeline` picks what overlaps:
   unit computes nano-batch i+1 (paper section 4.3, n=2).
 - 1: the same nano-batches, the same RPCs, run one after the other (one batch in flight): the
   baseline that isolates what the overlap buys, on the same runner and executor.
-Composition only: the remote worker/runner are `vllm_disagg.attention.worker`'s.
+Composition only: the remote worker/runner are `vllm_disagg.attention.worker`'s. Server loss is
+recovered above the nano-batch runner (`RemoteRecoveryMixin` first in the MRO): the split step
+fails as a whole on the caller's thread, the KV is rebuilt, the step re-runs split
+(`vllm_disagg.attention.recovery`).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from vllm_disagg.attention import backend as remote_backend
-from vllm_disagg.attention.worker import DisaggAttentionWorker
+from vllm_disagg.attention import recovery
+from vllm_disagg.attention.worker import DisaggAttentionRunner, DisaggAttentionWorker
 from vllm_disagg.nanoflow.overlap import NETWORK_BOUND_ATTR
 from vllm_disagg.nanoflow.runner import enable_nano_ubatching, nanoflow_runner_cls, runner_stats
 
@@ -34,6 +40,28 @@ def pipeline_depth(vllm_config) -> int:
     return ra.pipeline if ra is not None and "pipeline" in ra.model_fields_set else 2
 
 
+class RemoteRecoveryMixin:
+    """Outermost `_model_forward`: a server lost on a unit thread fails the whole split step,
+    which is then recovered and re-run here (the inner, per-runner wrapper passes through)."""
+
+    def _model_forward(self, *args: Any, **kwargs: Any):
+        return recovery.forward_with_recovery(self, super()._model_forward, *args, **kwargs)
+
+
+_REMOTE_RUNNER_CLASSES: dict[type, type] = {}
+
+
+def remote_nanoflow_runner_cls(base: type) -> type:
+    """Nano-batch runner over `base`; with recovery outermost when `base` is the remote runner."""
+    cls = nanoflow_runner_cls(base)
+    if not issubclass(base, DisaggAttentionRunner):
+        return cls  # remote attention not configured: plain nano-batching, nothing to recover
+    if cls not in _REMOTE_RUNNER_CLASSES:
+        _REMOTE_RUNNER_CLASSES[cls] = type(f"Recovering{cls.__name__}", (RemoteRecoveryMixin, cls),
+                                           {"__module__": __name__})
+    return _REMOTE_RUNNER_CLASSES[cls]
+
+
 class NanoFlowRemoteAttentionWorker(DisaggAttentionWorker):
     """DisaggAttentionWorker whose runner also nano-batches (inert parts stay inert)."""
 
@@ -48,8 +76,11 @@ class NanoFlowRemoteAttentionWorker(DisaggAttentionWorker):
         mark_remote_impl_network_bound(depth >= 2)
         super().init_device()
         runner = self.model_runner  # DisaggAttentionRunner when remote attention is configured
-        runner.__class__ = nanoflow_runner_cls(type(runner))
+        runner.__class__ = remote_nanoflow_runner_cls(type(runner))
         runner.init_nanoflow(self.vllm_config)
 
     def nanoflow_stats(self) -> dict:
-        return runner_stats(self.model_runner)
+        """runner_stats plus `remote_recoveries`: one entry per recovered server loss."""
+        stats = runner_stats(self.model_runner)
+        stats["remote_recoveries"] = list(getattr(self.model_runner, "remote_recovery_log", []))
+        return stats

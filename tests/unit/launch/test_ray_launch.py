@@ -43,14 +43,79 @@ def test_up_flags_and_ray_flags_parse_together_and_unknown_args_go_to_vllm():
 
 def test_specs_start_attention_first_and_share_one_token(monkeypatch):
     monkeypatch.delenv("VLLM_DISAGG_AUTH_TOKEN", raising=False)
-    specs = plan_actor_specs(up_args("--prefill", "1", "--decode", "2", "--attention", "2"), "/m")
+    specs = plan_actor_specs(up_args("--prefill", "2", "--decode", "1", "--attention", "2"), "/m")
     assert [s.name for s in specs] == ["vllm-disagg:attention0", "vllm-disagg:attention1", "vllm-disagg:prefill0",
-                                       "vllm-disagg:decode0", "vllm-disagg:decode1"]
+                                       "vllm-disagg:prefill1", "vllm-disagg:decode0"]
     assert [s.http_port for s in specs[:2]] == [8300, 8301] and specs[2].http_port == 0
     assert len({s.env["VLLM_DISAGG_AUTH_TOKEN"] for s in specs}) == 1
     assert plan_actor_specs(up_args("--prefill", "0", "--decode", "0"), "/m")[0].role == "mixed"
     with pytest.raises(ValueError, match="--decode"):
         plan_actor_specs(up_args("--prefill", "1", "--decode", "0"), "/m")
+
+
+def test_attention_workers_serve_exactly_one_model_worker():
+    with pytest.raises(ValueError, match="exactly one model worker"):
+        plan_actor_specs(up_args("--prefill", "1", "--decode", "2", "--attention", "2"), "/m")
+    specs = plan_actor_specs(up_args("--prefill", "0", "--decode", "0", "--attention", "2"), "/m")
+    assert [s.role for s in specs] == ["attention", "attention", "mixed"]
+    assert specs[0].kv_transport is None  # no prefill instance: nothing pushes into the servers
+
+
+def _parse_vllm_serve(cmd: list[str]) -> dict:
+    """additional_config["disagg"] as `vllm serve` with the plugin would see it."""
+    pytest.importorskip("vllm")
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    import vllm_disagg
+    from vllm_disagg.cli.flags import merge_flags_into_namespace, worker_cls_for
+    from vllm_disagg.config import parse_disagg_config
+
+    vllm_disagg.register()
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(["--model", *cmd[cmd.index("serve") + 1:]])
+    merge_flags_into_namespace(args)
+    disagg = args.additional_config["disagg"]
+    return {**disagg, "worker_cls": worker_cls_for(parse_disagg_config(disagg))}
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_prefill_pushes_into_the_attention_workers_as_on_the_local_backend(monkeypatch, transport):
+    """Same wiring as `launch.local.attach_attention`: the servers accept the prefill instances'
+    kv.transport (`--kv-transport`), the one decode model worker gets partition/pipeline, one token."""
+    from vllm_disagg.attention.cli import add_server_args
+    from vllm_disagg.launch.local import AttentionPlan, attach_attention, plan_instances
+
+    monkeypatch.setenv("VLLM_DISAGG_AUTH_TOKEN", "shared-secret")
+    argv = ("--prefill", "1", "--decode", "1", "--attention", "2", "--transport", transport,
+            "--attention-partition", "request", "--pipeline", "2", "--attention-kv-cache-gib", "3")
+    specs = {s.name.split(":")[1]: s for s in plan_actor_specs(up_args(*argv), "/m")}
+    parser = argparse.ArgumentParser()
+    add_server_args(parser)
+    for i in range(2):  # the real attn-server parser accepts the command line
+        cmd = server_command(specs[f"attention{i}"], "10.0.0.9", 8300 + i, None)
+        srv = parser.parse_args(cmd[cmd.index("attn-server") + 1:])
+        assert (srv.kv_transport, srv.transport, srv.kv_cache_gib, srv.http_port) == (transport, "tcp", 3.0, 8300 + i)
+    assert {s.env["VLLM_DISAGG_AUTH_TOKEN"] for s in specs.values()} == {"shared-secret"}
+    decode = specs["decode0"]
+    decode.attention_servers = ["10.0.0.9:8300", "10.0.0.9:8301"]
+    disagg = _parse_vllm_serve(server_command(decode, "10.0.0.8", 8200, 9200))
+    ra = disagg["remote_attention"]
+    assert (disagg["role"], disagg["kv"]["transport"], disagg["kv"]["kv_port"]) == ("decode", transport, 9200)
+    assert (ra["servers"], ra["partition"], ra["pipeline"], ra["transport"]) == (
+        decode.attention_servers, "request", 2, "tcp")
+    assert disagg["nanoflow"]["nano_batches"] == 2
+    assert "replacement_wait_s" not in decode.remote_attention  # request-wise: the survivors go on at once
+    head = plan_actor_specs(up_args("--prefill", "1", "--decode", "1", "--attention", "2"), "/m")[-1]
+    assert head.remote_attention["replacement_wait_s"] >= 120  # head-wise: wait for Ray's restart
+    assert disagg["worker_cls"] == "vllm_disagg.nanoflow.remote.NanoFlowRemoteAttentionWorker"
+    # the local backend wires the same: --kv-transport = the P/D transport, same remote_attention
+    local = plan_instances(1, 1, 0, 1, num_attention=2)
+    user = attach_attention(local, AttentionPlan(2, "request", 2, "tcp", 3.0, None, transport))
+    att = [s for s in local if s.role == "attention"][0]
+    assert att.args[att.args.index("--kv-transport") + 1] == transport
+    keys = ("partition", "pipeline", "transport")
+    assert [user.disagg_extra["remote_attention"][k] for k in keys] == [ra[k] for k in keys]
+    assert user.disagg_extra["nanoflow"] == disagg["nanoflow"]
 
 
 def test_instances_run_the_plugins_real_commands():
@@ -83,7 +148,7 @@ def test_bundles_ask_for_the_pools_custom_resource_and_optional_gpus():
 
 @pytest.mark.slow
 def test_the_instance_body_serves_a_real_attention_server_and_reports_its_endpoint(tmp_path):
-    spec = ActorSpec("attention", 0, "/unused", kv_cache_gib=0.125, http_port=0,
+    spec = ActorSpec("attention", 0, "/unused", kv_cache_gib=0.125, http_port=0, kv_transport="tcp",
                      env={"VLLM_DISAGG_AUTH_TOKEN": uuid.uuid4().hex}, log_dir=str(tmp_path / "logs"))
     inst = InstanceServer(asdict(spec), host="127.0.0.1", exit_with_server=False)
     assert inst.log_path.parent.parent == tmp_path / "logs"
@@ -96,7 +161,8 @@ def test_the_instance_body_serves_a_real_attention_server_and_reports_its_endpoi
         ep = inst.endpoint()
         assert ep["role"] == "attention" and ep["kv"] is None and ep["starts"] == 1
         with urllib.request.urlopen(f"{ep['url']}/health", timeout=5) as resp:
-            assert json.loads(resp.read())["transport"] == "tcp"
+            health = json.loads(resp.read())
+        assert health["transport"] == "tcp" and health["kv_transport"] == "tcp"  # accepts prefill pushes
     finally:
         assert inst.stop() is not None
     assert inst.endpoint()["up"] is False

@@ -1,0 +1,110 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Prefill -> attention-server pushes: a prefill process SIGKILLed after it accepted the decode side's
+registration is noticed through its side channel's EOF within a poll or two, not at push_timeout_s.
+
+Real parts on 127.0.0.1: the prefill side's `PushSender` in its own process, an attention server with
+its KV receiver (`--kv-transport tcp`) that a real client INITed, and the decode side's
+`AttnPushReceiver` doing the registration."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from vllm_disagg.attention.client import DisaggAttentionClient
+from vllm_disagg.attention.server import DisaggAttentionServer
+from vllm_disagg.config import RemoteAttentionSection
+from vllm_disagg.kv.attn_targets import AttnPushReceiver
+from vllm_disagg.kv.handshake import HandshakeInfo
+from vllm_disagg.kv.metadata import RecvSpec
+from vllm_disagg.kv.stats import DisaggKVConnectorStats
+from vllm_disagg.transport import TransportOptions, get_transport
+
+TOKEN = "dead-prefill-token"
+BS, LAYERS, KV_HEADS, HEAD = 32, 2, 2, 32
+INFO = HandshakeInfo(model="m", dtype="float32", block_size=BS, kv_layout=f"cpu:float32({KV_HEADS}, {BS}, {2 * HEAD})",
+                     num_layers=LAYERS, num_kv_heads=KV_HEADS, head_size=HEAD,
+                     block_nbytes=KV_HEADS * BS * 2 * HEAD * 4)
+PUSH_TIMEOUT_S = 30.0
+PREFILL = f"""
+import sys, threading, time, torch
+from vllm_disagg.config import KVTransferSection
+from vllm_disagg.kv.handshake import HandshakeInfo
+from vllm_disagg.kv.push_sender import PushSender
+from vllm_disagg.kv.stats import DisaggKVConnectorStats
+from vllm_disagg.transport import TransportOptions, get_transport
+tp = lambda: get_transport("tcp", TransportOptions(auth_token={TOKEN!r}))
+info = HandshakeInfo(**{INFO.__dict__!r})
+layers = [torch.zeros(8, {KV_HEADS}, {BS}, {2 * HEAD}) for _ in range({LAYERS})]
+sender = PushSender(tp(), tp(), info, {TOKEN!r}, layers, KVTransferSection(push_timeout_s={PUSH_TIMEOUT_S}),
+                    (DisaggKVConnectorStats(), threading.Lock()))
+print(sender.address, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.fixture
+def attention_server():
+    server = DisaggAttentionServer(transport="tcp", kv_cache_bytes=4 << 20, auth_token=TOKEN, kv_transport="tcp")
+    info = server.start()
+    client = DisaggAttentionClient([info["http"]], transport="tcp", auth_token=TOKEN)
+    client.connect(num_layers=LAYERS, num_heads=4, num_kv_heads=KV_HEADS, head_size=HEAD, block_size=BS,
+                   dtype="float32", max_num_tokens=256)  # the INIT attaches the server's KV receiver
+    yield info["http"]
+    client.close()
+    server.stop()
+
+
+def _start_prefill() -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen([sys.executable, "-c", PREFILL], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "VLLM_DISAGG_AUTH_TOKEN": TOKEN})
+    address = proc.stdout.readline().strip()
+    assert address, f"prefill process exited with {proc.poll()}"
+    return proc, address
+
+
+def _poll_until(receiver: AttnPushReceiver, req_id: str, timeout_s: float) -> tuple[set, float]:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        done, failed = receiver.poll()
+        if req_id in done:
+            return failed, time.monotonic() - t0
+        time.sleep(0.01)
+    return set(), timeout_s
+
+
+def _state(receiver: AttnPushReceiver, req_id: str) -> str | None:
+    with receiver._lock:
+        recv = receiver._recvs.get(req_id)
+        return recv.state if recv else None
+
+
+def test_a_prefill_killed_after_accepting_a_registration_is_noticed_within_a_poll(attention_server):
+    ra = RemoteAttentionSection(servers=[attention_server], transport="tcp", partition="head")
+    receiver = AttnPushReceiver(get_transport("tcp", TransportOptions(auth_token=TOKEN)), INFO, TOKEN,
+                                (DisaggKVConnectorStats(), threading.Lock()), "recompute", ra)
+    proc, address = _start_prefill()
+    try:
+        receiver.start([RecvSpec("d1", "t1", address, (1, 2), 0, 40, PUSH_TIMEOUT_S)])
+        deadline = time.monotonic() + 20
+        while _state(receiver, "d1") != "registered":  # the prefill side ACCEPTed
+            assert _state(receiver, "d1") == "registering" and time.monotonic() < deadline, _state(receiver, "d1")
+            receiver.poll()
+            time.sleep(0.01)
+        failed, _ = _poll_until(receiver, "d1", 1.0)
+        assert _state(receiver, "d1") == "registered"  # alive and silent: still waiting for its push
+        proc.kill()
+        proc.wait(timeout=10)
+        failed, waited = _poll_until(receiver, "d1", PUSH_TIMEOUT_S)
+        assert failed == {"d1"}  # reported failed: the decode instance recomputes the prompt
+        assert waited < 2.0, f"noticed after {waited:.1f}s (push_timeout_s={PUSH_TIMEOUT_S})"
+        assert "closed its side channel" in receiver.take_errors()["d1"][0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        receiver.close()
