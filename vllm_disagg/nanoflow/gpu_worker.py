@@ -14,6 +14,7 @@ from vllm_disagg.nanoflow.runner import (
     enable_nano_ubatching,
     nanoflow_plan_of,
     nanoflow_runner_cls,
+    reset_runner_stats,
     runner_stats,
 )
 
@@ -39,3 +40,6 @@ class NanoFlowGPUWorker(Worker):
 
     def nanoflow_stats(self) -> dict:
         return runner_stats(self.model_runner)
+
+    def nanoflow_reset_stats(self) -> None:
+        reset_runner_stats(self.model_runner)

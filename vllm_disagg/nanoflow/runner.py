@@ -23,6 +23,7 @@ from vllm.logger import init_logger
 from vllm_disagg import envs
 from vllm_disagg.nanoflow.executor import OpGraphExecutor
 from vllm_disagg.nanoflow.graph import ATTN, DENSE, NET, list_schedule
+from vllm_disagg.nanoflow.kv_save import nano_batched_saves
 from vllm_disagg.nanoflow.pipeline import LlamaPipeline, sequential_forward
 from vllm_disagg.nanoflow.plan import NanoFlowPlan
 from vllm_disagg.nanoflow.throughput import PairedSteps, ThroughputLog
@@ -74,6 +75,19 @@ def cpu_exclusive_units(shares: dict[str, int], device: torch.device) -> frozens
     if device.type != "cpu":
         return frozenset()
     return frozenset(name for name in shares if name != NET)
+
+
+def reset_runner_stats(runner: Any) -> None:
+    """Zero the step counters, the throughput log and the A/B buckets (benchmarks: after warm-up)."""
+    stats = getattr(runner, "nano_stats", None)
+    if stats:
+        for key in stats:
+            stats[key] = 0
+    tput = getattr(runner, "_nano_tput", None)
+    if tput is not None:
+        tput.tokens, tput.seconds = 0, 0.0
+    if getattr(runner, "_nano_ab", None) is not None:
+        runner._nano_ab = PairedSteps()
 
 
 def runner_stats(runner: Any) -> dict:
@@ -243,28 +257,41 @@ class NanoFlowRunnerMixin:
                 return super()._model_forward(
                     input_ids, positions, intermediate_tensors, inputs_embeds, **model_kwargs
                 )
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.thread_time()
             out = super()._model_forward(
                 input_ids, positions, intermediate_tensors, inputs_embeds, **model_kwargs
             )
-            self._nano_ab.record("plain", int(out.shape[0]), time.perf_counter() - start)
+            self._nano_ab.record(
+                "plain", int(out.shape[0]), time.perf_counter() - start, self._ab_cpu(cpu_start, True)
+            )
             return out
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.thread_time()
         fine = [s.token_slice for s in ctx.ubatch_slices]
         contexts = _slice_contexts(ctx, self.vllm_config)
-        if self.nano_pipeline is None or intermediate_tensors is not None or model_kwargs:
-            out = sequential_forward(self.model, contexts, fine, input_ids, positions, inputs_embeds)
-            self.nano_stats["fallback_steps"] += 1
-        else:
-            out = self._run_pipeline(fine, contexts, input_ids, positions, inputs_embeds)
-            self.nano_stats["pipeline_steps"] += 1
+        with nano_batched_saves(len(fine)):  # a KV connector saves a layer once all nano-batches wrote it
+            if self.nano_pipeline is None or intermediate_tensors is not None or model_kwargs:
+                out = sequential_forward(self.model, contexts, fine, input_ids, positions, inputs_embeds)
+                self.nano_stats["fallback_steps"] += 1
+            else:
+                out = self._run_pipeline(fine, contexts, input_ids, positions, inputs_embeds)
+                self.nano_stats["pipeline_steps"] += 1
         self.nano_stats["steps"] += 1
         self.nano_stats["nano_steps"] += 1
         if self._nano_tput is not None and ctx.attn_metadata is not None:
             self._nano_tput.record(int(fine[-1].stop), time.perf_counter() - start)
         if self._nano_ab is not None:
-            self._nano_ab.record("nano", int(fine[-1].stop), time.perf_counter() - start)
+            inline = self.nano_executor is not None and self.nano_executor.inline
+            self._nano_ab.record(
+                "nano", int(fine[-1].stop), time.perf_counter() - start, self._ab_cpu(cpu_start, inline)
+            )
         return out
+
+    @staticmethod
+    def _ab_cpu(cpu_start: float, on_this_thread: bool) -> float | None:
+        """This thread's CPU time since `cpu_start`, when it did all the forward's work."""
+        if not on_this_thread or torch.get_num_threads() != 1:
+            return None
+        return time.thread_time() - cpu_start
 
     def _run_pipeline(self, fine, contexts, input_ids, positions, inputs_embeds) -> torch.Tensor:
         spec = self.nano_spec()

@@ -98,7 +98,11 @@ class ThroughputLog:
 class PairedSteps:
     """A/B diagnostic (`VLLM_DISAGG_NANOFLOW_AB=1`): eligible steps of each token count alternate
     between the nano-batched and the plain forward; the summary compares them over the same step
-    mix (only token counts seen both ways count), so load noise and batch composition cancel."""
+    mix (only token counts seen both ways count), so load noise and batch composition cancel.
+
+    Each step is timed twice: wall clock, and the CPU time of the forward's thread (only when the
+    whole forward runs on that thread: inline executor, one OpenMP thread). On a shared box the CPU
+    time leaves out the time other processes held the core, so it moves far less with load."""
 
     def __init__(self) -> None:
         self.plain_next = False
@@ -111,27 +115,51 @@ class PairedSteps:
         self.plain_next = not nano
         return nano
 
-    def record(self, which: str, num_tokens: int, seconds: float) -> None:
+    def record(self, which: str, num_tokens: int, seconds: float, cpu_seconds: float | None = None) -> None:
         self.plain_next = False
-        bucket = self._buckets.setdefault(num_tokens, {"plain": [0.0, 0], "nano": [0.0, 0]})
-        bucket[which][0] += seconds
-        bucket[which][1] += 1
+        bucket = self._buckets.setdefault(num_tokens, {"plain": [0.0, 0, 0.0], "nano": [0.0, 0, 0.0]})
+        entry = bucket[which]
+        entry[0] += seconds
+        entry[1] += 1
+        entry[2] = float("nan") if cpu_seconds is None else entry[2] + cpu_seconds
 
     def summary(self) -> dict | None:
-        plain_s = nano_s = 0.0
-        steps = 0
-        for b in self._buckets.values():
-            (ps, pn), (ns, nn) = b["plain"], b["nano"]
+        wall, cpu, steps = [0.0, 0.0], [0.0, 0.0], 0
+        matched = []
+        for tokens, b in self._buckets.items():
+            (ps, pn, pc), (ns, nn, nc) = b["plain"], b["nano"]
             if pn and nn:
                 weight = pn + nn
-                plain_s += weight * ps / pn
-                nano_s += weight * ns / nn
+                wall[0] += weight * ps / pn
+                wall[1] += weight * ns / nn
+                cpu[0] += weight * pc / pn
+                cpu[1] += weight * nc / nn
                 steps += weight
+                matched.append((weight * tokens, tokens))
         if not steps:
             return None
-        return {
+        out = {
             "matched_steps": steps,
-            "plain_s": plain_s,
-            "nano_s": nano_s,
-            "nano_over_plain": plain_s / nano_s,
+            "plain_s": wall[0],
+            "nano_s": wall[1],
+            "nano_over_plain": wall[0] / wall[1],
+            "nano_over_plain_cpu_time": cpu[0] / cpu[1] if cpu[1] == cpu[1] and cpu[1] > 0 else None,
         }
+        out["top_token_counts"] = self._top(sorted(matched, reverse=True)[:3])
+        return out
+
+    def _top(self, weighted: list[tuple[int, int]]) -> list[dict]:
+        """The token counts carrying the most matched work, each with its own ratios."""
+        rows = []
+        for _, tokens in weighted:
+            (ps, pn, pc), (ns, nn, nc) = self._buckets[tokens]["plain"], self._buckets[tokens]["nano"]
+            cpu_ok = pc == pc and nc == nc and nc > 0
+            rows.append(
+                {
+                    "tokens": tokens,
+                    "steps": pn + nn,
+                    "nano_over_plain": round((ps / pn) / (ns / nn), 4),
+                    "nano_over_plain_cpu_time": round((pc / pn) / (nc / nn), 4) if cpu_ok else None,
+                }
+            )
+        return rows

@@ -14,7 +14,12 @@ from __future__ import annotations
 from vllm.logger import init_logger
 from vllm.v1.worker.cpu_worker import CPUWorker
 
-from vllm_disagg.nanoflow.runner import enable_nano_ubatching, nanoflow_runner_cls, runner_stats
+from vllm_disagg.nanoflow.runner import (
+    enable_nano_ubatching,
+    nanoflow_runner_cls,
+    reset_runner_stats,
+    runner_stats,
+)
 
 logger = init_logger(__name__)
 
@@ -59,6 +64,10 @@ class NanoFlowCPUWorker(CPUWorker):
     def nanoflow_stats(self) -> dict:
         """collective_rpc("nanoflow_stats"): step counters, units and throughput vs optimal."""
         return runner_stats(self.model_runner)
+
+    def nanoflow_reset_stats(self) -> None:
+        """collective_rpc("nanoflow_reset_stats"): start the counters over (e.g. after a warm-up)."""
+        reset_runner_stats(self.model_runner)
 
     def shutdown(self) -> None:
         """Stop the unit threads before vLLM tears the worker down (they hold pinned OpenMP teams)."""
