@@ -172,6 +172,8 @@ async def _up(args: argparse.Namespace) -> int:
         server = RouterServer(router, "127.0.0.1", args.port)
         await server.start()
         _announce(cluster, server.url, args.state_file)
+        if args.state_file:  # a restarted instance has a new pid: `status` and tests read it here
+            cluster.on_restart = lambda _spec: _write_state(cluster, server.url, args.state_file)
         await _watch(cluster, stop)
         return 0
     except LaunchError as err:
@@ -199,10 +201,16 @@ async def _until(coro, stop: asyncio.Event) -> bool:
     return True
 
 
-def _announce(cluster, url: str, state_file: str | None) -> None:
+def _write_state(cluster, url: str, state_file: str) -> dict:
     state = cluster.state(url)
-    if state_file:
-        Path(state_file).write_text(json.dumps(state, indent=1))
+    tmp = Path(state_file).with_suffix(".tmp")
+    tmp.write_text(json.dumps(state, indent=1))
+    tmp.replace(state_file)  # readers never see half a file
+    return state
+
+
+def _announce(cluster, url: str, state_file: str | None) -> None:
+    state = _write_state(cluster, url, state_file) if state_file else cluster.state(url)
     for inst in state["instances"]:
         print(f"  {inst['name']:<9} {inst['url']}  kv={inst['kv']}  cores={inst['cores']}", flush=True)
     print(f"vllm-disagg up: ready. OpenAI endpoint: {url}/v1  (model {state['model']!r}; Ctrl-C stops)",
@@ -210,12 +218,14 @@ def _announce(cluster, url: str, state_file: str | None) -> None:
 
 
 async def _watch(cluster, stop: asyncio.Event) -> None:
-    """Serve until a signal; say once when an instance dies (the router's health checks drop it)."""
-    reported: set[str] = set()
+    """Serve until a signal; say once when an instance dies (the router's health checks route around
+    it; the cluster's supervisor restarts it if it had been healthy, see launch/local.py)."""
+    reported: set[tuple[str, int]] = set()  # per process: a restarted instance that dies again is reported again
     while not stop.is_set():
         for name in cluster.dead_instances():
-            if name not in reported:
-                reported.add(name)
-                logger.warning("instance %s exited; the router drops it from its pool", name)
+            key = (name, cluster.procs[name].pid)
+            if key not in reported:
+                reported.add(key)
+                logger.warning("instance %s exited; the router routes around it until it is restarted", name)
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(stop.wait(), timeout=1.0)

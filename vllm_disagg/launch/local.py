@@ -8,6 +8,14 @@ own cores with VLLM_CPU_OMP_THREADS_BIND, on 127.0.0.1) -> `wait_healthy()` -> `
 (`--kv-transfer-config`, `--additional-config`), so this works with or without the `--plugin` patch.
 With attention servers, `start(attention_specs(...))` runs them first: the model worker connects to them
 while it loads, so they must answer `/health` before it starts.
+
+Supervision (`RestartPolicy`): an engine instance (P, D/model worker, mixed) that dies after it was
+healthy is started again with the same command line, ports and cores, after a doubling backoff, a
+bounded number of times. The router's health checks drop it meanwhile and restore it once it answers;
+its replay re-sends the requests that were in flight (router/replay.py). A restarted model worker
+reconnects to its attention servers with the same token and geometry: it opens new sessions (INIT
+again), and the servers keep their KV allocation (same geometry, no reallocation), but the new engine
+does not know the old blocks' contents, so the replayed requests prefill again.
 """
 
 from __future__ import annotations
@@ -21,7 +29,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -216,6 +226,22 @@ def instance_env(spec: InstanceSpec, kv_cache_gib: int | None, base: dict[str, s
     return env
 
 
+@dataclass(frozen=True)
+class RestartPolicy:
+    """How the launcher restarts an instance that died after it was healthy."""
+
+    max_restarts: int = 5
+    """Restarts per instance over the deployment's life; past it the instance stays down."""
+    backoff_s: float = 1.0
+    """Delay before the first restart; it doubles with each restart of the same instance."""
+    max_backoff_s: float = 30.0
+    roles: tuple[str, ...] = ("prefill", "decode", "mixed")
+    """Attention servers are not restarted here: their KV is gone with them (attention/recovery.py)."""
+
+    def delay(self, num_restarts: int) -> float:
+        return min(self.max_backoff_s, self.backoff_s * 2 ** num_restarts)
+
+
 @dataclass
 class LocalCluster:
     """The instance processes of one deployment (the router runs in the caller's process)."""
@@ -230,23 +256,38 @@ class LocalCluster:
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     _reapers: dict[str, int] = field(default_factory=dict, repr=False)  # pipe write ends, see launch/reaper.py
     _token: str | None = field(default=None, repr=False)
+    restart: RestartPolicy | None = field(default_factory=RestartPolicy)
+    """None: a dead instance stays dead (the router drops it)."""
+    restarts: dict[str, int] = field(default_factory=dict)
+    """Restarts so far, per instance name."""
+    on_restart: Callable[[InstanceSpec], None] | None = None
+    """Called (from the supervisor thread) after an instance was started again, e.g. to rewrite the
+    state file with its new pid."""
+    _supervisor: threading.Thread | None = field(default=None, repr=False)
+    _stopping: threading.Event = field(default_factory=threading.Event, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _watched: set[str] = field(default_factory=set, repr=False)  # healthy once: restarted when they die
 
     def start(self, specs: list[InstanceSpec] | None = None) -> None:
         """Start `specs` (default: all); call again with the rest to start in stages."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         if not self._token:
             self._token = os.environ.get(VLLM_DISAGG_AUTH_TOKEN) or secrets.token_hex(16)  # one for every peer
-        base = {**os.environ, VLLM_DISAGG_AUTH_TOKEN: self._token}
         for spec in self.specs if specs is None else specs:
-            cmd = serve_command(spec, self.model, self.transport, self.extra_args, self.served_name)
-            log = open(self.log_path(spec), "wb")  # noqa: SIM115  (owned by the child)
-            logger.info("starting %s on %s (cores %s): %s", spec.name, spec.url, spec.cores, " ".join(cmd))
-            self.procs[spec.name] = subprocess.Popen(
-                cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env=instance_env(spec, self.kv_cache_gib, base), start_new_session=True)
-            log.close()
-            # a launcher killed with SIGKILL cannot stop its instances: the reaper does
-            self._reapers[spec.name] = start_reaper(self.procs[spec.name].pid)
+            self._spawn(spec)
+
+    def _spawn(self, spec: InstanceSpec) -> None:
+        """Start one instance in its own process group, with a reaper; a restart appends to its log."""
+        cmd = serve_command(spec, self.model, self.transport, self.extra_args, self.served_name)
+        base = {**os.environ, VLLM_DISAGG_AUTH_TOKEN: self._token}
+        log = open(self.log_path(spec), "ab" if spec.name in self.procs else "wb")  # noqa: SIM115  (the child's)
+        logger.info("starting %s on %s (cores %s): %s", spec.name, spec.url, spec.cores, " ".join(cmd))
+        self.procs[spec.name] = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env=instance_env(spec, self.kv_cache_gib, base), start_new_session=True)
+        log.close()
+        # a launcher killed with SIGKILL cannot stop its instances: the reaper does
+        self._reapers[spec.name] = start_reaper(self.procs[spec.name].pid)
 
     def log_path(self, spec: InstanceSpec) -> Path:
         return self.log_dir / f"{spec.name}.log"
@@ -262,6 +303,7 @@ class LocalCluster:
                     if await _healthy(session, spec.url):
                         logger.info("%s is up at %s", name, spec.url)
                         del pending[name]
+                        self._watch(spec)
                 if pending and time.monotonic() > deadline:
                     raise LaunchError(f"not healthy after {timeout_s:.0f} s: {sorted(pending)}; logs in {self.log_dir}")
                 if pending:
@@ -273,6 +315,60 @@ class LocalCluster:
             tail = self.log_path(spec).read_text(errors="replace")[-3000:]
             raise LaunchError(f"{spec.name} exited with code {rc} before it was healthy; "
                               f"log {self.log_path(spec)}:\n{tail}")
+
+    # --------------------------------------------------------- supervision
+    def _watch(self, spec: InstanceSpec) -> None:
+        """From now on, restart `spec` when it dies (if the policy covers its role)."""
+        if self.restart is None or spec.role not in self.restart.roles:
+            return
+        with self._lock:
+            self._watched.add(spec.name)
+        if self._supervisor is None:
+            self._supervisor = threading.Thread(target=self._supervise, name="vllm-disagg-supervisor", daemon=True)
+            self._supervisor.start()
+
+    def _supervise(self) -> None:
+        """Poll the watched instances; restart the dead ones after their backoff (until stop())."""
+        due: dict[str, float] = {}
+        by_name = {s.name: s for s in self.specs}
+        while not self._stopping.wait(0.5):
+            with self._lock:
+                names = sorted(self._watched)
+            for name in names:
+                if self.procs[name].poll() is None:
+                    continue
+                num = self.restarts.get(name, 0)
+                if num >= self.restart.max_restarts:
+                    logger.error("%s died and was restarted %d times already: it stays down", name, num)
+                    self._watched.discard(name)
+                    continue
+                if name not in due:
+                    due[name] = time.monotonic() + self.restart.delay(num)
+                    logger.warning("%s exited with code %s; restarting it in %.1f s", name,
+                                   self.procs[name].returncode, self.restart.delay(num))
+                elif time.monotonic() >= due[name]:
+                    del due[name]
+                    self._restart(by_name[name], num + 1)
+
+    def _restart(self, spec: InstanceSpec, num: int) -> None:
+        with self._lock:
+            if self._stopping.is_set():
+                return
+            old = self.procs[spec.name]
+            _signal_group(old, signal.SIGKILL)  # what is left of it (EngineCore) holds ports and memory
+            deadline = time.monotonic() + 10
+            while _group_exists(old.pid) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            os.close(self._reapers.pop(spec.name))
+            self.restarts[spec.name] = num
+            logger.warning("restarting %s (restart %d of at most %d), same ports and flags", spec.name, num,
+                           self.restart.max_restarts)
+            self._spawn(spec)
+        if self.on_restart is not None:
+            try:
+                self.on_restart(spec)
+            except Exception:  # a hook must not stop the supervision
+                logger.exception("on_restart hook failed for %s", spec.name)
 
     def dead_instances(self) -> list[str]:
         return [name for name, p in self.procs.items() if p.poll() is not None]
@@ -293,6 +389,9 @@ class LocalCluster:
 
     def stop(self, grace_s: float = 20.0) -> None:
         """SIGTERM every process group, then SIGKILL what is left after `grace_s`."""
+        self._stopping.set()  # no restart from here on
+        if self._supervisor is not None:
+            self._supervisor.join(timeout=15)
         for proc in self.procs.values():
             _signal_group(proc, signal.SIGTERM)
         deadline = time.monotonic() + grace_s

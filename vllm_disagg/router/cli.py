@@ -31,6 +31,10 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--read-timeout-s", type=float, default=300.0,
                    help="longest silence from an instance before the request fails cleanly")
     g.add_argument("--health-interval-s", type=float, default=2.0, help="period of /health polls")
+    g.add_argument("--replay-attempts", type=int, default=3,
+                   help="re-sends of a request whose instance failed; a stream goes on from the tokens sent (0: off)")
+    g.add_argument("--replay-wait-s", type=float, default=300.0,
+                   help="longest wait for a healthy instance (e.g. a restart) before a replay")
     g.add_argument("--prefill-queue-threshold", type=int, default=8192,
                    help="pending prefill tokens above which prompts overflow to the mixed pool")
     g.add_argument("--decode-queue-threshold", type=int, default=65536,
@@ -41,7 +45,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     return RouterConfig(
         prefill_urls=args.prefill, prefill_kv=args.prefill_kv, decode_urls=args.decode,
         mixed_urls=args.mixed, push_timeout_s=args.push_timeout_s, read_timeout_s=args.read_timeout_s,
-        health_interval_s=args.health_interval_s,
+        health_interval_s=args.health_interval_s, replay_attempts=args.replay_attempts,
+        replay_wait_s=args.replay_wait_s,
         dynamic_membership=getattr(args, "discovery", "static") != "static",
     )
 

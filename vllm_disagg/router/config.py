@@ -41,6 +41,12 @@ class RouterConfig(BaseModel):
     """Consecutive failed polls before an instance is dropped from its pool (one success restores it)."""
     retry_on_connect_error: bool = True
     """Re-route once when an instance refuses the connection before any byte reached the client."""
+    replay_attempts: int = Field(3, ge=0)
+    """Re-sends of a single-prompt request whose instance failed (refused, 5xx, died mid-answer); a
+    stream goes on from the tokens already sent (router/replay.py). 0 turns replay off."""
+    replay_wait_s: float = Field(300.0, gt=0)
+    """Longest wait for a healthy instance before a replay (long enough for a restart); then the
+    client gets an error."""
     dynamic_membership: bool = False
     """Pools are filled at run time by a discovery source (Kubernetes, Ray); may start empty."""
 

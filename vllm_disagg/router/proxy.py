@@ -4,8 +4,14 @@
 Push path, per request: P gets `max_tokens=1` + `do_remote_decode`, D gets the client's body +
 `do_remote_prefill`, both at once with one `transfer_id`; D's answer (SSE or JSON) is relayed to the
 client byte for byte. P's answer is only checked for errors: when P fails, D's connector recomputes the
-prompt. Nothing waits without a timeout. A refused connection before any byte reached the client is
-re-routed once; a D that dies mid-stream ends the stream with an OpenAI-style error event.
+prompt. Nothing waits without a timeout.
+
+Single-prompt requests are replayed (`replay_attempts`, router/replay.py): when the instance refuses,
+answers 5xx, or dies before its last token, the request goes again to a healthy instance (the same
+one once it is back, or another one), as a continuation of the tokens the client already has, and
+the client sees one uninterrupted answer. Other requests (batch prompts, n > 1, echo) keep the old
+behaviour: a refused connection is re-routed once, and a death mid-stream ends the stream with an
+OpenAI-style error event.
 """
 
 from __future__ import annotations
@@ -19,8 +25,9 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from prometheus_client import Counter
 
-from vllm_disagg.router import bodies
+from vllm_disagg.router import bodies, replay
 from vllm_disagg.router.config import RouterConfig
 from vllm_disagg.router.health import HealthChecker
 from vllm_disagg.router.metrics import RouterMetrics
@@ -33,6 +40,18 @@ logger = logging.getLogger(__name__)
 _FAILED = web.ResponseKey("disagg_failed", bool)
 # Errors that mean "the instance is gone or stuck": the client gets a clean 502/504 or error event.
 _UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError)
+
+
+# Attempt failures that mean the instance is gone: it leaves routing until a health poll restores it.
+_INSTANCE_GONE = ("connect", "no_answer", "mid_stream", "mid_response")
+
+
+class _AttemptFailed(Exception):
+    """One replayable attempt failed in a way that a re-send can fix."""
+
+    def __init__(self, reason: str, instance: Instance, detail: str) -> None:
+        super().__init__(f"{reason} on {instance.url}: {detail}")
+        self.reason, self.instance = reason, instance
 
 
 class _ConnectFailed(Exception):
@@ -61,6 +80,11 @@ class Proxy:
         self.pools, self.health, self.metrics, self.config = pools, health, metrics, config
         self.session: aiohttp.ClientSession | None = None
         self._background: set[asyncio.Task] = set()
+        self._max_model_len: dict[str, int] = {}
+        self.replays = Counter(
+            "vllm:disagg_router_replays", "Re-sent attempts of requests whose instance failed, by cause.",
+            ["endpoint", "reason"], registry=metrics.registry,
+        )
 
     async def start(self) -> None:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.config.connect_timeout_s,
@@ -84,10 +108,12 @@ class Proxy:
         if not isinstance(body, dict):
             return error_response(400, "request body must be a JSON object", "BadRequestError")
         chat = endpoint == "chat/completions"
+        start = time.monotonic()
+        if self.config.replay_attempts and replay.replayable(body):
+            return await ReplayRun(self, request, body, endpoint, start).run()
         num_prompt = bodies.estimate_prompt_tokens(body, chat)
         num_out = bodies.expected_output_tokens(body, chat)
         allow_pd = not bodies.is_batch_prompt(body)
-        start = time.monotonic()
         attempts = 2 if self.config.retry_on_connect_error else 1
         for _ in range(attempts):
             try:
@@ -121,31 +147,49 @@ class Proxy:
     # ----------------------------------------------------------- one try
     async def _serve(self, request: web.Request, route: Route, body: dict[str, Any], endpoint: str,
                      start: float) -> web.StreamResponse:
-        chat = endpoint == "chat/completions"
-        p_task: asyncio.Task | None = None
-        if route.prefill is not None:
-            pre = route.prefill
-            tid = bodies.new_transfer_id()
-            p_task = asyncio.create_task(self._prefill(route, bodies.prefill_body(body, tid, chat), endpoint))
-            d_body = bodies.decode_body(body, tid, pre.kv_host, pre.kv_port, self.config.push_timeout_s)
-        else:
-            d_body = bodies.plain_body(body)
-            if route.reason:
-                self.metrics.fallbacks.labels(route.reason).inc()
+        p_task, d_body = self.start_prefill(route, body, endpoint)
         ok = False
         try:
             out = await self._relay(request, route, d_body, endpoint, start)
             ok = out.status == 200 and not out.get(_FAILED, False)
             return out
         finally:
-            if p_task is not None and not p_task.done():
-                if ok:  # P still reporting back: let it finish (bounded by prefill_timeout_s)
-                    self._background.add(p_task)
-                    p_task.add_done_callback(self._background.discard)
-                else:  # D failed or the client left: closing P's request aborts it upstream
-                    p_task.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await p_task
+            await self.end_prefill(p_task, ok)
+
+    def start_prefill(self, route: Route, body: dict[str, Any],
+                      endpoint: str) -> tuple[asyncio.Task | None, dict[str, Any]]:
+        """Send P its half now (push path) and return it with D's body; plain routes get the body as is."""
+        if route.prefill is None:
+            if route.reason:
+                self.metrics.fallbacks.labels(route.reason).inc()
+            return None, bodies.plain_body(body)
+        pre = route.prefill
+        tid = bodies.new_transfer_id()
+        chat = endpoint == "chat/completions"
+        p_task = asyncio.create_task(self._prefill(route, bodies.prefill_body(body, tid, chat), endpoint))
+        return p_task, bodies.decode_body(body, tid, pre.kv_host, pre.kv_port, self.config.push_timeout_s)
+
+    async def end_prefill(self, p_task: asyncio.Task | None, ok: bool) -> None:
+        if p_task is None or p_task.done():
+            return
+        if ok:  # P still reporting back: let it finish (bounded by prefill_timeout_s)
+            self._background.add(p_task)
+            p_task.add_done_callback(self._background.discard)
+        else:  # D failed or the client left: closing P's request aborts it upstream
+            p_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await p_task
+
+    async def max_model_len(self, inst: Instance) -> int | None:
+        """The instance's context length (from /v1/models), for chat continuations without max_tokens."""
+        if inst.url not in self._max_model_len:
+            try:
+                async with self.session.get(f"{inst.url}/v1/models") as resp:
+                    self._max_model_len[inst.url] = int((await resp.json())["data"][0]["max_model_len"])
+            except (*_UPSTREAM_ERRORS, KeyError, IndexError, TypeError, ValueError) as exc:
+                logger.warning("no max_model_len from %s: %r", inst.url, exc)
+                return None
+        return self._max_model_len[inst.url]
 
     async def _prefill(self, route: Route, p_body: dict[str, Any], endpoint: str) -> None:
         pre = route.prefill
@@ -241,3 +285,200 @@ class Proxy:
     def _count(self, endpoint: str, route: Route, outcome: str, start: float) -> None:
         self.metrics.requests.labels(endpoint, route.kind, outcome).inc()
         self.metrics.latency.labels(route.kind).observe(time.monotonic() - start)
+
+
+class ReplayRun:
+    """One replayable request: attempts until one ends the answer, the client leaves, or the budget is spent.
+
+    An attempt whose instance is gone drops it from routing (the health checker restores it once it
+    answers again); one that answered 5xx or an error event stays routable. The next attempt waits up to `replay_wait_s` for a healthy instance. A stream that
+    already started stays open meanwhile (SSE comments every few seconds keep idle clients patient)."""
+
+    _KEEPALIVE_S = 5.0
+
+    def __init__(self, proxy: Proxy, request: web.Request, body: dict[str, Any], endpoint: str,
+                 start: float) -> None:
+        self.p, self.request, self.body, self.endpoint, self.start = proxy, request, body, endpoint, start
+        self.chat = endpoint == "chat/completions"
+        self.stitch = replay.Stitcher(body, self.chat) if body.get("stream") else None
+        self.out: web.StreamResponse | None = None
+        self._first = True
+
+    async def run(self) -> web.StreamResponse:
+        last: _AttemptFailed | None = None
+        route: Route | None = None
+        for attempt in range(1 + self.p.config.replay_attempts):
+            if attempt:
+                self.p.replays.labels(self.endpoint, last.reason).inc()
+                logger.warning("replaying a %s request (attempt %d, %d tokens already sent): %s", self.endpoint,
+                               attempt + 1, len(self.stitch.generated) if self.stitch else 0, last)
+            if self.stitch is not None and not self.stitch.continuable():
+                break
+            if self.stitch is not None and self.stitch.spent():
+                return await self._close_with(self.stitch.finish_chunk(), route)
+            route = await self._route(wait_s=self.p.config.replay_wait_s if attempt else 0.0)
+            if route is None:
+                if attempt == 0:
+                    self.p.metrics.requests.labels(self.endpoint, "none", "no_instance").inc()
+                    return error_response(503, "no healthy vLLM instance can serve this request",
+                                          "ServiceUnavailable")
+                break
+            try:
+                return await self._attempt(route)
+            except _AttemptFailed as exc:
+                last = exc
+                if exc.reason in _INSTANCE_GONE:  # one that still answers (5xx, error event) stays routable
+                    self.p.health.drop(exc.instance, str(exc))
+            finally:
+                self.p.pools.done(route.req_id)
+        return await self._give_up(last, route)
+
+    # ----------------------------------------------------------- routing
+    def _estimates(self) -> tuple[int, int]:
+        st = self.stitch
+        if st is not None and st.prompt_ids is not None and st.generated:
+            return len(st.prompt_ids) + len(st.generated), max(1, st.remaining() or 1)
+        return (bodies.estimate_prompt_tokens(self.body, self.chat),
+                bodies.expected_output_tokens(self.body, self.chat))
+
+    async def _route(self, wait_s: float) -> Route | None:
+        """A route, waiting up to `wait_s` for a healthy instance (keeping a started stream alive)."""
+        deadline = time.monotonic() + wait_s
+        next_ping = time.monotonic() + self._KEEPALIVE_S
+        while True:
+            try:
+                return self.p.pools.route(*self._estimates(), allow_pd=True)
+            except NoHealthyInstanceError:
+                if time.monotonic() >= deadline:
+                    return None
+            if self.out is not None and time.monotonic() >= next_ping:
+                next_ping = time.monotonic() + self._KEEPALIVE_S
+                if not await self._write(b": waiting for a healthy instance to replay on\n\n"):
+                    return None
+            await asyncio.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+
+    # ----------------------------------------------------------- attempt
+    async def _attempt(self, route: Route) -> web.StreamResponse:
+        body, endpoint = self.body, self.endpoint
+        if self.stitch is not None:
+            mml = await self.p.max_model_len(route.target) if self.stitch.needs_max_model_len() else None
+            if self.stitch.needs_max_model_len() and mml is None:
+                raise _AttemptFailed("no_answer", route.target, "no max_model_len for the continuation")
+            body, endpoint = self.stitch.next_request(self.endpoint, mml)
+        p_task, d_body = self.p.start_prefill(route, body, endpoint)
+        ok = False
+        try:
+            out = await self._relay(route, d_body, endpoint)
+            ok = True
+            return out
+        finally:
+            await self.p.end_prefill(p_task, ok)
+
+    async def _relay(self, route: Route, d_body: dict[str, Any], endpoint: str) -> web.StreamResponse:
+        target = route.target
+        try:
+            resp = await self.p.session.post(f"{target.url}/v1/{endpoint}", json=d_body)
+        except _UPSTREAM_ERRORS as exc:
+            reason = "connect" if isinstance(exc, aiohttp.ClientConnectorError) else "no_answer"
+            raise _AttemptFailed(reason, target, repr(exc)) from exc
+        try:
+            if resp.status >= 500:
+                raise _AttemptFailed("http_5xx", target, f"HTTP {resp.status} {(await _read(resp, target))[:300]!r}")
+            if resp.status == 200 and self.stitch is not None and resp.content_type == "text/event-stream":
+                return await self._relay_stream(route, resp)
+            return await self._relay_whole(route, resp)
+        finally:
+            resp.close()
+
+    async def _relay_whole(self, route: Route, resp: aiohttp.ClientResponse) -> web.StreamResponse:
+        data = await _read(resp, route.target)
+        if self.out is not None:  # a continuation was refused (4xx): the client's stream ends with it
+            return await self._give_up(_AttemptFailed(f"http_{resp.status}", route.target, data[:300].decode(
+                errors="replace")), route)
+        self.p.metrics.ttft.labels(route.kind).observe(time.monotonic() - self.start)
+        self.p._count(self.endpoint, route, "ok" if resp.status == 200 else f"http_{resp.status}", self.start)
+        return web.Response(body=data, status=resp.status, headers=_route_headers(route),
+                            content_type=resp.content_type or "application/json")
+
+    async def _relay_stream(self, route: Route, resp: aiohttp.ClientResponse) -> web.StreamResponse:
+        if self.out is None:
+            self.out = web.StreamResponse(status=200, headers={**_route_headers(route), "Cache-Control": "no-cache"})
+            self.out.content_type = "text/event-stream"
+            await self.out.prepare(self.request)
+        parser = replay.SSEParser()
+        while True:
+            try:
+                chunk = await resp.content.readany()
+            except _UPSTREAM_ERRORS as exc:
+                if self.stitch.finished:
+                    break
+                raise _AttemptFailed("mid_stream", route.target, repr(exc)) from exc
+            if not chunk:
+                break
+            for data in parser.feed(chunk):
+                try:
+                    piece = self.stitch.on_event(data)
+                except replay.UpstreamFailed as exc:
+                    raise _AttemptFailed("error_event", route.target, str(exc)) from exc
+                if piece is None:
+                    continue
+                if self._first:
+                    self.p.metrics.ttft.labels(route.kind).observe(time.monotonic() - self.start)
+                    self._first = False
+                self.p.pools.decode_progress(route.req_id, 1)
+                if not await self._write(piece):
+                    self.p._count(self.endpoint, route, "client_gone", self.start)
+                    return self.out
+        if not self.stitch.finished:
+            raise _AttemptFailed("mid_stream", route.target, "the stream ended before its last token")
+        return await self._close_with(b"", route)
+
+    # ------------------------------------------------------------ ending
+    async def _write(self, data: bytes) -> bool:
+        """False when the client went away (closing upstream then aborts its request)."""
+        try:
+            await self.out.write(data)
+            return True
+        except (ConnectionError, RuntimeError):
+            self.out[_FAILED] = True
+            return False
+
+    async def _close_with(self, data: bytes, route: Route | None) -> web.StreamResponse:
+        if await self._write(data + b"data: [DONE]\n\n"):
+            with contextlib.suppress(ConnectionError, RuntimeError):
+                await self.out.write_eof()
+        if route is not None:
+            self.p._count(self.endpoint, route, "ok", self.start)
+        return self.out
+
+    async def _give_up(self, last: _AttemptFailed | None, route: Route | None) -> web.StreamResponse:
+        if self.out is not None and self.out.get(_FAILED, False):  # the client left while we waited
+            if route is not None:
+                self.p._count(self.endpoint, route, "client_gone", self.start)
+            return self.out
+        message = f"the request failed on every attempt; last: {last}" if last else \
+            "no healthy instance came back to replay the request on"
+        logger.error("%s request given up: %s", self.endpoint, message)
+        if route is not None:
+            self.p._count(self.endpoint, route, "error", self.start)
+        if self.out is None:
+            return error_response(502, message)
+        self.out[_FAILED] = True
+        with contextlib.suppress(ConnectionError, RuntimeError):
+            await self.out.write(_sse_error(message))
+            await self.out.write_eof()
+        return self.out
+
+
+async def _read(resp: aiohttp.ClientResponse, target: Instance) -> bytes:
+    try:
+        return await resp.read()
+    except _UPSTREAM_ERRORS as exc:
+        raise _AttemptFailed("mid_response", target, repr(exc)) from exc
+
+
+def _route_headers(route: Route) -> dict[str, str]:
+    headers = {"x-disagg-route": route.kind, "x-disagg-decode": route.target.url}
+    if route.prefill is not None:
+        headers["x-disagg-prefill"] = route.prefill.url
+    return headers

@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """A real tiny HTTP server that answers like a vLLM instance, for router-only logic tests.
 
-It records every body it receives and answers completions with deterministic tokens; `mode` makes it
-misbehave the ways a real instance can (error status, stall, die mid-stream). Where a vLLM engine would
+It records every body it receives and answers completions with deterministic tokens that depend on the whole context (so a
+continuation of prompt + generated tokens goes on exactly), with vLLM's `return_token_ids` fields and a
+finish_reason on the last chunk; `mode`/`die_after` make it misbehave the ways a real instance can (error status, stall, die mid-stream). Where a vLLM engine would
 add nothing to what a test checks (routing, relaying, timeouts), this stands in for one; equivalence is
 tested end to end against real vLLM in tests/integration/test_router_e2e.py.
 """
@@ -24,6 +25,9 @@ class InstanceServer:
         self.bodies: list[dict] = []
         self.arrivals: list[float] = []
         self.healthy = True
+        self.die_after: int | None = None
+        """Streams drop the connection after this many tokens, `die_times` times."""
+        self.die_times = 0
         self.app = web.Application()
         self.app.add_routes([
             web.post("/v1/completions", self._generate),
@@ -58,28 +62,67 @@ class InstanceServer:
         body = await req.json()
         self.bodies.append(body)
         self.arrivals.append(time.monotonic())
-        if self.mode == "error":
+        if self.mode == "error" or (self.mode == "error_once" and len(self.bodies) == 1):
             return web.json_response({"error": {"message": "boom", "code": 500}}, status=500)
         if self.mode == "stall":
             await asyncio.sleep(3600)
+        context = prompt_ids(body)
         n = min(self.num_tokens, body.get("max_tokens") or self.num_tokens)
+        tokens = []
+        for _ in range(n):
+            tokens.append(next_token(context + tokens))
         if body.get("stream"):
-            return await self._stream(req, n)
-        return web.json_response({"id": "x", "object": "text_completion", "choices": [
-            {"index": 0, "text": "".join(f" t{i}" for i in range(n)), "token_ids": list(range(n)),
-             "finish_reason": "length"}], "served_by": self.name})
+            return await self._stream(req, body, context, tokens)
+        with_ids = bool(body.get("return_token_ids"))
+        choice = {"index": 0, "text": "".join(f" t{t}" for t in tokens), "finish_reason": "length"}
+        if with_ids:
+            choice.update(token_ids=tokens, prompt_token_ids=context)
+        return web.json_response({"id": "x", "object": "text_completion", "choices": [choice],
+                                  "served_by": self.name})
 
-    async def _stream(self, req: web.Request, n: int) -> web.StreamResponse:
+    async def _stream(self, req: web.Request, body: dict, context: list[int], tokens: list[int]) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(req)
-        for i in range(n):
-            chunk = {"choices": [{"index": 0, "text": f" t{i}", "token_ids": [i]}], "served_by": self.name}
+        with_ids = bool(body.get("return_token_ids"))
+        chat = "messages" in body
+        die_now = self.die_after is not None and self.die_times > 0
+        for i, tok in enumerate(tokens):
+            last = i == len(tokens) - 1
+            if chat:
+                choice = {"index": 0, "delta": {"content": f" t{tok}"}, "finish_reason": "length" if last else None}
+            else:
+                choice = {"index": 0, "text": f" t{tok}", "finish_reason": "length" if last else None}
+            chunk = {"id": f"cmpl-{self.name}-{len(self.bodies)}", "created": len(self.bodies),
+                     "model": body.get("model"), "choices": [choice], "served_by": self.name}
+            if with_ids:
+                choice["token_ids"] = [tok]
+                if i == 0 and chat:
+                    chunk["prompt_token_ids"] = context
+                elif i == 0:
+                    choice["prompt_token_ids"] = context
             await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
             await asyncio.sleep(0.01)
-            if self.mode == "die_mid_stream" and i == 0:
+            if die_now and i + 1 == self.die_after:
+                self.die_times -= 1
                 req.transport.close()  # the process "dies": connection drops mid-stream
+                return resp
+            if self.mode == "die_mid_stream" and i == 0:
+                req.transport.close()
                 return resp
             if self.mode == "stall_mid_stream" and i == 0:
                 await asyncio.sleep(3600)
         await resp.write(b"data: [DONE]\n\n")
         return resp
+
+
+def prompt_ids(body: dict) -> list[int]:
+    """Token ids of the prompt as the fake sees it (text: its bytes; chat: the bytes of every content)."""
+    if "messages" in body:
+        return list("".join(str(m.get("content")) for m in body["messages"]).encode())
+    prompt = body.get("prompt")
+    return list(prompt) if isinstance(prompt, list) else list(str(prompt).encode())
+
+
+def next_token(context: list[int]) -> int:
+    """Deterministic "greedy" next token of a context: a continuation reproduces it only if it is exact."""
+    return (sum(t * (k + 1) for k, t in enumerate(context)) + len(context)) % 997

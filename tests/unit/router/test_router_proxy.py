@@ -9,7 +9,7 @@ import json
 import time
 
 import aiohttp
-from instance_server import InstanceServer
+from instance_server import InstanceServer, next_token
 
 from vllm_disagg.router.config import RouterConfig
 from vllm_disagg.router.server import Router, RouterServer
@@ -67,7 +67,7 @@ def test_push_path_sends_prefill_and_decode_bodies_per_protocol_with_one_transfe
             assert d_params["do_remote_prefill"] is True
             assert (d_params["remote_host"], d_params["remote_port"]) == ("127.0.0.1", 9100)
             assert d_params["transfer_id"] == p_body["kv_transfer_params"]["transfer_id"]
-            assert {k: v for k, v in d_body.items() if k != "kv_transfer_params"} == body
+            assert {k: v for k, v in d_body.items() if k != "kv_transfer_params"} == body  # not streamed: as is
             # concurrent dispatch: D is not held back until P answers
             assert abs(ds[0].arrivals[0] - ps[0].arrivals[0]) < 0.5
     run(scenario())
@@ -93,7 +93,12 @@ def test_streaming_response_of_decode_is_relayed_unchanged():
             assert status == 200 and headers["Content-Type"].startswith("text/event-stream")
             events = _sse_events(raw)
             assert events[-1] == "[DONE]"
-            assert [e["choices"][0]["token_ids"][0] for e in events[:-1]] == [0, 1, 2, 3]
+            context = list(b"hello")
+            for event in events[:-1]:
+                assert event["choices"][0]["text"] == f" t{next_token(context)}"
+                assert "token_ids" not in event["choices"][0]  # added upstream for replay, stripped here
+                context.append(next_token(context))
+            assert ds[0].bodies[0]["return_token_ids"] is True
     run(scenario())
 
 
@@ -110,7 +115,7 @@ def test_failed_prefill_still_returns_the_decode_answer_and_is_counted():
 
 def test_decode_dying_mid_stream_ends_the_stream_with_an_error_event():
     async def scenario():
-        async with deployment(d_modes=("die_mid_stream",)) as (url, session, _, _d, _m, _r):
+        async with deployment(d_modes=("die_mid_stream",), replay_attempts=0) as (url, session, _, _d, _m, _r):
             status, _, raw = await _post(session, url, {"prompt": "x", "max_tokens": 3, "stream": True})
             assert status == 200
             events = _sse_events(raw)
@@ -121,7 +126,7 @@ def test_decode_dying_mid_stream_ends_the_stream_with_an_error_event():
 
 def test_silent_decode_fails_cleanly_after_the_read_timeout():
     async def scenario():
-        async with deployment(d_modes=("stall",), read_timeout_s=1.0) as (url, session, _, _d, _m, _r):
+        async with deployment(d_modes=("stall",), read_timeout_s=1.0, replay_attempts=0) as (url, session, _, _d, _m, _r):
             t0 = time.monotonic()
             status, _, raw = await _post(session, url, {"prompt": "x", "max_tokens": 3})
             assert status == 502 and "error" in json.loads(raw)
@@ -131,7 +136,7 @@ def test_silent_decode_fails_cleanly_after_the_read_timeout():
 
 def test_stalled_stream_is_ended_with_an_error_event_after_the_read_timeout():
     async def scenario():
-        async with deployment(d_modes=("stall_mid_stream",), read_timeout_s=1.0) as (url, session, *_):
+        async with deployment(d_modes=("stall_mid_stream",), read_timeout_s=1.0, replay_attempts=0) as (url, session, *_):
             status, _, raw = await _post(session, url, {"prompt": "x", "max_tokens": 3, "stream": True})
             events = _sse_events(raw)
             assert status == 200 and "error" in events[-2] and events[-1] == "[DONE]"
