@@ -324,7 +324,7 @@ def run_engines(batches: list[int], context: int, max_tokens: int, reps: int, on
     run prefills its own requests; nothing of another run is read)."""
     from vllm_disagg.testing import make_tiny_llama
 
-    model_dir = str(make_tiny_llama(tempfile.mkdtemp(prefix="attn-bench-"), **MEDIUM))
+    model_dir = str(make_tiny_llama(tempfile.mkdtemp(prefix="attn-bench-"), weights=True, **MEDIUM))
     own = server is None
     srv = start_servers({"engine": ("shm", "cpu", True)})["engine"] if own else server
     engines: dict = {}
@@ -406,7 +406,7 @@ def run_long_pipeline(batch: int, context: int, steps_per_turn: int, turns: int,
     requests at once). Returns per engine the median step time, the per-turn medians and the tokens."""
     from vllm_disagg.testing import make_tiny_llama, token_prompts
 
-    model_dir = str(make_tiny_llama(tempfile.mkdtemp(prefix="attn-bench-long-"), **MEDIUM))
+    model_dir = str(make_tiny_llama(tempfile.mkdtemp(prefix="attn-bench-long-"), weights=True, **MEDIUM))
     # chunked prefill gives the first requests their first token a few steps early: the margin keeps
     # every timed step at the full batch (no request finishes before the last turn ends)
     max_tokens = 1 + warm_steps + steps_per_turn * turns + 8

@@ -534,7 +534,7 @@ def main(argv: list[str] | None = None) -> int:
 
     apply_test_env(in_process=True)
     t0 = time.perf_counter()
-    model_dir = str(make_tiny_llama(Path(tempfile.mkdtemp(prefix="nano-bench-")), **MEDIUM))
+    model_dir = str(make_tiny_llama(Path(tempfile.mkdtemp(prefix="nano-bench-")), weights=True, **MEDIUM))
     result: dict = {
         "overhead_ratio": None,
         "remote_attention_overlap_speedup": None,

@@ -12,8 +12,9 @@ apply_test_env(in_process=True)
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> str:
-    """A tiny random-weight Llama (config.json only; use load_format="dummy")."""
-    return str(make_tiny_llama(tmp_path_factory.mktemp("tiny-llama")))
+    """A tiny Llama with seeded random weights that make its output depend on the context
+    (`tiny_llm_kwargs` loads them; vLLM's dummy weights would hide stale or misplaced KV)."""
+    return str(make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), weights=True))
 
 
 @pytest.fixture(scope="session")

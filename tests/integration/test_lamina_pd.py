@@ -25,7 +25,7 @@ from vllm_disagg.testing import running_up
 
 pytestmark = pytest.mark.slow
 
-ENGINE_ARGS = ["--load-format", "dummy", "--dtype", "float32", "--enforce-eager",
+ENGINE_ARGS = ["--dtype", "float32", "--enforce-eager",
                "--max-model-len", "1024", "--block-size", "32", "--no-enable-prefix-caching", "--seed", "0"]
 BLOCK_SIZE = 32
 # multi-block prompts of different lengths (and a one-block one), sent concurrently

@@ -21,8 +21,8 @@ pytestmark = pytest.mark.slow
 
 
 def test_up_serves_one_plain_instance_passes_vllm_args_and_stops_cleanly(tiny_model_dir, tmp_path):
-    with running_up(tmp_path, "--prefill", "0", "--decode", "0", "--model", tiny_model_dir, "--load-format",
-                    "dummy", "--skip-tokenizer-init", "--dtype", "float32", "--enforce-eager",
+    with running_up(tmp_path, "--prefill", "0", "--decode", "0", "--model", tiny_model_dir,
+                    "--skip-tokenizer-init", "--dtype", "float32", "--enforce-eager",
                     "--max-model-len", "1024") as up:
         state = up.state
         [inst] = state["instances"]
@@ -39,7 +39,7 @@ def test_up_serves_one_plain_instance_passes_vllm_args_and_stops_cleanly(tiny_mo
 
 
 # ------------------------------------------------------------------ Lamina: `up --attention K`
-ENGINE_ARGS = ["--load-format", "dummy", "--skip-tokenizer-init", "--dtype", "float32", "--enforce-eager",
+ENGINE_ARGS = ["--skip-tokenizer-init", "--dtype", "float32", "--enforce-eager",
                "--max-model-len", "1024", "--block-size", "32", "--no-enable-prefix-caching", "--seed", "0"]
 # multi-block prompts (block size 32) of different lengths, sent concurrently
 ATTN_PROMPTS = [[(7 * i + 3 * j) % 500 + 3 for j in range(n)] for i, n in enumerate((70, 97, 33, 5))]

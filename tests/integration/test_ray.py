@@ -31,12 +31,12 @@ from pathlib import Path
 
 import pytest
 
-from vllm_disagg.testing import TokenizerUnavailable, tiny_llama_with_tokenizer, token_id_lists
+from vllm_disagg.testing import TokenizerUnavailable, load_format, tiny_llama_with_tokenizer, token_id_lists
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 ray = pytest.importorskip("ray", reason="pip install 'ray[default]'")
 
-VLLM_ARGS = ["--load-format", "dummy", "--dtype", "float32", "--enforce-eager", "--max-model-len", "2048",
+VLLM_ARGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "2048",
              "--block-size", "32", "--no-enable-prefix-caching", "--max-num-seqs", "16", "--seed", "0"]
 GCS_PORT = 6390
 ROUTER_PORT = 8000
@@ -103,7 +103,8 @@ def reference_ids(model: Path, batch: list[list[int]]) -> list[list[int]]:
     """Plain vLLM, same engine arguments, greedy."""
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=str(model), load_format="dummy", dtype="float32", enforce_eager=True, max_model_len=2048,
+    llm = LLM(model=str(model), load_format=load_format(model), dtype="float32", enforce_eager=True,
+              max_model_len=2048,
               block_size=32, enable_prefix_caching=False, seed=0, max_num_seqs=16)
     try:
         outs = llm.generate([{"prompt_token_ids": p} for p in batch],

@@ -72,7 +72,7 @@ def servers():
 
 @pytest.fixture(scope="module")
 def kv4_model_dir(tmp_path_factory):
-    return str(make_tiny_llama(tmp_path_factory.mktemp("tiny-kv4"), num_key_value_heads=4))
+    return str(make_tiny_llama(tmp_path_factory.mktemp("tiny-kv4"), weights=True, num_key_value_heads=4))
 
 
 @pytest.fixture(scope="module")

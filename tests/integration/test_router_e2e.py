@@ -6,7 +6,7 @@ launcher's own `LocalCluster` with the same flags and no connector. Requests thr
 and give greedy float32 token ids identical to that baseline: short prompts (serialized send), prompts
 over 1k tokens (layer-wise), streaming, chat, 16 concurrent. The last test kills P mid-run.
 
-The model is the tiny random Llama (4 layers, dummy weights: fast on 2 cores) with SmolLM2's tokenizer
+The model is the tiny random Llama (4 layers, seeded random weights: fast on 2 cores) with SmolLM2's tokenizer
 and chat template, so text prompts and chat work; it needs `vllm-disagg model pull smollm2-135m`.
 """
 
@@ -28,7 +28,7 @@ from vllm_disagg.testing import TokenizerUnavailable, tiny_llama_with_tokenizer,
 
 pytestmark = pytest.mark.slow
 
-VLLM_ARGS = ["--load-format", "dummy", "--dtype", "float32", "--enforce-eager", "--max-model-len", "2048",
+VLLM_ARGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "2048",
              "--block-size", "32", "--no-enable-prefix-caching", "--max-num-seqs", "32", "--seed", "0"]
 LONG = 1100  # > 1k tokens, 35 blocks of 32: layer-wise push
 SHORT = 40  # under kv.layerwise_threshold_tokens: one serialized send
