@@ -17,6 +17,9 @@ All ratios are against baselines measured in the same run:
   32 and context PIPE_CONTEXT (1024), Lamina's regime: attention is the larger half of the step.
   n=2 can at best hide the smaller of the server's kernel and the model side of the forward; at
   1024 they are about even on this model (kernel ~25 ms, model side ~19 ms a step, ideal ~1.65x).
+  Ping-pong also pays a fill/drain bubble of about one layer per step, whatever the depth; the
+  headline run therefore uses PIPE_LAYERS (8) layers, and the 4-layer figure sits beside it
+  (`pipeline_speedup_ctx1024_4_layers`; quiet box: 1.27 at 4 layers, 1.33 at 8).
   At 2048 the kernel is twice the model side (ideal ~1.4x, measured 1.18 under load). The 512
   figure stays in the JSON (`pipeline_speedup_ctx512`); its per-layer split (standalone round
   trips) does not explain it: n=2 beats that split's ideal there, so at 512 it is a measurement of
@@ -62,6 +65,11 @@ DECODE_BATCH, DECODE_CONTEXT = 32, 512
 # twice the model side); each engine prefills it once (32k tokens, ~15 s), then decode steps are
 # timed in turns
 PIPE_CONTEXT, PIPE_STEPS_PER_TURN, PIPE_TURNS = 1024, 4, 6
+# Ping-pong's fill and drain (the first nano-batch's first layer, the last one's last layer) cost about
+# one layer per step whatever the depth: with MEDIUM's 4 layers that bubble is a quarter of the step,
+# with the 32-80 layers of the models Lamina serves it is a few percent. The headline context-1024 run
+# uses 8 layers; the 4-layer figure is reported beside it (pipeline_speedup_ctx1024_4_layers).
+PIPE_LAYERS = 8
 REMOTE_WORKER = "vllm_disagg.attention.worker.DisaggAttentionWorker"
 NANO_REMOTE_WORKER = "vllm_disagg.nanoflow.remote.NanoFlowRemoteAttentionWorker"
 
@@ -396,7 +404,7 @@ def _step(llm, outs: dict) -> float:
 
 
 def run_long_pipeline(batch: int, context: int, steps_per_turn: int, turns: int, servers: dict,
-                      warm_steps: int = 2) -> dict:
+                      warm_steps: int = 2, num_layers: int = PIPE_LAYERS) -> dict:
     """n=1 and n=2 (and plain vLLM as reference) at a long context, where attention is most of the
     work (Lamina's regime), without paying the prefill of batch x context tokens per round: each
     engine prefills its batch once, then the engines take turns, `steps_per_turn` decode steps each
@@ -406,7 +414,8 @@ def run_long_pipeline(batch: int, context: int, steps_per_turn: int, turns: int,
     requests at once). Returns per engine the median step time, the per-turn medians and the tokens."""
     from vllm_disagg.testing import make_tiny_llama, token_prompts
 
-    model_dir = str(make_tiny_llama(tempfile.mkdtemp(prefix="attn-bench-long-"), weights=True, **MEDIUM))
+    model_dir = str(make_tiny_llama(tempfile.mkdtemp(prefix="attn-bench-long-"), weights=True,
+                                    **{**MEDIUM, "num_hidden_layers": num_layers}))
     # chunked prefill gives the first requests their first token a few steps early: the margin keeps
     # every timed step at the full batch (no request finishes before the last turn ends)
     max_tokens = 1 + warm_steps + steps_per_turn * turns + 8
@@ -449,7 +458,7 @@ def run_long_pipeline(batch: int, context: int, steps_per_turn: int, turns: int,
             r["turn_median_tbt_ms"] = [round(statistics.median(t), 3) for t in r.pop("turns_ms")]
             r["decode_tokens_per_s"] = batch / r["tbt_ms"] * 1e3
             r["token_ids"] = [list(h.outs[rid].outputs[0].token_ids) for rid in h.ids]
-            r.update(batch=batch, context=context, timed_steps=len(steps))
+            r.update(batch=batch, context=context, timed_steps=len(steps), num_layers=num_layers)
         for name, r in res.items():
             print(f"[attn_bench] long B={batch} ctx={context} {name}: {r['decode_tokens_per_s']:.0f} tok/s "
                   f"(tbt {r['tbt_ms']:.1f} ms, prefill {r['prefill_s']} s)", file=sys.stderr)
@@ -509,8 +518,11 @@ def main() -> int:
         eng = run_engines(batches, DECODE_CONTEXT, max_tokens=10 if args.quick else 24, reps=3 if args.quick else 5,
                           server=servers["cpu_shm"])
         half_long = measure_half_batch(servers["cpu_shm"], iters=50 if args.quick else 200, context=PIPE_CONTEXT)
-        long = run_long_pipeline(DECODE_BATCH, PIPE_CONTEXT, PIPE_STEPS_PER_TURN, PIPE_TURNS * (1 if args.quick else 2),
-                                 {"remote_pipeline_n1": servers["cpu_shm"], "remote_pipeline_n2": servers["cpu_shm_b"]})
+        pipe_servers = {"remote_pipeline_n1": servers["cpu_shm"], "remote_pipeline_n2": servers["cpu_shm_b"]}
+        turns = PIPE_TURNS * (1 if args.quick else 2)
+        long = run_long_pipeline(DECODE_BATCH, PIPE_CONTEXT, PIPE_STEPS_PER_TURN, turns, pipe_servers)
+        long4 = run_long_pipeline(DECODE_BATCH, PIPE_CONTEXT, PIPE_STEPS_PER_TURN, turns, pipe_servers,
+                                  num_layers=MEDIUM["num_hidden_layers"])
     finally:
         stop_servers(servers)
     g = RTT_GEOM
@@ -518,7 +530,9 @@ def main() -> int:
     formula = (2 + 2 / group) * d * e
     at = batches.index(DECODE_BATCH)
     split = decode_layer_split(eng, at, half)
-    split_long = step_split(half_long, long["remote_pipeline_n1"], long["remote_pipeline_n2"])
+    split_long = step_split(half_long, long["remote_pipeline_n1"], long["remote_pipeline_n2"], PIPE_LAYERS)
+    split_long4 = step_split(half_long, long4["remote_pipeline_n1"], long4["remote_pipeline_n2"],
+                             MEDIUM["num_hidden_layers"])
 
     def tput(name: str) -> float:
         return eng[name][at]["decode_tokens_per_s"]
@@ -527,6 +541,8 @@ def main() -> int:
             and [r["token_ids"] for r in eng[n]] == [r["token_ids"] for r in eng["plain"]] for n in eng}
     ref = long["plain"]["token_ids"]
     same_long = {n: r.pop("token_ids") == ref for n, r in long.items()}
+    ref4 = long4["plain"]["token_ids"]
+    same_long4 = {n: r.pop("token_ids") == ref4 for n, r in long4.items()}
     n1_long, n2_long = long["remote_pipeline_n1"], long["remote_pipeline_n2"]
     out = {
         "rtt_us_shm": round(transport["shm"]["rtt_us"], 1),
@@ -558,7 +574,11 @@ def main() -> int:
                                "(1 thread), n=1 and n=2 each on their own attention server, both on core 1. Context "
                                f"{PIPE_CONTEXT}, not {DECODE_CONTEXT}: Lamina's regime, attention about half the "
                                f"n=1 step (see decode_layer_split_ms); the {DECODE_CONTEXT} figure is "
-                               "pipeline_speedup_ctx512",
+                               f"pipeline_speedup_ctx512. Model: MEDIUM with {PIPE_LAYERS} layers, because "
+                               "ping-pong's fill/drain bubble is about one layer per step (see PIPE_LAYERS); the "
+                               "4-layer figure is pipeline_speedup_ctx1024_4_layers",
+        "pipeline_speedup_ctx1024_4_layers": round(
+            long4["remote_pipeline_n1"]["tbt_ms"] / long4["remote_pipeline_n2"]["tbt_ms"], 3),
         "pipeline_speedup_ctx512": round(speedup(eng, at, "remote_pipeline_n2", "remote_pipeline_n1"), 3),
         "pipeline_speedup_ctx512_paired_median": round(
             paired_speedup(eng, at, "remote_pipeline_n2", "remote_pipeline_n1"), 3),
@@ -568,6 +588,8 @@ def main() -> int:
         "pipeline_n2_vs_stock_remote": round(speedup(eng, at, "remote_pipeline_n2", "remote"), 3),
         "remote_vs_plain": round(speedup(eng, at, "remote", "plain"), 3),
         "decode_layer_split_ms": split_long,
+        "decode_layer_split_ms_ctx1024_4_layers": split_long4,
+        "greedy_tokens_identical_to_plain_ctx1024_4_layers": same_long4,
         "decode_layer_split_ms_ctx512": split,
         f"decode_tokens_per_s_at_{DECODE_BATCH}_ctx{PIPE_CONTEXT}": {
             n: round(r["decode_tokens_per_s"], 1) for n, r in long.items()},
@@ -576,13 +598,15 @@ def main() -> int:
         f"decode_tokens_per_s_at_{DECODE_BATCH}": {n: round(tput(n), 1) for n in eng},
         f"tbt_ms_at_{DECODE_BATCH}": {n: round(eng[n][at]["tbt_ms"], 2) for n in eng},
         "greedy_tokens_identical_to_plain": same,
-        "geometry_rtt": g, "model": MEDIUM, "decode_context": DECODE_CONTEXT, "pipeline_context": PIPE_CONTEXT, "cpu_count": os.cpu_count(),
+        "geometry_rtt": g, "model": MEDIUM, "decode_context": DECODE_CONTEXT, "pipeline_context": PIPE_CONTEXT,
+        "pipeline_num_layers": PIPE_LAYERS, "cpu_count": os.cpu_count(),
         "load_avg_1m_at_end": round(os.getloadavg()[0], 2),
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
     rtt = {"shm": transport["shm"], "tcp": transport["tcp"], **{f"full_{k}": v for k, v in full.items()}}
     full_out = {**out, "rtt": rtt, "engines": {n: [{k: v for k, v in r.items() if k != "token_ids"} for r in rs]
-                                                for n, rs in eng.items()}, f"engines_ctx{PIPE_CONTEXT}": long}
+                                                for n, rs in eng.items()}, f"engines_ctx{PIPE_CONTEXT}": long,
+                f"engines_ctx{PIPE_CONTEXT}_4_layers": long4}
     stem = "attn_bench_quick" if args.quick else "attn_bench"
     (RESULTS / f"{stem}.json").write_text(json.dumps(full_out, indent=1))
     _plot(full_out, batches, RESULTS / f"{stem}.png")
@@ -601,29 +625,30 @@ def measure_half_batch(srv, iters: int, batch: int = DECODE_BATCH, context: int 
 
 
 def decode_layer_split(eng: dict, at: int, half: dict) -> dict:
-    return layer_split(half, eng["remote_pipeline_n1"][at]["tbt_ms"], eng["remote_pipeline_n2"][at]["tbt_ms"])
+    return layer_split(half, eng["remote_pipeline_n1"][at]["tbt_ms"], eng["remote_pipeline_n2"][at]["tbt_ms"],
+                       MEDIUM["num_hidden_layers"])
 
 
-def layer_split(half: dict, step_n1: float, step_n2: float) -> dict:
+def layer_split(half: dict, step_n1: float, step_n2: float, num_layers: int) -> dict:
     """Explains pipeline_speedup: per layer of one decode step, the attention side (the server's
     kernel for both nano-batches, and the two round trips that include it) and the model side
     (n=1's step time per layer minus those round trips: dense ops, norms, the sampling share and
     the client's Python). With both sides on their own cores, n=2 can at best hide the smaller."""
     attn_ms = 2 * half["server_kernel_us"] / 1e3
     rtt_ms = 2 * half["rtt_us"] / 1e3
-    model_ms = step_n1 / MEDIUM["num_hidden_layers"] - rtt_ms
+    model_ms = step_n1 / num_layers - rtt_ms
     return {"attention_server_kernel": round(attn_ms, 3), "attention_round_trips": round(rtt_ms, 3),
             "model_side": round(model_ms, 3), "n1_step": round(step_n1, 3), "n2_step": round(step_n2, 3),
             "ideal_n2_speedup": round((model_ms + rtt_ms) / max(model_ms, rtt_ms, 1e-9), 3)}
 
 
-def step_split(half: dict, n1: dict, n2: dict) -> dict:
+def step_split(half: dict, n1: dict, n2: dict, num_layers: int) -> dict:
     """layer_split (standalone round trips), plus where the n=1 and n=2 steps' time goes as measured
     inside the engines: outside the model forward (scheduler, input preparation, sampling, output
     processing; the runner's own forward timer), the attention server's kernel (its Prometheus sum
     over the timed steps) and the rest of the forward (dense ops, the client's packing/copies and the
     thread handoffs: the model side). n=2 can at best hide the smaller of kernel and model side."""
-    out = layer_split(half, n1["tbt_ms"], n2["tbt_ms"])
+    out = layer_split(half, n1["tbt_ms"], n2["tbt_ms"], num_layers)
     for key, r in (("per_step_n1", n1), ("per_step_n2", n2)):
         if r.get("forward_ms_mean") is None or r.get("server_kernel_ms_mean") is None:
             return out
