@@ -40,6 +40,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--transport", choices=("tcp", "shm"), default="tcp", help="KV push backend")
     parser.add_argument("--cores-per-instance", type=int, default=1,
                         help="CPU cores per instance (VLLM_CPU_OMP_THREADS_BIND)")
+    parser.add_argument("--no-bind-cores", dest="bind_cores", action="store_false",
+                        help="bind only vLLM's compute threads to the instance's cores, not its whole process tree")
     parser.add_argument("--kv-cache-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE per instance")
     parser.add_argument("--layerwise-threshold", type=int, default=None,
                         help="prompts with at least this many tokens are pushed layer by layer (P side)")
@@ -150,7 +152,8 @@ async def _up(args: argparse.Namespace) -> int:
     if not args.access_log:
         vllm_args.append("--disable-uvicorn-access-log")
     cluster = LocalCluster(specs, resolve_model(args.model), args.transport, vllm_args,
-                           served_name=args.model, kv_cache_gib=args.kv_cache_gib, log_dir=log_dir)
+                           served_name=args.model, kv_cache_gib=args.kv_cache_gib, log_dir=log_dir,
+                           bind_cores=getattr(args, "bind_cores", True))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
