@@ -224,3 +224,15 @@ def running_up(tmp_path: str | os.PathLike, *argv: str, start_timeout_s: float =
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+async def sse_events(resp):
+    """The JSON events of an OpenAI-style SSE stream (aiohttp response), up to `[DONE]`; an error
+    event fails the calling test."""
+    async for line in resp.content:
+        line = line.strip()
+        if not line.startswith(b"data: ") or line == b"data: [DONE]":
+            continue
+        event = json.loads(line[6:])
+        assert "error" not in event, event
+        yield event

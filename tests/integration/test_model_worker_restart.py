@@ -24,7 +24,7 @@ import urllib.request
 import aiohttp
 import pytest
 
-from vllm_disagg.testing import TokenizerUnavailable, running_up, tiny_llama_with_tokenizer
+from vllm_disagg.testing import TokenizerUnavailable, running_up, sse_events, tiny_llama_with_tokenizer
 
 pytestmark = pytest.mark.slow
 
@@ -81,12 +81,7 @@ async def _streamed(session, endpoint: str, body: dict, seen: asyncio.Event, pat
     ids: list[int] = []
     async with session.post(f"{endpoint}/v1/{path}", json=body) as resp:
         assert resp.status == 200, await resp.text()
-        async for line in resp.content:
-            line = line.strip()
-            if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            assert "error" not in event, event
+        async for event in sse_events(resp):
             for choice in event["choices"]:
                 ids += choice.get("token_ids") or []
             if len(ids) >= KILL_AFTER:

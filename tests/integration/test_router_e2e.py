@@ -24,7 +24,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from vllm_disagg.testing import TokenizerUnavailable, tiny_llama_with_tokenizer, token_id_lists
+from vllm_disagg.testing import TokenizerUnavailable, sse_events, tiny_llama_with_tokenizer, token_id_lists
 
 pytestmark = pytest.mark.slow
 
@@ -109,12 +109,7 @@ async def _complete(session, base: str, body: dict, path: str = "/v1/completions
         if not body.get("stream"):
             return (await resp.json())["choices"][0]["token_ids"], headers
         ids = []
-        async for line in resp.content:
-            line = line.strip()
-            if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            assert "error" not in event, event
+        async for event in sse_events(resp):
             for choice in event["choices"]:
                 ids += choice.get("token_ids") or []
         return ids, headers
