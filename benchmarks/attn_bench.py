@@ -19,7 +19,12 @@ All ratios are against baselines measured in the same run:
   1024 they are about even on this model (kernel ~25 ms, model side ~19 ms a step, ideal ~1.65x).
   Ping-pong also pays a fill/drain bubble of about one layer per step, whatever the depth; the
   headline run therefore uses PIPE_LAYERS (8) layers, and the 4-layer figure sits beside it
-  (`pipeline_speedup_ctx1024_4_layers`; quiet box: 1.27 at 4 layers, 1.33 at 8).
+  (`pipeline_speedup_ctx1024_4_layers`; quiet box before the split send: 1.27 at 4 layers, 1.33
+  at 8). `pipeline_speedup_by_batch` (and `..._4_layers_by_batch`) gives batches 32 and 16 (the
+  goal: >= 1.3x at batch >= 16). Batch 16 reuses the batch-32 prefill: every engine aborts the same
+  16 requests. At n=2 each nano-batch's request is sent right after its KQV and the net unit only
+  waits (nanoflow/pipeline.py), so the server finds the next request queued (nanoflow/README.md,
+  "Where n=2 time goes").
   At 2048 the kernel is twice the model side (ideal ~1.4x, measured 1.18 under load). The 512
   figure stays in the JSON (`pipeline_speedup_ctx512`); its per-layer split (standalone round
   trips) does not explain it: n=2 beats that split's ideal there, so at 512 it is a measurement of
@@ -70,6 +75,9 @@ PIPE_CONTEXT, PIPE_STEPS_PER_TURN, PIPE_TURNS = 1024, 4, 6
 # with the 32-80 layers of the models Lamina serves it is a few percent. The headline context-1024 run
 # uses 8 layers; the 4-layer figure is reported beside it (pipeline_speedup_ctx1024_4_layers).
 PIPE_LAYERS = 8
+# the goal is "n=2 >= 1.3x n=1 at batch >= 16": batch 16 comes from the batch-32 prefill (the same
+# requests are aborted in every engine), so it costs a few seconds, not another prefill
+PIPE_BATCHES = (32, 16)
 REMOTE_WORKER = "vllm_disagg.attention.worker.DisaggAttentionWorker"
 NANO_REMOTE_WORKER = "vllm_disagg.nanoflow.remote.NanoFlowRemoteAttentionWorker"
 
@@ -403,23 +411,26 @@ def _step(llm, outs: dict) -> float:
     return time.perf_counter() - t0
 
 
-def run_long_pipeline(batch: int, context: int, steps_per_turn: int, turns: int, servers: dict,
-                      warm_steps: int = 2, num_layers: int = PIPE_LAYERS) -> dict:
+def run_long_pipeline(batches: list[int], context: int, steps_per_turn: int, turns: int, servers: dict,
+                      warm_steps: int = 2, num_layers: int = PIPE_LAYERS) -> dict[int, dict]:
     """n=1 and n=2 (and plain vLLM as reference) at a long context, where attention is most of the
     work (Lamina's regime), without paying the prefill of batch x context tokens per round: each
-    engine prefills its batch once, then the engines take turns, `steps_per_turn` decode steps each
-    (timed one by one through the engine's own step()), `turns` times, so load changes hit every
-    engine alike. n=1 and n=2 each talk to their own attention server (`servers`: name -> server,
-    both pinned to SERVER_CPU; sessions on one server share its KV, and both engines hold live
-    requests at once). Returns per engine the median step time, the per-turn medians and the tokens."""
+    engine prefills max(batches) requests once, then the engines take turns, `steps_per_turn` decode
+    steps each (timed one by one through the engine's own step()), `turns` times, so load changes hit
+    every engine alike. Smaller batches (descending) come from the same prefill: every engine aborts
+    the same requests beyond the first `batch`, runs one untimed step, and the turns start again.
+    n=1 and n=2 each talk to their own attention server (`servers`: name -> server, both pinned to
+    SERVER_CPU; sessions on one server share its KV, and both engines hold live requests at once).
+    Returns {batch: {engine: median step time, per-turn medians, forward/kernel means, tokens}}."""
     from vllm_disagg.testing import make_tiny_llama, token_prompts
 
+    batches = sorted(set(batches), reverse=True)
     model_dir = str(make_tiny_llama(tempfile.mkdtemp(prefix="attn-bench-long-"), weights=True,
                                     **{**MEDIUM, "num_hidden_layers": num_layers}))
     # chunked prefill gives the first requests their first token a few steps early: the margin keeps
     # every timed step at the full batch (no request finishes before the last turn ends)
-    max_tokens = 1 + warm_steps + steps_per_turn * turns + 8
-    prompts = token_prompts(batch, context, vocab=MEDIUM["vocab_size"], seed=batch + context)
+    max_tokens = 1 + warm_steps + (steps_per_turn * turns + 1) * len(batches) + 8
+    prompts = token_prompts(batches[0], context, vocab=MEDIUM["vocab_size"], seed=batches[0] + context)
     engines, own_cpus = {}, os.sched_getaffinity(0)
     try:
         if _can_pin():
@@ -427,45 +438,62 @@ def run_long_pipeline(batch: int, context: int, steps_per_turn: int, turns: int,
         for name in ("plain", "remote_pipeline_n1", "remote_pipeline_n2"):
             extra = engine_configs([servers[name].http])[name] if name in servers else {}
             # chunked prefill of 16k tokens a step: one step's q/k/v stays the size the 512 runs send
-            engines[name] = LLMHandle(open_engine_long(model_dir, batch, context, max_tokens, **extra))
-        res = {}
+            engines[name] = LLMHandle(open_engine_long(model_dir, batches[0], context, max_tokens, **extra))
+        prefill_s = {}
         for name, h in engines.items():
             t0 = time.perf_counter()
-            h.ids = _add_requests(h.llm, prompts, max_tokens, name)
+            h.ids = h.all_ids = _add_requests(h.llm, prompts, max_tokens, name)
             while not all(rid in h.outs for rid in h.ids):  # prefill: every request has its first token
                 _step(h.llm, h.outs)
             for _ in range(warm_steps):
                 _step(h.llm, h.outs)
-            res[name] = {"prefill_s": round(time.perf_counter() - t0, 2), "turns_ms": []}
-        fwd0 = {name: _forward_seconds(h.llm) for name, h in engines.items()}
-        srv0 = {name: _server_layer_seconds(srv.http) for name, srv in servers.items()}
-        for _ in range(turns):
-            for name, h in engines.items():
-                res[name]["turns_ms"].append([_step(h.llm, h.outs) * 1e3 for _ in range(steps_per_turn)])
-        for name, h in engines.items():  # the model forward's share of the timed steps (nano-batch runner)
-            if fwd0[name] is not None:
-                res[name]["forward_ms_mean"] = (_forward_seconds(h.llm) - fwd0[name]) / (turns * steps_per_turn) * 1e3
-            if name in servers:  # the attention server's kernel time per step (its own Prometheus sum)
-                busy = _server_layer_seconds(servers[name].http) - srv0[name]
-                res[name]["server_kernel_ms_mean"] = busy / (turns * steps_per_turn) * 1e3
+            prefill_s[name] = round(time.perf_counter() - t0, 2)
+        by_batch = {}
+        for batch in batches:
+            for h in engines.values():
+                if len(h.ids) > batch:  # the same requests leave every engine
+                    h.llm.llm_engine.abort_request(h.ids[batch:])
+                    h.ids = h.ids[:batch]
+                    _step(h.llm, h.outs)
+            by_batch[batch] = _timed_turns(engines, servers, steps_per_turn, turns)
+            for r in by_batch[batch].values():
+                r.update(batch=batch, context=context, num_layers=num_layers)
         for name, h in engines.items():
             while h.llm.llm_engine.has_unfinished_requests():
                 _step(h.llm, h.outs)
-            r = res[name]
-            steps = [t for turn in r["turns_ms"] for t in turn]
-            r["tbt_ms"] = statistics.median(steps)
-            r["tbt_ms_mean"] = statistics.fmean(steps)
-            r["turn_median_tbt_ms"] = [round(statistics.median(t), 3) for t in r.pop("turns_ms")]
-            r["decode_tokens_per_s"] = batch / r["tbt_ms"] * 1e3
-            r["token_ids"] = [list(h.outs[rid].outputs[0].token_ids) for rid in h.ids]
-            r.update(batch=batch, context=context, timed_steps=len(steps), num_layers=num_layers)
-        for name, r in res.items():
-            print(f"[attn_bench] long B={batch} ctx={context} {name}: {r['decode_tokens_per_s']:.0f} tok/s "
-                  f"(tbt {r['tbt_ms']:.1f} ms, prefill {r['prefill_s']} s)", file=sys.stderr)
+            for batch, res in by_batch.items():
+                r = res[name]
+                r["prefill_s"] = prefill_s[name]
+                r["token_ids"] = [list(h.outs[rid].outputs[0].token_ids) for rid in h.all_ids[:batch]]
+                print(f"[attn_bench] long B={batch} ctx={context} L={num_layers} {name}: "
+                      f"{r['decode_tokens_per_s']:.0f} tok/s (tbt {r['tbt_ms']:.1f} ms)", file=sys.stderr)
     finally:
         for h in engines.values():
             close_engine(h.llm)
         os.sched_setaffinity(0, own_cpus)
+    return by_batch
+
+
+def _timed_turns(engines: dict, servers: dict, steps_per_turn: int, turns: int) -> dict:
+    """The engines take `turns` turns of `steps_per_turn` timed steps at their current batch."""
+    res = {name: {"turns_ms": []} for name in engines}
+    fwd0 = {name: _forward_seconds(h.llm) for name, h in engines.items()}
+    srv0 = {name: _server_layer_seconds(srv.http) for name, srv in servers.items()}
+    for _ in range(turns):
+        for name, h in engines.items():
+            res[name]["turns_ms"].append([_step(h.llm, h.outs) * 1e3 for _ in range(steps_per_turn)])
+    for name, h in engines.items():
+        r, n = res[name], turns * steps_per_turn
+        if fwd0[name] is not None:  # the model forward's share of the timed steps (nano-batch runner)
+            r["forward_ms_mean"] = (_forward_seconds(h.llm) - fwd0[name]) / n * 1e3
+        if name in servers:  # the attention server's kernel time per step (its own Prometheus sum)
+            r["server_kernel_ms_mean"] = (_server_layer_seconds(servers[name].http) - srv0[name]) / n * 1e3
+        steps = [t for turn in r["turns_ms"] for t in turn]
+        r["tbt_ms"] = statistics.median(steps)
+        r["tbt_ms_mean"] = statistics.fmean(steps)
+        r["turn_median_tbt_ms"] = [round(statistics.median(t), 3) for t in r.pop("turns_ms")]
+        r["decode_tokens_per_s"] = len(h.ids) / r["tbt_ms"] * 1e3
+        r["timed_steps"] = len(steps)
     return res
 
 
@@ -480,7 +508,7 @@ class LLMHandle:
     """An engine with the requests it was given and their latest outputs."""
 
     def __init__(self, llm) -> None:
-        self.llm, self.ids, self.outs = llm, [], {}
+        self.llm, self.ids, self.all_ids, self.outs = llm, [], [], {}
 
 
 def open_engine_long(model_dir: str, batch: int, context: int, max_tokens: int, **extra):
@@ -520,9 +548,9 @@ def main() -> int:
         half_long = measure_half_batch(servers["cpu_shm"], iters=50 if args.quick else 200, context=PIPE_CONTEXT)
         pipe_servers = {"remote_pipeline_n1": servers["cpu_shm"], "remote_pipeline_n2": servers["cpu_shm_b"]}
         turns = PIPE_TURNS * (1 if args.quick else 2)
-        long = run_long_pipeline(DECODE_BATCH, PIPE_CONTEXT, PIPE_STEPS_PER_TURN, turns, pipe_servers)
-        long4 = run_long_pipeline(DECODE_BATCH, PIPE_CONTEXT, PIPE_STEPS_PER_TURN, turns, pipe_servers,
-                                  num_layers=MEDIUM["num_hidden_layers"])
+        long_b = run_long_pipeline(PIPE_BATCHES, PIPE_CONTEXT, PIPE_STEPS_PER_TURN, turns, pipe_servers)
+        long4_b = run_long_pipeline(PIPE_BATCHES, PIPE_CONTEXT, PIPE_STEPS_PER_TURN, turns, pipe_servers,
+                                    num_layers=MEDIUM["num_hidden_layers"])
     finally:
         stop_servers(servers)
     g = RTT_GEOM
@@ -530,19 +558,23 @@ def main() -> int:
     formula = (2 + 2 / group) * d * e
     at = batches.index(DECODE_BATCH)
     split = decode_layer_split(eng, at, half)
-    split_long = step_split(half_long, long["remote_pipeline_n1"], long["remote_pipeline_n2"], PIPE_LAYERS)
-    split_long4 = step_split(half_long, long4["remote_pipeline_n1"], long4["remote_pipeline_n2"],
-                             MEDIUM["num_hidden_layers"])
+    same_by_batch = {L: {b: same_tokens(res) for b, res in runs.items()}
+                     for L, runs in ((PIPE_LAYERS, long_b), (4, long4_b))}
+    long, long4 = long_b[DECODE_BATCH], long4_b[DECODE_BATCH]
+    splits_by_batch = {L: {b: step_split(half_long, res["remote_pipeline_n1"], res["remote_pipeline_n2"], L)
+                           for b, res in runs.items()} for L, runs in ((PIPE_LAYERS, long_b), (4, long4_b))}
+    split_long, split_long4 = splits_by_batch[PIPE_LAYERS][DECODE_BATCH], splits_by_batch[4][DECODE_BATCH]
+
+    def pipe_ratio(runs: dict) -> dict[str, float]:
+        return {str(b): round(r["remote_pipeline_n1"]["tbt_ms"] / r["remote_pipeline_n2"]["tbt_ms"], 3)
+                for b, r in sorted(runs.items())}
 
     def tput(name: str) -> float:
         return eng[name][at]["decode_tokens_per_s"]
 
     same = {n: all(r["same_tokens_every_round"] for r in eng[n])
             and [r["token_ids"] for r in eng[n]] == [r["token_ids"] for r in eng["plain"]] for n in eng}
-    ref = long["plain"]["token_ids"]
-    same_long = {n: r.pop("token_ids") == ref for n, r in long.items()}
-    ref4 = long4["plain"]["token_ids"]
-    same_long4 = {n: r.pop("token_ids") == ref4 for n, r in long4.items()}
+    same_long, same_long4 = same_by_batch[PIPE_LAYERS][DECODE_BATCH], same_by_batch[4][DECODE_BATCH]
     n1_long, n2_long = long["remote_pipeline_n1"], long["remote_pipeline_n2"]
     out = {
         "rtt_us_shm": round(transport["shm"]["rtt_us"], 1),
@@ -576,7 +608,13 @@ def main() -> int:
                                f"n=1 step (see decode_layer_split_ms); the {DECODE_CONTEXT} figure is "
                                f"pipeline_speedup_ctx512. Model: MEDIUM with {PIPE_LAYERS} layers, because "
                                "ping-pong's fill/drain bubble is about one layer per step (see PIPE_LAYERS); the "
-                               "4-layer figure is pipeline_speedup_ctx1024_4_layers",
+                               "4-layer figure is pipeline_speedup_ctx1024_4_layers. pipeline_speedup_by_batch: the same at "
+                               f"batches {sorted(PIPE_BATCHES)} (the smaller from the same prefill: every engine "
+                               "aborts the same requests)",
+        "pipeline_speedup_by_batch": pipe_ratio(long_b),
+        "pipeline_speedup_ctx1024_4_layers_by_batch": pipe_ratio(long4_b),
+        "greedy_tokens_identical_to_plain_ctx1024_by_batch": {
+            f"{L}_layers_batch_{b}": all(v.values()) for L, d in same_by_batch.items() for b, v in d.items()},
         "pipeline_speedup_ctx1024_4_layers": round(
             long4["remote_pipeline_n1"]["tbt_ms"] / long4["remote_pipeline_n2"]["tbt_ms"], 3),
         "pipeline_speedup_ctx512": round(speedup(eng, at, "remote_pipeline_n2", "remote_pipeline_n1"), 3),
@@ -606,12 +644,22 @@ def main() -> int:
     rtt = {"shm": transport["shm"], "tcp": transport["tcp"], **{f"full_{k}": v for k, v in full.items()}}
     full_out = {**out, "rtt": rtt, "engines": {n: [{k: v for k, v in r.items() if k != "token_ids"} for r in rs]
                                                 for n, rs in eng.items()}, f"engines_ctx{PIPE_CONTEXT}": long,
-                f"engines_ctx{PIPE_CONTEXT}_4_layers": long4}
+                f"engines_ctx{PIPE_CONTEXT}_4_layers": long4,
+                f"engines_ctx{PIPE_CONTEXT}_by_batch": {f"{L}_layers": {str(b): r for b, r in runs.items()}
+                                                        for L, runs in ((PIPE_LAYERS, long_b), (4, long4_b))},
+                "decode_step_split_ms_by_batch": {f"{L}_layers": {str(b): x for b, x in d.items()}
+                                                  for L, d in splits_by_batch.items()}}
     stem = "attn_bench_quick" if args.quick else "attn_bench"
     (RESULTS / f"{stem}.json").write_text(json.dumps(full_out, indent=1))
     _plot(full_out, batches, RESULTS / f"{stem}.png")
     print(json.dumps(out))
     return 0
+
+
+def same_tokens(res: dict) -> dict[str, bool]:
+    """Per engine: its greedy tokens equal plain vLLM's (drops the token lists from `res`)."""
+    tokens = {n: r.pop("token_ids") for n, r in res.items()}
+    return {n: t == tokens["plain"] for n, t in tokens.items()}
 
 
 def measure_half_batch(srv, iters: int, batch: int = DECODE_BATCH, context: int = DECODE_CONTEXT) -> dict:
@@ -669,7 +717,7 @@ def _plot(full: dict, batches: list[int], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(16, 4))
     for name, rs in full["engines"].items():
         a.plot(batches, [r["decode_tokens_per_s"] for r in rs], marker="o", label=name)
     a.set_xlabel("batch size")
@@ -686,6 +734,15 @@ def _plot(full: dict, batches: list[int], path: Path) -> None:
     b.set_xticks(list(xs), kinds)
     b.set_ylabel("microseconds (median)")
     b.legend()
+    for key, label in (("pipeline_speedup_by_batch", f"{full['pipeline_num_layers']} layers"),
+                       ("pipeline_speedup_ctx1024_4_layers_by_batch", "4 layers")):
+        pts = sorted((int(k), v) for k, v in full[key].items())
+        c.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=label)
+    c.axhline(1.3, color="gray", ls="--", label="goal 1.3x")
+    c.set_xlabel("batch size")
+    c.set_ylabel("n=2 / n=1 decode throughput")
+    c.set_title(f"ping-pong pipelining, context {full['pipeline_context']}")
+    c.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

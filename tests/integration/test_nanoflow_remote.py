@@ -82,6 +82,7 @@ def test_pipeline_depth_one_runs_the_same_nano_batches_serially_and_matches_plai
     assert stats["pipeline_steps"] > 0 and stats["decode_steps"] > 0
     assert stats["inline"] is True  # nothing overlaps: one batch in flight
     assert {u["name"] for u in stats["units"]} == {"dense"}
+    assert stats["split_attention_steps"] == 0
 
 
 def test_remote_attention_ops_run_on_the_network_unit_thread(runs):
@@ -90,6 +91,8 @@ def test_remote_attention_ops_run_on_the_network_unit_thread(runs):
     assert stats["inline"] is False
     assert {u["name"] for u in stats["units"]} == {"dense", "net"}
     assert stats["decode_steps"] > 0 and stats["mixed_steps"] > 0
+    # each request is sent from the dense unit right after its KQV; the net unit only waits
+    assert stats["split_attention_steps"] == stats["pipeline_steps"]
 
 
 def _decode_killing_one_server(model_dir: str, remote: dict, depth: int, kill, **over):

@@ -14,12 +14,14 @@ process-wide `DisaggAttentionClient` that the worker (`worker.py`) installed.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import ClassVar
 
 import torch
 
 from vllm_disagg.attention.client import ClientMeta, DisaggAttentionClient
 from vllm_disagg.attention.wire import StepMeta
+from vllm_disagg.nanoflow.overlap import defer_wait
 
 _CLIENT: DisaggAttentionClient | None = None
 _OVERLAP_HOOK = None  # callable(pending) -> None, set by the pipelining runtime (pipeline.py)
@@ -146,7 +148,10 @@ def _classes() -> dict:
             pending = client.submit(self._layer_idx, query[:n], key[:n], value[:n], attn_metadata, self.scale)
             if _OVERLAP_HOOK is not None:
                 _OVERLAP_HOOK(pending)
-            pending.wait(output[:n])
+            # n=2 pipeline: sent from the dense unit right after KQV, waited on the "net" unit, so
+            # the other nano-batch's request is already queued at the server (overlap.deferred_waits)
+            if not defer_wait(partial(pending.wait, output[:n])):
+                pending.wait(output[:n])
             return output
 
     class RemoteAttentionBackend(CPUAttentionBackend):

@@ -7,13 +7,20 @@
 - `submit_network(fn)` runs network side work (e.g. a KV push) on a FIFO side thread; the executor
   drains these futures before the step returns.
 - `current_nano_batch()` tells code which nano-batch/op it is running for (thread-local).
+- `deferred_waits()` / `defer_wait(fn)`: split a network-bound op into its send and its wait. The
+  pipeline issues a nano-batch's request right after its KQV (dense unit) inside
+  `deferred_waits()`; the op registers its blocking wait with `defer_wait` instead of running it,
+  and the "net" unit later only runs those waits. So the next nano-batch's request is already
+  queued at the server while the previous one computes (no server idle between them).
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,3 +80,25 @@ def drain_network(timeout_s: float = STEP_DRAIN_TIMEOUT_S) -> None:
                 f"nanoflow: network side work did not finish within {timeout_s}s; "
                 "is a peer dead? (overlap.STEP_DRAIN_TIMEOUT_S)"
             ) from None
+
+
+@contextmanager
+def deferred_waits() -> Iterator[list[Callable[[], Any]]]:
+    """Collect the waits that network-bound ops called inside register with `defer_wait` (this
+    thread only); the caller must run every one of them, in order, before using their outputs."""
+    outer = getattr(_local, "deferred", None)
+    _local.deferred = waits = []
+    try:
+        yield waits
+    finally:
+        _local.deferred = outer
+
+
+def defer_wait(fn: Callable[[], Any]) -> bool:
+    """Inside `deferred_waits()`: keep `fn` (the op's blocking wait) for the caller and return True,
+    so the op returns after sending. Elsewhere return False: the op waits itself, as usual."""
+    waits = getattr(_local, "deferred", None)
+    if waits is None:
+        return False
+    waits.append(fn)
+    return True

@@ -9,6 +9,16 @@ nano-batches can run concurrently. Numerics match the stock forward: the same mo
 slices, RowParallelLinear's all-reduce is split out as its own op (`ar_o`/`ar_d`) and run on the
 "net" unit.
 
+Network-bound attention (remote attention, n=2 ping-pong) is split in two when `op_fns(...,
+split_network_attention=True)`: KQV sends the nano-batch's request right after computing q/k/v
+(dense unit, `overlap.deferred_waits`), and the "attn" op on the net unit only waits for the
+reply. The server then finds nano-batch i+1's request queued when it finishes nano-batch i, instead
+of idling while the net thread wakes, finishes i and only then sends i+1 (~0.3-0.45 ms a layer and
+nano-batch here). The runner enables it only when the schedule keeps sends and waits in the same
+order (replies come back in send order per channel). A step that fails after sending leaves those
+replies unread: the next wait sees a sequence mismatch, which the remote runner recovers like a lost
+server (reconnect, rebuild by recompute), so no wrong token is possible.
+
 Anything else uses `sequential_forward`: the whole model per nano-batch, one after another
 (correct, no op overlap).
 """
@@ -23,7 +33,7 @@ from typing import Any
 import torch
 
 from vllm_disagg.nanoflow.graph import ATTN, NET, OpKey, PipelineSpec
-from vllm_disagg.nanoflow.overlap import is_network_bound
+from vllm_disagg.nanoflow.overlap import deferred_waits, is_network_bound
 
 # Attention reads the module-global forward context; only one attention op may hold it at a time.
 _FWD_CTX_LOCK = threading.Lock()
@@ -81,6 +91,9 @@ class StepState:
     qkv: dict[tuple[int, int], tuple] = field(default_factory=dict)
     fine_residual: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     attn_out: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    # split network attention: (output, its deferred waits) of requests already sent
+    inflight: dict[tuple[int, int], tuple[torch.Tensor, list]] = field(default_factory=dict)
+    split_attn: bool = False
     partial: dict[tuple[str, int, int], torch.Tensor] = field(default_factory=dict)
 
     def local_rows(self, a: int) -> slice:
@@ -205,7 +218,12 @@ class LlamaPipeline:
         out, _ = self.inner.norm(hidden, residual)
         return out
 
-    def op_fns(self, st: StepState, spec: PipelineSpec) -> dict[OpKey, Callable[[], None]]:
+    def op_fns(
+        self, st: StepState, spec: PipelineSpec, split_network_attention: bool = False
+    ) -> dict[OpKey, Callable[[], None]]:
+        """`split_network_attention`: KQV sends network-bound attention, "attn" only waits (module
+        docstring); the caller guarantees waits run in send order."""
+        st.split_attn = split_network_attention and self.network_bound
         fns: dict[OpKey, Callable[[], None]] = {}
         for li in range(spec.num_layers):
             for a in range(spec.n_attn):
@@ -230,9 +248,25 @@ class LlamaPipeline:
         qkv, _ = ops.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = ops.rotary_emb(st.positions[st.fine[a]], q, k)
-        st.qkv[(li, a)] = (q, k, v)
+        if st.split_attn:
+            self._send_attn(st, li, a, q, k, v)
+        else:
+            st.qkv[(li, a)] = (q, k, v)
+
+    def _send_attn(self, st: StepState, li: int, a: int, q, k, v) -> None:
+        """Issue the request now (the layer returns its output unfilled); `_attn` waits for it."""
+        with _FWD_CTX_LOCK, self._override_ctx(st.contexts[a]), deferred_waits() as waits:
+            out = self.ops[li].attn(q, k, v)
+        st.inflight[(li, a)] = (out.reshape(q.shape[0], -1), waits)
 
     def _attn(self, st: StepState, li: int, a: int) -> None:
+        sent = st.inflight.pop((li, a), None)
+        if sent is not None:
+            out, waits = sent
+            for wait in waits:  # fills `out` in place
+                wait()
+            st.attn_out[(li, a)] = out
+            return
         q, k, v = st.qkv.pop((li, a))
         with _FWD_CTX_LOCK, self._override_ctx(st.contexts[a]):
             out = self.ops[li].attn(q, k, v)

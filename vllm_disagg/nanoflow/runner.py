@@ -127,10 +127,12 @@ class NanoFlowRunnerMixin:
                 "prefill_steps",
                 "decode_steps",
                 "mixed_steps",
+                "split_attention_steps",  # network attention sent from KQV, waited on the net unit
             ),
             0,
         )
         self._nano_schedules: dict[Any, Any] = {}
+        self._nano_split_ok: dict[Any, bool] = {}  # spec -> send network attention from KQV
         self._nano_tput: ThroughputLog | None = None
         self._nano_ab: PairedSteps | None = None
         if self.nano_plan is not None and envs.nanoflow_ab():
@@ -300,7 +302,9 @@ class NanoFlowRunnerMixin:
         pipe = self.nano_pipeline
         st = pipe.begin(input_ids, positions, inputs_embeds, fine, coarse, contexts)
         nodes, schedule = self._nano_schedule(spec, int(fine[-1].stop))
-        fns = pipe.op_fns(st, spec)
+        split = self._nano_split_attention(spec, schedule)
+        fns = pipe.op_fns(st, spec, split_network_attention=split)
+        self.nano_stats["split_attention_steps"] += int(split and pipe.network_bound)
         self.nano_executor.run(nodes, schedule, fns)
         return pipe.finish(st)
 
@@ -329,6 +333,25 @@ class NanoFlowRunnerMixin:
             serial = self.nano_executor.exclusive_units
             self._nano_schedules[spec] = (nodes, list_schedule(nodes, cost, serial))
         return self._nano_schedules[spec]
+
+    def _nano_split_attention(self, spec, schedule) -> bool:
+        """Send network-bound attention from KQV and only wait on the net unit (pipeline.py):
+        when attention runs on the threaded "net" unit in the order the dense unit sends."""
+        ok = self._nano_split_ok.get(spec)
+        if ok is None:
+            ok = self._nano_split_ok[spec] = (
+                spec.attn_unit == NET and not self.nano_executor.inline and sends_in_wait_order(schedule, spec)
+            )
+        return ok
+
+
+def sends_in_wait_order(schedule, spec) -> bool:
+    """Split network attention (pipeline.py) sends each request in its KQV op and waits for it in
+    its "attn" op; replies come back in send order per server channel, so the attention unit must
+    wait in the order the KQV unit sends."""
+    kqv = [key[1:] for key in schedule.order.get(DENSE, []) if key[0] == "kqv"]
+    attn = [key[1:] for key in schedule.order.get(spec.attn_unit, []) if key[0] == "attn"]
+    return kqv == attn and len(attn) == spec.num_layers * spec.n_attn
 
 
 def _interp(table: dict[str, float], tokens: int) -> float:
