@@ -10,26 +10,21 @@ pools from GCS; killing the D actor makes Ray restart it on new ports, the route
 and every request sent meanwhile still gets the right answer (P serves whole requests while no D is
 up), and requests go P/D again once the new D is up. Cleanup kills exactly the netns' processes.
 
-Ray's memory monitor is disabled (RAY_memory_monitor_refresh_ms=0): on a shared box it kills actors
-for memory other processes use. Needs root + iproute2, `pip install 'ray[default]'`, and the embedded
-SmolLM2 tokenizer (`vllm-disagg model pull smollm2-135m`).
+The netns, Ray nodes and client are `ray_cluster.RayTestCluster` (shared with test_ray_attention.py).
+Needs root + iproute2, `pip install 'ray[default]'`, and the embedded SmolLM2 tokenizer
+(`vllm-disagg model pull smollm2-135m`).
 """
 
 from __future__ import annotations
 
 import gc
-import json
 import os
-import shutil
-import signal
-import subprocess
 import sys
-import tempfile
 import time
-import uuid
 from pathlib import Path
 
 import pytest
+from ray_cluster import RayTestCluster, prereqs
 
 from vllm_disagg.testing import TokenizerUnavailable, load_format, tiny_llama_with_tokenizer, token_id_lists
 
@@ -38,51 +33,15 @@ ray = pytest.importorskip("ray", reason="pip install 'ray[default]'")
 
 VLLM_ARGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "2048",
              "--block-size", "32", "--no-enable-prefix-caching", "--max-num-seqs", "16", "--seed", "0"]
-GCS_PORT = 6390
-ROUTER_PORT = 8000
 MAX_TOKENS = 12
 UP_TIMEOUT_S = 900
 RESTART_TIMEOUT_S = 600
-
-CLIENT = r"""
-import json, sys, urllib.request, urllib.error
-from concurrent.futures import ThreadPoolExecutor
-base, bodies = sys.argv[1], json.loads(sys.argv[2])
-def post(body):
-    req = urllib.request.Request(base + "/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=300) as r:
-            route = r.headers.get("x-disagg-route")
-            if not body.get("stream"):
-                return {"status": r.status, "route": route, "ids": json.loads(r.read())["choices"][0]["token_ids"]}
-            ids = []
-            for line in r:
-                line = line.strip()
-                if line.startswith(b"data: ") and line != b"data: [DONE]":
-                    ev = json.loads(line[6:])
-                    for ch in ev.get("choices", []):
-                        ids += ch.get("token_ids") or []
-            return {"status": r.status, "route": route, "ids": ids}
-    except urllib.error.HTTPError as e:
-        return {"status": e.code, "error": e.read().decode()[:500]}
-    except OSError as e:
-        return {"status": 0, "error": str(e)}
-with ThreadPoolExecutor(len(bodies)) as pool:
-    print(json.dumps(list(pool.map(post, bodies))))
-"""
 
 KILL = r"""
 import sys, ray
 ray.init(address=sys.argv[1], namespace="vllm-disagg", log_to_driver=False, logging_level="ERROR")
 ray.kill(ray.get_actor(sys.argv[2]), no_restart=False)
 """
-
-
-def _prereqs() -> str | None:
-    if os.geteuid() != 0 or shutil.which("ip") is None:
-        return "needs root and iproute2 (ip netns) for a loopback-only network namespace"
-    return None
 
 
 def make_model(dest: Path) -> Path:
@@ -99,87 +58,29 @@ def prompts(num: int, length: int, seed: int) -> list[list[int]]:
 PROMPTS = prompts(2, 40, 1) + prompts(2, 300, 2)  # one block .. ten blocks of 32
 
 
-def reference_ids(model: Path, batch: list[list[int]]) -> list[list[int]]:
+def reference_ids(model: Path, batch: list[list[int]], max_tokens: int = MAX_TOKENS,
+                  max_model_len: int = 2048) -> list[list[int]]:
     """Plain vLLM, same engine arguments, greedy."""
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=str(model), load_format=load_format(model), dtype="float32", enforce_eager=True,
-              max_model_len=2048,
+              max_model_len=max_model_len,
               block_size=32, enable_prefix_caching=False, seed=0, max_num_seqs=16)
     try:
         outs = llm.generate([{"prompt_token_ids": p} for p in batch],
-                            SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+                            SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
         return [list(o.outputs[0].token_ids) for o in outs]
     finally:
+        llm.llm_engine.engine_core.shutdown()
         del llm
         gc.collect()
 
 
-class Netns:
-    """A network namespace with only `lo`; every process of the test cluster runs inside it."""
-
-    def __init__(self) -> None:
-        self.name = f"vdray-{uuid.uuid4().hex[:8]}"
-        subprocess.run(["ip", "netns", "add", self.name], check=True)
-        subprocess.run(["ip", "-n", self.name, "link", "set", "lo", "up"], check=True)
-
-    def argv(self, *cmd: str) -> list[str]:
-        return ["ip", "netns", "exec", self.name, *cmd]
-
-    def run(self, *cmd: str, env: dict, timeout: float = 300) -> subprocess.CompletedProcess:
-        return subprocess.run(self.argv(*cmd), env=env, capture_output=True, text=True, timeout=timeout)
-
-    def pids(self) -> list[int]:
-        out = subprocess.run(["ip", "netns", "pids", self.name], capture_output=True, text=True)
-        return [int(p) for p in out.stdout.split()]
-
-    def destroy(self) -> None:
-        """SIGTERM, then SIGKILL, exactly the processes in this namespace; then delete it."""
-        for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 10)):
-            for pid in self.pids():
-                try:
-                    os.kill(pid, sig)
-                except ProcessLookupError:
-                    pass
-            deadline = time.monotonic() + wait
-            while self.pids() and time.monotonic() < deadline:
-                time.sleep(0.5)
-        subprocess.run(["ip", "netns", "delete", self.name], check=False)
-
-
-class Deployment:
-    def __init__(self, ns: Netns, env: dict, tmp: Path, up: subprocess.Popen, state: dict) -> None:
-        self.ns, self.env, self.tmp, self.up, self.state = ns, env, tmp, up, state
-        self.url = state["endpoint"]
-        self.address = f"127.0.0.1:{GCS_PORT}"
+class Deployment(RayTestCluster):
+    """The P/D deployment of this module: requests carry MAX_TOKENS."""
 
     def complete(self, batch: list[list[int]], stream: bool = False) -> list[dict]:
-        bodies = [{"model": self.state["model"], "prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0,
-                   "ignore_eos": True, "return_token_ids": True, "stream": stream} for p in batch]
-        out = self.ns.run(sys.executable, "-c", CLIENT, self.url, json.dumps(bodies), env=self.env, timeout=600)
-        assert out.returncode == 0, out.stderr[-3000:]
-        return json.loads(out.stdout.strip().splitlines()[-1])
-
-    def status(self) -> dict:
-        out = self.ns.run(sys.executable, "-m", "vllm_disagg.cli.main", "status", "--address", self.address,
-                          "--json", env=self.env, timeout=120)
-        assert out.stdout.strip(), out.stderr[-3000:]
-        return json.loads(out.stdout[out.stdout.index("{"):])
-
-    def log(self) -> str:
-        return (self.tmp / "up.log").read_text(errors="replace")[-4000:]
-
-
-def _up_command(model: Path, state_file: Path) -> list[str]:
-    help_out = subprocess.run([sys.executable, "-m", "vllm_disagg.cli.main", "up", "--help"],
-                              capture_output=True, text=True, timeout=120).stdout
-    # `vllm-disagg up --backend ray` once launch/cli.py dispatches to it; the same parser otherwise.
-    prefix = (["-m", "vllm_disagg.cli.main", "up", "--backend", "ray"] if "--backend" in help_out
-              else ["-m", "vllm_disagg.launch.ray"])
-    return [sys.executable, *prefix, "--address", f"127.0.0.1:{GCS_PORT}", "--prefill", "1", "--decode", "1",
-            "--model", str(model), "--port", str(ROUTER_PORT), "--state-file", str(state_file),
-            "--log-dir", str(state_file.parent / "logs"),
-            "--health-timeout-s", str(UP_TIMEOUT_S), *VLLM_ARGS]
+        return super().complete(batch, MAX_TOKENS, stream)
 
 
 @pytest.fixture(scope="module")
@@ -194,43 +95,21 @@ def expected(model_dir) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def deployment(model_dir, expected):
-    if reason := _prereqs():
+    if reason := prereqs():
         pytest.skip(reason)
-    tmp = Path(tempfile.mkdtemp(prefix="vdray-", dir="/tmp"))  # short: Ray's unix socket paths
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_memory_monitor_refresh_ms": "0",
-           "VLLM_NO_USAGE_STATS": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_DISAGG_AUTH_TOKEN": uuid.uuid4().hex}
-    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # servers run like production: engine in its own process
-    ray_cli = str(Path(sys.executable).with_name("ray"))
-    common = ["--node-ip-address", "127.0.0.1", "--num-cpus", "1", "--disable-usage-stats",
-              "--object-store-memory", str(100 << 20)]
-    ns = Netns()
-    up = None
+    # two nodes: P instances go to the one with resource `prefill`, D to the one with `decode`
+    cluster = Deployment([(1, {"prefill": 1}), (1, {"decode": 1})],
+                         ["--prefill", "1", "--decode", "1", "--model", str(model_dir), *VLLM_ARGS],
+                         up_timeout_s=UP_TIMEOUT_S)
     try:
-        head = ns.run(ray_cli, "start", "--head", "--port", str(GCS_PORT), "--include-dashboard=false",
-                      "--temp-dir", str(tmp / "ray"), "--resources", '{"prefill": 1}', *common, env=env)
-        assert head.returncode == 0, head.stderr[-3000:]
-        node = ns.run(ray_cli, "start", "--address", f"127.0.0.1:{GCS_PORT}", "--resources", '{"decode": 1}',
-                      *common, env=env)
-        assert node.returncode == 0, node.stderr[-3000:]
-        state_file = tmp / "state.json"
-        with open(tmp / "up.log", "wb") as log:
-            up = subprocess.Popen(ns.argv(*_up_command(model_dir, state_file)), env=env, stdout=log,
-                                  stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + UP_TIMEOUT_S
-        while not state_file.exists():
-            if up.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"up --backend ray did not come up:\n{(tmp / 'up.log').read_text()[-4000:]}")
-            time.sleep(2)
-        yield Deployment(ns, env, tmp, up, json.loads(state_file.read_text()))
+        cluster.start()
+        try:
+            cluster.wait_ready()
+        except AssertionError as err:
+            pytest.fail(str(err))
+        yield cluster
     finally:
-        if up is not None and up.poll() is None:
-            up.send_signal(signal.SIGTERM)  # stops the actors and placement groups
-            try:
-                up.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                up.kill()
-        ns.destroy()
-        shutil.rmtree(tmp, ignore_errors=True)
+        cluster.destroy()
 
 
 def _by_role(status: dict, role: str) -> list[dict]:

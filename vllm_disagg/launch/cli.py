@@ -51,6 +51,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         help="router: pending prefill tokens above which prompts overflow to the mixed pool")
     parser.add_argument("--decode-queue-threshold", type=int, default=65536,
                         help="router: pending decode tokens above which requests overflow to the mixed pool")
+    parser.add_argument("--replay-attempts", type=int, default=3,
+                        help="router: re-sends of a request whose instance failed (0: off)")
+    parser.add_argument("--replay-wait-s", type=float, default=300.0,
+                        help="router: longest wait for a healthy instance (e.g. a restart) before a replay")
+    parser.add_argument("--admission-wait-s", type=float, default=120.0,
+                        help="router: longest wait of a new request for a healthy instance before 503 (0: at once)")
     parser.add_argument("--access-log", action="store_true",
                         help="keep vLLM's per-request access log (off: /health polls would flood the logs)")
     parser.add_argument("--health-timeout-s", type=float, default=900.0,
@@ -170,7 +176,10 @@ async def _up(args: argparse.Namespace) -> int:
         cluster.start(engines)
         if not await _until(cluster.wait_healthy(args.health_timeout_s, engines), stop):
             return 130
-        router = Router(cluster.router_config(push_timeout_s=args.push_timeout_s),
+        router = Router(cluster.router_config(push_timeout_s=args.push_timeout_s,
+                                              replay_attempts=args.replay_attempts,
+                                              replay_wait_s=args.replay_wait_s,
+                                              admission_wait_s=args.admission_wait_s),
                         SchedulerConfig(args.prefill_queue_threshold, args.decode_queue_threshold))
         server = RouterServer(router, "127.0.0.1", args.port)
         await server.start()

@@ -14,14 +14,16 @@ named actors' endpoints (`vllm_disagg.router.discovery.RayActorSource`), never a
 
 Lamina (`--attention K`) is wired as on the local backend (`launch.local.attach_attention`): the
 servers accept the prefill instances' KV pushes (`--kv-transport` = `--transport`), and the one decode
-(or mixed) model worker gets `--attention-partition`, `--pipeline` and `--[no-]send-q-early`; the
-per-layer exchange is tcp, since the servers may sit on other nodes.
+(or mixed) model worker gets `--attention-partition`, `--pipeline` and `--[no-]send-q-early`, and
+the DisaggConnector (kv_consumer; a decode instance has it anyway) so that after a restart it restores
+the KV its servers kept; the per-layer exchange is tcp, since the servers may sit on other nodes.
 
 Failures: when an actor dies, or its server exits (the actor then exits itself), Ray restarts it
 (`max_restarts`) in the same bundle; the restarted server comes up on new ports and the router's
 discovery swaps the old member for the new one. Meanwhile the router's own health checks have
 dropped the dead instance and its requests go to the remaining pool (P serves whole requests when no
-D is left). The server process cannot outlive its actor: `launch/reaper.py` kills its process group.
+D is left); when none is left (the one model worker of `--attention K`), new requests wait for the
+restarted one (`RouterConfig.admission_wait_s`) and in-flight ones are replayed on it. The server process cannot outlive its actor: `launch/reaper.py` kills its process group.
 """
 
 from __future__ import annotations
@@ -170,8 +172,11 @@ def server_command(spec: ActorSpec, host: str, http_port: int, kv_port: int | No
         cmd += ["--plugin", "disagg", "--disagg-role", spec.role, "--disagg-kv-port", str(kv_port),
                 "--disagg-transport", spec.transport]
     if spec.attention_servers and spec.role in ("decode", "mixed"):
-        if spec.role == "mixed":
-            cmd += ["--plugin", "disagg"]
+        if spec.role == "mixed":  # the model worker without P/D: the connector restores retained KV
+            from vllm_disagg.launch.local import CONNECTOR
+
+            cmd += ["--plugin", "disagg",
+                    "--kv-transfer-config", json.dumps({**CONNECTOR, "kv_role": "kv_consumer"})]
         ra = spec.remote_attention or {"transport": "tcp"}
         disagg = {"remote_attention": ra}
         if ra.get("pipeline", 1) > 1:  # n=2 ping-pong = the NanoFlow nano-batch executor

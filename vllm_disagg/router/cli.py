@@ -35,6 +35,8 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
                    help="re-sends of a request whose instance failed; a stream goes on from the tokens sent (0: off)")
     g.add_argument("--replay-wait-s", type=float, default=300.0,
                    help="longest wait for a healthy instance (e.g. a restart) before a replay")
+    g.add_argument("--admission-wait-s", type=float, default=120.0,
+                   help="longest wait of a new request for a healthy instance (e.g. a restart) before 503 (0: at once)")
     g.add_argument("--prefill-queue-threshold", type=int, default=8192,
                    help="pending prefill tokens above which prompts overflow to the mixed pool")
     g.add_argument("--decode-queue-threshold", type=int, default=65536,
@@ -46,7 +48,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         prefill_urls=args.prefill, prefill_kv=args.prefill_kv, decode_urls=args.decode,
         mixed_urls=args.mixed, push_timeout_s=args.push_timeout_s, read_timeout_s=args.read_timeout_s,
         health_interval_s=args.health_interval_s, replay_attempts=args.replay_attempts,
-        replay_wait_s=args.replay_wait_s,
+        replay_wait_s=args.replay_wait_s, admission_wait_s=args.admission_wait_s,
         dynamic_membership=getattr(args, "discovery", "static") != "static",
     )
 

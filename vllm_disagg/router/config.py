@@ -47,6 +47,10 @@ class RouterConfig(BaseModel):
     replay_wait_s: float = Field(300.0, gt=0)
     """Longest wait for a healthy instance before a replay (long enough for a restart); then the
     client gets an error."""
+    admission_wait_s: float = Field(120.0, ge=0)
+    """Longest wait of a NEW request for a healthy instance when none can take it (the only decode or
+    mixed instance is restarting): it is routed as soon as one joins or passes a health check, else
+    it gets 503 after this long. 0 answers 503 at once."""
     dynamic_membership: bool = False
     """Pools are filled at run time by a discovery source (Kubernetes, Ray); may start empty."""
 

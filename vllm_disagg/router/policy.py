@@ -12,12 +12,14 @@ identity and goes home once it has no work of the opposite kind left.
 The HTTP router (`vllm_disagg.router`) and the planner's simulator
 (`vllm_disagg.planner.splitwise_sim`) both drive this one class, through
 `pick` / `on_prefill_done` / `on_decode_progress` / `on_request_done` /
-`mark_unhealthy`. Nothing here reads a clock, a socket or a file.
+`mark_unhealthy`. Nothing here reads a clock, a socket or a file; a caller that must react to
+membership changes (the router's admission wait) registers a plain callback in `listeners`.
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -108,6 +110,9 @@ class ClusterScheduler:
     config: SchedulerConfig = field(default_factory=SchedulerConfig)
     instances: dict[str, InstanceState] = field(default_factory=dict)
     _assignments: dict[str, _Assignment] = field(default_factory=dict)
+    listeners: list[Callable[[str, bool, list[str]], None]] = field(default_factory=list)
+    """Called as `(instance_id, healthy, lost_req_ids)` when an instance joins or comes back
+    (healthy=True, no ids) or leaves routing (healthy=False, the requests booked on it)."""
 
     # ------------------------------------------------------------ membership
     def add_instance(self, instance_id: str, pool: Pool | str,
@@ -117,6 +122,7 @@ class ClusterScheduler:
         inst = InstanceState(instance_id, Pool(pool), kv_capacity_tokens=kv_capacity_tokens)
         inst.in_mixed_pool = inst.pool is Pool.MIXED
         self.instances[instance_id] = inst
+        self._notify(instance_id, True, [])
         return inst
 
     def mark_unhealthy(self, instance_id: str) -> list[str]:
@@ -129,10 +135,16 @@ class ClusterScheduler:
         for rid in lost:
             self.on_request_done(rid)
         inst.in_mixed_pool = inst.pool is Pool.MIXED
+        self._notify(instance_id, False, lost)
         return lost
 
     def mark_healthy(self, instance_id: str) -> None:
         self.instances[instance_id].healthy = True
+        self._notify(instance_id, True, [])
+
+    def _notify(self, instance_id: str, healthy: bool, lost: list[str]) -> None:
+        for listener in list(self.listeners):
+            listener(instance_id, healthy, lost)
 
     def report_capacity(self, instance_id: str, kv_capacity_tokens: int | None) -> None:
         """Instances report memory capacity periodically (Splitwise §IV-A)."""

@@ -12,6 +12,15 @@ one once it is back, or another one), as a continuation of the tokens the client
 the client sees one uninterrupted answer. Other requests (batch prompts, n > 1, echo) keep the old
 behaviour: a refused connection is re-routed once, and a death mid-stream ends the stream with an
 OpenAI-style error event.
+
+Admission: a new request that finds no healthy instance (the only one is restarting) waits up to
+`admission_wait_s` for one to join or pass a health check, woken by the scheduler's membership
+callback (no polling of the pools), then proceeds; after that it gets 503. A client that leaves
+while it waits is noticed within a second and nothing is sent upstream.
+
+A replayable attempt whose instance leaves routing (failed health checks, discovery removed it, or
+another request saw it die) is cut at once and replayed, instead of waiting out `read_timeout_s` on
+an instance that is hung rather than dead.
 """
 
 from __future__ import annotations
@@ -21,11 +30,12 @@ import contextlib
 import json
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
 from aiohttp import web
-from prometheus_client import Counter
+from prometheus_client import Counter, Histogram
 
 from vllm_disagg.router import bodies, replay
 from vllm_disagg.router.config import RouterConfig
@@ -44,6 +54,9 @@ _UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError)
 
 # Attempt failures that mean the instance is gone: it leaves routing until a health poll restores it.
 _INSTANCE_GONE = ("connect", "no_answer", "mid_stream", "mid_response")
+# How often a waiting request checks that its client is still connected (aiohttp has no event for it).
+_CLIENT_CHECK_S = 1.0
+_WAIT_BUCKETS = (0.1, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300)
 
 
 class _AttemptFailed(Exception):
@@ -85,6 +98,14 @@ class Proxy:
             "vllm:disagg_router_replays", "Re-sent attempts of requests whose instance failed, by cause.",
             ["endpoint", "reason"], registry=metrics.registry,
         )
+        self.admission_waits = Histogram(
+            "vllm:disagg_router_admission_wait_seconds",
+            "Waits of new requests that found no healthy instance, by how they ended "
+            "(admitted, timed_out, client_gone).", ["outcome"], buckets=_WAIT_BUCKETS, registry=metrics.registry,
+        )
+        self._joined = asyncio.Event()  # replaced after each set: waiters hold the one they saw
+        self._cuts: dict[str, Callable[[str], None]] = {}  # req_id -> cut its attempt (instance left)
+        pools.scheduler.listeners.append(self._on_membership)
 
     async def start(self) -> None:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.config.connect_timeout_s,
@@ -115,13 +136,12 @@ class Proxy:
         num_out = bodies.expected_output_tokens(body, chat)
         allow_pd = not bodies.is_batch_prompt(body)
         attempts = 2 if self.config.retry_on_connect_error else 1
-        for _ in range(attempts):
-            try:
-                route = self.pools.route(num_prompt, num_out, allow_pd=allow_pd)
-            except NoHealthyInstanceError:
-                self.metrics.requests.labels(endpoint, "none", "no_instance").inc()
-                return error_response(503, "no healthy vLLM instance can serve this request",
-                                      "ServiceUnavailable")
+        for attempt in range(attempts):
+            route, why = await self.route_when_ready(
+                request, lambda: (num_prompt, num_out), allow_pd,
+                self.config.admission_wait_s if attempt == 0 else 0.0)
+            if route is None:
+                return self.no_route_response(endpoint, why)
             try:
                 return await self._serve(request, route, body, endpoint, start)
             except _ConnectFailed as exc:
@@ -131,6 +151,60 @@ class Proxy:
                 self.pools.done(route.req_id)
         self.metrics.requests.labels(endpoint, "none", "error").inc()
         return error_response(502, "every instance tried refused the connection")
+
+    # --------------------------------------------------------- admission
+    def _on_membership(self, instance_id: str, healthy: bool, lost: list[str]) -> None:
+        """Scheduler callback: wake waiting requests on a join; cut attempts on an instance that left."""
+        if healthy:
+            self._joined.set()
+            self._joined = asyncio.Event()
+            return
+        for req_id in lost:
+            cut = self._cuts.get(req_id)
+            if cut is not None:
+                cut(instance_id)
+
+    async def route_when_ready(self, request: web.Request, estimates: Callable[[], tuple[int, int]],
+                               allow_pd: bool, wait_s: float,
+                               tick: Callable[[], Awaitable[bool]] | None = None,
+                               admission: bool = True) -> tuple[Route | None, str]:
+        """A route, waiting up to `wait_s` for a healthy instance; (None, why) when none came.
+
+        `why` is "timed_out" or "client_gone". `tick` runs about once a second while waiting (a
+        started stream's keep-alive); False from it ends the wait as "client_gone". Waits of new
+        requests (`admission`) go into the admission histogram; a replay's wait does not."""
+        try:
+            return self.pools.route(*estimates(), allow_pd=allow_pd), "admitted"
+        except NoHealthyInstanceError:
+            if wait_s <= 0:
+                return None, "timed_out"
+        t0 = time.monotonic()
+        deadline = t0 + wait_s
+        logger.debug("no healthy instance for a request: waiting up to %.0f s for one", wait_s)
+        while True:
+            joined = self._joined
+            left = deadline - time.monotonic()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(joined.wait(), timeout=max(0.0, min(left, _CLIENT_CHECK_S)))
+            gone = _client_gone(request) or (tick is not None and not await tick())
+            route = why = None
+            if gone:
+                why = "client_gone"
+            else:
+                try:
+                    route, why = self.pools.route(*estimates(), allow_pd=allow_pd), "admitted"
+                except NoHealthyInstanceError:
+                    if time.monotonic() >= deadline:
+                        why = "timed_out"
+            if why is not None:
+                if admission:
+                    self.admission_waits.labels(why).observe(time.monotonic() - t0)
+                return route, why
+
+    def no_route_response(self, endpoint: str, why: str) -> web.Response:
+        """503 for a request no instance took (after the admission wait)."""
+        self.metrics.requests.labels(endpoint, "none", "client_gone" if why == "client_gone" else "no_instance").inc()
+        return error_response(503, "no healthy vLLM instance can serve this request", "ServiceUnavailable")
 
     async def forward_get(self, path: str) -> web.Response:
         """GET endpoints any instance answers the same (/v1/models)."""
@@ -291,8 +365,10 @@ class ReplayRun:
     """One replayable request: attempts until one ends the answer, the client leaves, or the budget is spent.
 
     An attempt whose instance is gone drops it from routing (the health checker restores it once it
-    answers again); one that answered 5xx or an error event stays routable. The next attempt waits up to `replay_wait_s` for a healthy instance. A stream that
-    already started stays open meanwhile (SSE comments every few seconds keep idle clients patient)."""
+    answers again); one that answered 5xx or an error event stays routable. The first attempt waits up
+    to `admission_wait_s` for a healthy instance, a replay up to `replay_wait_s`. A stream that already
+    started stays open meanwhile (SSE comments every few seconds keep idle clients patient). An attempt
+    whose instance leaves routing meanwhile is cut (`_cut`) and replayed at once."""
 
     _KEEPALIVE_S = 5.0
 
@@ -303,6 +379,12 @@ class ReplayRun:
         self.stitch = replay.Stitcher(body, self.chat) if body.get("stream") else None
         self.out: web.StreamResponse | None = None
         self._first = True
+        self._cut_from: str | None = None  # the instance the current attempt was cut from
+        self._cut_exc: ConnectionResetError | None = None  # what the cut made its response read raise
+        self._target: Instance | None = None  # the current attempt's instance
+        self._post: asyncio.Task | None = None  # the current attempt's request, until its headers came
+        self._resp: aiohttp.ClientResponse | None = None  # ... and its response after that
+        self._next_ping = 0.0
 
     async def run(self) -> web.StreamResponse:
         last: _AttemptFailed | None = None
@@ -316,20 +398,25 @@ class ReplayRun:
                 break
             if self.stitch is not None and self.stitch.spent():
                 return await self._close_with(self.stitch.finish_chunk(), route)
-            route = await self._route(wait_s=self.p.config.replay_wait_s if attempt else 0.0)
+            wait_s = self.p.config.replay_wait_s if attempt else self.p.config.admission_wait_s
+            route, why = await self.p.route_when_ready(self.request, self._estimates, True, wait_s,
+                                                       self._keepalive, admission=not attempt)
             if route is None:
                 if attempt == 0:
-                    self.p.metrics.requests.labels(self.endpoint, "none", "no_instance").inc()
-                    return error_response(503, "no healthy vLLM instance can serve this request",
-                                          "ServiceUnavailable")
+                    return self.p.no_route_response(self.endpoint, why)
                 break
+            self.p._cuts[route.req_id] = self._cut
             try:
                 return await self._attempt(route)
             except _AttemptFailed as exc:
                 last = exc
+                if self._cut_exc is not None and exc.__cause__ is self._cut_exc:  # failed by our cut, not on its own
+                    last = exc = _AttemptFailed("left_routing", exc.instance, "left routing mid-answer")
                 if exc.reason in _INSTANCE_GONE:  # one that still answers (5xx, error event) stays routable
                     self.p.health.drop(exc.instance, str(exc))
             finally:
+                self.p._cuts.pop(route.req_id, None)
+                self._cut_from = self._cut_exc = self._target = self._post = self._resp = None
                 self.p.pools.done(route.req_id)
         return await self._give_up(last, route)
 
@@ -341,21 +428,25 @@ class ReplayRun:
         return (bodies.estimate_prompt_tokens(self.body, self.chat),
                 bodies.expected_output_tokens(self.body, self.chat))
 
-    async def _route(self, wait_s: float) -> Route | None:
-        """A route, waiting up to `wait_s` for a healthy instance (keeping a started stream alive)."""
-        deadline = time.monotonic() + wait_s
-        next_ping = time.monotonic() + self._KEEPALIVE_S
-        while True:
-            try:
-                return self.p.pools.route(*self._estimates(), allow_pd=True)
-            except NoHealthyInstanceError:
-                if time.monotonic() >= deadline:
-                    return None
-            if self.out is not None and time.monotonic() >= next_ping:
-                next_ping = time.monotonic() + self._KEEPALIVE_S
-                if not await self._write(b": waiting for a healthy instance to replay on\n\n"):
-                    return None
-            await asyncio.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+    async def _keepalive(self) -> bool:
+        """While waiting: an SSE comment every few seconds on a started stream; False if the client left."""
+        if self.out is None or time.monotonic() < self._next_ping:
+            return True
+        self._next_ping = time.monotonic() + self._KEEPALIVE_S
+        return await self._write(b": waiting for a healthy instance to replay on\n\n")
+
+    def _cut(self, instance_id: str) -> None:
+        """The current attempt's instance left routing: fail the attempt now (it is replayed)."""
+        route_target = self._target
+        if route_target is None or route_target.instance_id != instance_id or self._cut_from is not None:
+            return  # e.g. only its prefill instance left: D recomputes the prompt, the attempt goes on
+        self._cut_from = instance_id
+        logger.warning("cutting a %s request off %s: it left routing", self.endpoint, route_target.url)
+        if self._resp is not None:  # an attempt that already failed on its own keeps its own reason
+            self._cut_exc = ConnectionResetError(f"{route_target.url} left routing")
+            self._resp.content.set_exception(self._cut_exc)
+        elif self._post is not None:
+            self._post.cancel()
 
     # ----------------------------------------------------------- attempt
     async def _attempt(self, route: Route) -> web.StreamResponse:
@@ -375,12 +466,22 @@ class ReplayRun:
             await self.p.end_prefill(p_task, ok)
 
     async def _relay(self, route: Route, d_body: dict[str, Any], endpoint: str) -> web.StreamResponse:
-        target = route.target
+        target = self._target = route.target
+        # A task, so that `_cut` can end the wait for the headers (a hung instance sends none).
+        self._post = asyncio.ensure_future(self.p.session.post(f"{target.url}/v1/{endpoint}", json=d_body))
         try:
-            resp = await self.p.session.post(f"{target.url}/v1/{endpoint}", json=d_body)
+            resp = await self._post
+        except asyncio.CancelledError:
+            if self._cut_from is None or asyncio.current_task().cancelling():
+                raise  # not our cut: the handler itself is being cancelled
+            raise _AttemptFailed("left_routing", target, "left routing before it answered") from None
         except _UPSTREAM_ERRORS as exc:
             reason = "connect" if isinstance(exc, aiohttp.ClientConnectorError) else "no_answer"
             raise _AttemptFailed(reason, target, repr(exc)) from exc
+        self._resp = resp
+        if self._cut_from is not None:  # cut between the headers and here
+            resp.close()
+            raise _AttemptFailed("left_routing", target, "left routing before it answered")
         try:
             if resp.status >= 500:
                 raise _AttemptFailed("http_5xx", target, f"HTTP {resp.status} {(await _read(resp, target))[:300]!r}")
@@ -482,3 +583,9 @@ def _route_headers(route: Route) -> dict[str, str]:
     if route.prefill is not None:
         headers["x-disagg-prefill"] = route.prefill.url
     return headers
+
+
+def _client_gone(request: web.Request) -> bool:
+    """The client closed its connection (aiohttp drops the transport when it notices)."""
+    transport = request.transport
+    return transport is None or transport.is_closing()

@@ -134,6 +134,11 @@ def test_instances_run_the_plugins_real_commands():
     assert a[0].endswith("/vllm-disagg") and a[1:] == ["attn-server", "--transport", "tcp", "--host", "10.0.0.9",
                                                         "--http-port", "8301", "--kv-cache-gib", "0.5"]
     assert "--plugin" not in server_command(ActorSpec("mixed", 0, "/m"), "h", 1, None)
+    # the one model worker without P/D gets the connector (consumer) as on the local backend
+    m = server_command(ActorSpec("mixed", 0, "/m", attention_servers=["10.0.0.9:8300"]), "h", 1, None)
+    kv = json.loads(m[m.index("--kv-transfer-config") + 1])
+    assert (kv["kv_connector"], kv["kv_role"], kv["kv_load_failure_policy"]) == ("DisaggConnector", "kv_consumer",
+                                                                                "recompute")
 
 
 def test_bundles_ask_for_the_pools_custom_resource_and_optional_gpus():

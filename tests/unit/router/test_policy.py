@@ -134,3 +134,16 @@ def test_when_no_instance_has_kv_room_the_request_queues_on_the_least_loaded_dec
     c = cls.pick("c", 900, 50)
     assert c.decode == "d1" and not c.decode_via_mixed  # d1 has fewer pending tokens
     assert not cls.instances["p0"].in_mixed_pool
+
+
+def test_listeners_hear_joins_returns_and_departures_with_the_requests_booked_there():
+    cls = ClusterScheduler()
+    heard = []
+    cls.listeners.append(lambda iid, healthy, lost: heard.append((iid, healthy, sorted(lost))))
+    cls.add_instance("p0", Pool.PREFILL)
+    cls.add_instance("d0", Pool.DECODE)
+    cls.pick("a", 10, 1)
+    cls.pick("b", 10, 1)
+    cls.mark_unhealthy("d0")
+    cls.mark_healthy("d0")
+    assert heard == [("p0", True, []), ("d0", True, []), ("d0", False, ["a", "b"]), ("d0", True, [])]

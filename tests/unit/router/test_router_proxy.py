@@ -185,10 +185,10 @@ def test_without_prefill_instances_requests_go_whole_to_decode_and_count_as_fall
     run(scenario())
 
 
-def test_no_healthy_instance_gives_503_and_health_reports_it():
+def test_with_no_admission_wait_no_healthy_instance_gives_503_at_once_and_health_reports_it():
     async def scenario():
         async with deployment(p_modes=(), d_modes=(), mixed_modes=("ok",), health_interval_s=0.1,
-                              health_failures_to_drop=1) as (url, session, _, _d, ms, _r):
+                              health_failures_to_drop=1, admission_wait_s=0) as (url, session, _, _d, ms, _r):
             ms[0].healthy = False
             await asyncio.sleep(0.4)
             status, _, raw = await _post(session, url, {"prompt": "x"})
