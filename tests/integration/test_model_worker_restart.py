@@ -7,6 +7,8 @@ run at once, a completion and a chat streamed with long budgets; the model worke
 process group is SIGKILLed mid-stream. Every client still gets its complete answer, token-identical to
 plain vLLM greedy; the router counted the replays; the launcher restarted the instance on the same
 port, the router sees it healthy again and the attention servers hold the new worker's sessions only.
+The restarted worker's connector found the full blocks of the replayed requests (prompt + generated
+ids) in the servers' retained KV and restored them instead of prefilling them (attention/reuse.py).
 """
 
 from __future__ import annotations
@@ -128,12 +130,23 @@ def test_killing_the_model_worker_mid_stream_loses_no_token_and_the_instance_com
                 await asyncio.wait_for(seen.wait(), timeout=120)
                 os.killpg(worker["pid"], signal.SIGKILL)  # API server + EngineCore: the whole model worker
                 killed_at = time.monotonic()
+                # a NEW request once the router knows the only instance is down: its admission wait holds it
+                await _until_dropped(session, endpoint, worker["url"])
+                tasks.append(asyncio.create_task(_whole(session, endpoint, _body(model, 2, False))))
                 outs = await asyncio.gather(*tasks)
                 return outs, time.monotonic() - killed_at
 
         outs, recovery_s = asyncio.run(go())
         print(f"\nall {len(outs)} requests complete {recovery_s:.1f} s after the kill")
+        *outs, admitted = outs
+        assert admitted == plain_tokens[2]  # sent while no instance was up: it waited, not 503
+        waits, waited_s = _admission_waits(endpoint)
+        print(f"the new request waited {waited_s:.1f} s for the restarted worker")
+        assert waits == 1.0
         assert outs == plain_tokens  # every client got its whole answer, token-identical
+        restored = [_restored_blocks(i["url"]) for i in state["instances"] if i["role"] == "attention"]
+        print(f"blocks the restarted worker restored from the servers' retained KV: {restored}")
+        assert restored[0] > 0 and restored == [restored[0]] * 2  # replays reused the KV (head-wise: both)
         replays = _replays(endpoint)
         print(f"router replays: {replays}")
         assert sum(replays.values()) >= 1, replays
@@ -161,6 +174,14 @@ def _attention_sessions(url: str) -> float:
     with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
         lines = resp.read().decode().splitlines()
     return next(float(line.split()[-1]) for line in lines if line.startswith("vllm:disagg_attention_sessions "))
+
+
+def _restored_blocks(url: str) -> float:
+    """Blocks an attention server copied from its retained set into the restarted worker's session."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
+        lines = resp.read().decode().splitlines()
+    return sum(float(line.split()[-1]) for line in lines
+               if line.startswith("vllm:disagg_attention_restored_blocks_total "))
 
 
 async def _fresh(endpoint: str, model: str) -> list[int]:
@@ -195,3 +216,24 @@ def test_the_launcher_restarts_a_dead_instance_on_the_same_port_a_bounded_number
         assert cluster.restarts == {"attention0": 1}
     finally:
         cluster.stop()
+
+
+async def _until_dropped(session, endpoint: str, url: str, timeout_s: float = 30) -> None:
+    """Until the router's /health shows instance `url` out of routing."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        async with session.get(f"{endpoint}/health") as resp:
+            if not any(i["url"] == url and i["healthy"] for i in (await resp.json())["instances"]):
+                return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"the router still routes to {url} {timeout_s} s after the kill")
+
+
+def _admission_waits(endpoint: str) -> tuple[float, float]:
+    """(number, total seconds) of new requests that waited for an instance and were then admitted."""
+    out = {"count": 0.0, "sum": 0.0}
+    for line in _router_json(endpoint, "/metrics").splitlines():
+        for key in out:
+            if line.startswith(f'vllm:disagg_router_admission_wait_seconds_{key}{{outcome="admitted"}}'):
+                out[key] = float(line.rsplit(" ", 1)[1])
+    return out["count"], out["sum"]

@@ -49,6 +49,12 @@ def add_server_args(p: argparse.ArgumentParser, with_host_port: bool = True) -> 
     p.add_argument("--threads", type=int, default=1,
                    help="intra-op threads of the kernel (default 1: one core per server; more threads on an "
                         "oversubscribed box cost far more in OpenMP waits than they gain)")
+    p.add_argument("--retain-ttl-s", type=float, default=600.0,
+                   help="keep the blocks a model worker registered for this long after a new one connects "
+                        "with the same geometry (a restart), restorable by key; 0 disables (default 600)")
+    p.add_argument("--retain-copy-gib", type=float, default=None,
+                   help="memory for retained blocks the new session overwrites (copied aside first); past it "
+                        "they are dropped (default: a quarter of --kv-cache-gib)")
     p.add_argument("--ready-file", default=None, help="write the READY json here once serving")
     p.add_argument("--parent-pid", type=int, default=None,
                    help="exit when this process is gone (launchers pass their pid: no orphaned servers)")
@@ -62,6 +68,8 @@ def run(args: argparse.Namespace) -> int:
             transport=args.transport, kv_cache_bytes=int(args.kv_cache_gib * (1 << 30)),
             kernel=args.kernel, http_host=args.host, http_port=args.http_port, num_threads=args.threads,
             data_port=args.data_port, kv_transport=args.kv_transport, kv_port=args.kv_port, spin_us=args.spin_us,
+            retain_ttl_s=args.retain_ttl_s,
+            retain_copy_bytes=None if args.retain_copy_gib is None else int(args.retain_copy_gib * (1 << 30)),
         )
     except (ValueError, OSError) as err:
         print(f"vllm-disagg attn-server: {err}", file=sys.stderr)

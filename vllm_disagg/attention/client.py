@@ -11,6 +11,11 @@ Send-Q-early (decode-only steps, server `supports_lse`): QPREV(q) then KV(k, v) 
 server answers attention over the previous tokens with its LSE and only then writes k/v, while
 this side computes the new token's own term; `merge_attn_states` combines them exactly.
 
+KV retention (`retain.py`): `queue_registrations(block_ids, keys, owner_first_block)` queues
+(block, key) pairs that ride on the next step-metadata frame to each server that holds the block;
+`restore(pairs, timeout_s)` asks every server to copy retained blocks into new block ids (on the
+channel, so before the step's layer frames) and returns the block ids that could not be restored.
+
 A dead or silent server raises `AttentionServerLost` (never a hang: every recv has a timeout).
 """
 
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import threading
 import urllib.request
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -71,26 +77,41 @@ class ServerConn:
         self.info: dict = {}
         self._seq = itertools.count(1)
         self._sent_metas: OrderedDict[int, None] = OrderedDict()
+        self._regs: dict[int, bytes] = {}  # block -> key, sent with the next step metadata
+        self._regs_lock = threading.Lock()
 
-    def connect(self, geometry: wire.Geometry) -> dict:
+    def queue_registrations(self, pairs) -> None:
+        with self._regs_lock:
+            self._regs.update(pairs)
+
+    def _take_registrations(self) -> list:
+        """The queued registrations as payloads (empty if none); called when metadata goes out."""
+        if not self._regs:  # unlocked peek: the common case costs one dict truth test
+            return []
+        with self._regs_lock:
+            regs, self._regs = self._regs, {}
+        return wire.encode_block_keys(regs.keys(), regs.values())
+
+    def connect(self, geometry: wire.Geometry, resume: bool = False) -> dict:
         try:
             with urllib.request.urlopen(f"http://{self.http_addr}/health", timeout=self.timeout_s) as r:
                 health = json.loads(r.read())
             self.channel = self.transport.connect_msg(health["address"], timeout=self.timeout_s)
         except (OSError, KeyError, ValueError, DisaggError) as err:
             raise AttentionServerLost(self.http_addr, err) from err
-        seq = self.send(wire.INIT, [geometry.to_json()])
+        seq = self.send(wire.INIT, [geometry.to_json()], flags=wire.RESUME if resume else 0)
         reply = self.recv(seq, wire.INIT_OK, timeout=max(self.timeout_s, 120.0))  # allocates the KV
         self.info = json.loads(bytes(reply.buffers[0]))
         return self.info
 
     def send(self, mtype: int, tensors: list, meta: ClientMeta | None = None,
-             step: wire.StepMeta | None = None, layer: int = 0, num_tokens: int = 0, scale: float = 0.0) -> int:
+             step: wire.StepMeta | None = None, layer: int = 0, num_tokens: int = 0, scale: float = 0.0,
+             flags: int = 0) -> int:
         seq = next(self._seq)
-        flags = 0
         if meta is not None and meta.meta_id not in self._sent_metas:
-            flags = wire.HAS_META
-            tensors = [*tensors, *(step or meta.step).tensors()]
+            regs = self._take_registrations()
+            flags = wire.HAS_META | (wire.HAS_REG if regs else 0)
+            tensors = [*tensors, *(step or meta.step).tensors(), *regs]
             self._sent_metas[meta.meta_id] = None
             while len(self._sent_metas) > _META_CACHE:
                 self._sent_metas.popitem(last=False)
@@ -165,7 +186,8 @@ class DisaggAttentionClient:
         else:
             geoms = [wire.Geometry(num_layers, num_heads, num_kv_heads, head_size, block_size, dtype,
                                    max_num_tokens)] * n
-        infos = [c.connect(g) for c, g in zip(self.conns, geoms)]
+        resume = self.num_blocks > 0  # connected before: the recovery reconnects, not a restart
+        infos = [c.connect(g, resume) for c, g in zip(self.conns, geoms)]
         self.num_blocks = min(int(i["num_blocks"]) for i in infos)
         lse = all(i.get("supports_lse") for i in infos)
         if self.send_q_early and not lse:
@@ -178,6 +200,102 @@ class DisaggAttentionClient:
     def close(self) -> None:
         for c in self.conns:
             c.close()
+
+    # ---- KV retention across a model-worker restart (retain.py) ------------------------------
+    def queue_registrations(self, block_ids, keys, owner_first_block) -> None:
+        """Block `block_ids[i]` holds the token chain `keys[i]` (16 bytes) and was written by an
+        earlier step. Thread-safe, no round trip: rides on the next step-metadata frame. Head-wise
+        every server holds the block; request-wise only the server of the request whose block
+        table starts with `owner_first_block[i]` (entries of unplaced requests are dropped)."""
+        if not len(block_ids) == len(keys) == len(owner_first_block):
+            raise ValueError(f"{len(block_ids)} block ids, {len(keys)} keys, {len(owner_first_block)} owners")
+        self._check_block_keys(block_ids, keys)
+        if self.placer is None:
+            pairs = list(zip(block_ids, keys))
+            for conn in self.conns:
+                conn.queue_registrations(pairs)
+            return
+        per_server: dict[int, list] = {}
+        for b, k, first in zip(block_ids, keys, owner_first_block):
+            where = self.placer._where.get(first)  # [server, last step, seq_len] of a placed request
+            if where is not None:
+                per_server.setdefault(where[0], []).append((b, k))
+        for server, pairs in per_server.items():
+            self.conns[server].queue_registrations(pairs)
+
+    def _check_block_keys(self, block_ids, keys) -> None:
+        for b, k in zip(block_ids, keys):
+            if not isinstance(k, bytes) or len(k) != wire.KEY_BYTES:
+                raise ValueError(f"block key must be {wire.KEY_BYTES} bytes, got {k!r}")
+            if not 0 <= b < self.num_blocks:
+                raise ValueError(f"block id {b} outside the servers' [0, {self.num_blocks})")
+
+    def restore(self, pairs, timeout_s: float, owner_first_block=None) -> set[int]:
+        """Copy the retained block of key `k` into block `b` for each `(k, b)` of `pairs` (distinct
+        `b`), ordered before this step's layer frames. Returns the block ids not restored (missing,
+        expired, or the server is lost: the caller recomputes them; a lost server is then found by
+        the step itself). Head-wise every server must restore a block. Request-wise, pass
+        `owner_first_block[i]` (the first block of pair i's request, pairs in chain order): each
+        request goes to the server that restored the longest prefix of its blocks, and the rest of
+        its blocks count as failed (ValueError without owners)."""
+        pairs = list(pairs)
+        all_ids = {b for _, b in pairs}
+        if not pairs:
+            return set()
+        if len(all_ids) != len(pairs):
+            raise ValueError("restore: a block id appears twice")
+        self._check_block_keys([b for _, b in pairs], [k for k, _ in pairs])
+        if self.placer is None:
+            return set().union(*self._restore_each(pairs, timeout_s)) & all_ids
+        if owner_first_block is None or len(owner_first_block) != len(pairs):
+            # without owners no request could be placed, and its step would then fail in the placer
+            raise ValueError("request-wise restore needs owner_first_block, one per pair")
+        return self._restore_request_wise(pairs, list(owner_first_block), timeout_s)
+
+    def _restore_each(self, pairs: list, timeout_s: float) -> list[set[int]]:
+        """RESTORE on every server; the failed block ids of each (all of them if it is lost)."""
+        all_ids = {b for _, b in pairs}
+        payload = wire.encode_block_keys([b for _, b in pairs], [k for k, _ in pairs])
+        sent = []
+        for conn in self.conns:
+            # queued registrations describe blocks as they were BEFORE this step's restores (a
+            # finished request's block may be a restore target now): the server applies them first
+            regs = conn._take_registrations()
+            try:
+                sent.append((conn, conn.send(wire.RESTORE, payload + regs, flags=wire.HAS_REG if regs else 0)))
+            except AttentionServerLost as err:
+                logger.warning("restore of %d blocks: %s", len(pairs), err)
+                sent.append((conn, None))
+        # every reply is read, so no channel is left holding one
+        return [all_ids if seq is None else self._restore_reply(conn, seq, timeout_s, all_ids) for conn, seq in sent]
+
+    def _restore_request_wise(self, pairs: list, owners: list[int], timeout_s: float) -> set[int]:
+        per_server = self._restore_each(pairs, timeout_s)
+        groups: dict[int, list[int]] = {}  # request (its first block) -> its blocks in chain order
+        for (_, b), first in zip(pairs, owners):
+            groups.setdefault(first, []).append(b)
+        failed: set[int] = set()
+        block_size = self.geometry_args["block_size"]
+        for first, blocks in groups.items():
+            prefix = [next((i for i, b in enumerate(blocks) if b in miss), len(blocks)) for miss in per_server]
+            best = max(range(len(per_server)), key=lambda s: (prefix[s], -s))
+            # placed even with nothing restored: the step runs it as a continuing request (vLLM discards
+            # and recomputes what failed), and the placer must know its server (its entry, partition.py)
+            self.placer._where[first] = [best, self.placer._step, len(blocks) * block_size]
+            failed.update(blocks[prefix[best]:])
+        return failed
+
+    @staticmethod
+    def _restore_reply(conn: ServerConn, seq: int, timeout_s: float, all_ids: set[int]) -> set[int]:
+        try:
+            msg = conn.recv(seq, wire.RESTORE_OK, timeout=timeout_s)
+            if len(msg.buffers) != 1:
+                raise ProtocolError(f"RESTORE_OK carries 1 payload, got {len(msg.buffers)}")
+            nbytes = msg.buffers[0].nbytes
+            return set(wire.as_tensor(msg.buffers[0], torch.int32, (nbytes // 4,), "failed block ids").tolist())
+        except (AttentionServerLost, ProtocolError) as err:
+            logger.warning("restore of %d blocks: %s", len(all_ids), err)
+            return all_ids
 
     def attend(self, layer: int, q, k, v, meta: ClientMeta, scale: float, output) -> None:
         self.submit(layer, q, k, v, meta, scale).wait(output)

@@ -5,24 +5,29 @@
 Lifecycle: `start()` opens a `MsgListener` on the chosen transport and an HTTP port (`/health`,
 `/metrics`); each accepted channel is served by one thread (`wire.py` documents the
 conversation). The KV survives a client reconnect with the same geometry, so a restarted model
-worker loses nothing. `stop()` closes everything. A bad frame gets an ERROR reply and the
+worker loses nothing: the blocks the old session registered become the retained set
+(`retain.py`), listed at `GET /kv/retained` and copied into the new session's blocks by RESTORE.
+`stop()` closes everything. A bad frame gets an ERROR reply and the
 server keeps serving; a lost peer ends only that session.
 """
 
 from __future__ import annotations
 
+import hmac
 import json
 import threading
 import time
 from collections import OrderedDict
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import numpy as np
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from vllm.logger import init_logger
 
 from vllm_disagg.attention import wire
 from vllm_disagg.attention.kernels import AttentionKernel, kv_bytes_per_block, make_kernel, preload
+from vllm_disagg.attention.retain import KVRetention
 from vllm_disagg.errors import DisaggError, PeerLostError, ProtocolError, TransportTimeout
 from vllm_disagg.transport import TransportOptions, get_transport
 
@@ -46,6 +51,14 @@ class _Metrics:
         self.queue = Gauge("vllm:disagg_attention_queue_depth", "Messages received, not yet answered",
                            registry=r)
         self.sessions = Gauge("vllm:disagg_attention_sessions", "Connected model workers", registry=r)
+        self.retained = Gauge("vllm:disagg_attention_retained_blocks",
+                              "Blocks kept from an earlier session, restorable by key", registry=r)
+        self.retained_copy_bytes = Gauge("vllm:disagg_attention_retained_copy_bytes",
+                                         "Bytes of retained blocks moved aside by copy-on-write", registry=r)
+        self.restored = Counter("vllm:disagg_attention_restored_blocks",
+                                "Blocks restored from the retained set into a new session", registry=r)
+        self.restore_misses = Counter("vllm:disagg_attention_restore_misses",
+                                      "Blocks asked for by RESTORE whose key was not retained", registry=r)
         self._layer_children: dict[int, object] = {}
         self._message_children: dict[int, object] = {}
 
@@ -73,13 +86,15 @@ class DisaggAttentionServer:
     def __init__(self, transport: str = "shm", kv_cache_bytes: int = 256 << 20, kernel: str = "cpu",
                  http_host: str = "127.0.0.1", http_port: int = 0, auth_token: str | None = None,
                  recv_timeout_s: float = 1.0, num_threads: int | None = None, data_port: int = 0,
-                 spin_us: float | None = None, kv_transport: str | None = None, kv_port: int = 0):
+                 spin_us: float | None = None, kv_transport: str | None = None, kv_port: int = 0,
+                 retain_ttl_s: float = 600.0, retain_copy_bytes: int | None = None):
         from vllm_disagg import envs
 
         token = auth_token or envs.auth_token()
         if not token:
             raise ValueError("attention server needs a shared token: set VLLM_DISAGG_AUTH_TOKEN")
         self.transport_kind = transport
+        self._token = token
         spin = {} if spin_us is None else {"spin_us": spin_us}  # None: the transport's default
         self.transport = get_transport(transport, TransportOptions(auth_token=token, host=http_host,
                                                                       port=data_port, **spin))
@@ -93,6 +108,15 @@ class DisaggAttentionServer:
             from vllm_disagg.attention.kv_ingest import KVIngest
 
             self.ingest = KVIngest(kv_transport, token, http_host, port=kv_port, registry=self.metrics.registry)
+        if self.ingest is not None and retain_ttl_s > 0:
+            # a prefill push writes block memory directly: the server cannot see which blocks, so
+            # neither drop their registrations nor copy retained data out of them first
+            logger.info("attention server: prefill pushes land here (--kv-transport); KV retention is off")
+            retain_ttl_s = 0.0
+        copy_bytes = kv_cache_bytes // 4 if retain_copy_bytes is None else retain_copy_bytes
+        self.retention = KVRetention(retain_ttl_s, copy_bytes)
+        self.metrics.retained.set_function(lambda: self.retention.num_retained)
+        self.metrics.retained_copy_bytes.set_function(lambda: self.retention.copy_bytes)
         self._http_addr = (http_host, http_port)
         self._recv_timeout = recv_timeout_s
         # one kernel call at a time: sessions share the KV, and vLLM's CPU kernels share one
@@ -123,7 +147,8 @@ class DisaggAttentionServer:
             "status": "ok", "http": f"{host}:{port}", "address": self.listener.address if self.listener else None,
             "transport": self.transport_kind, "kernel": self.kernel_kind,
             "num_blocks": self.kernel.num_blocks if self.kernel else None,
-            "protocol": wire.PROTOCOL_VERSION, **(self.ingest.info() if self.ingest else {}),
+            "protocol": wire.PROTOCOL_VERSION, "retain_ttl_s": self.retention.ttl_s,
+            **(self.ingest.info() if self.ingest else {}),
         }
 
     def stop(self) -> None:
@@ -218,6 +243,8 @@ class DisaggAttentionServer:
         if h.mtype == wire.KV:
             self._kv(session, h, bufs)
             return None
+        if h.mtype == wire.RESTORE:
+            return self._restore(h, bufs)
         raise ProtocolError(f"unexpected {wire.TYPE_NAMES[h.mtype]} from a client")
 
     def _init(self, session: _Session, h: wire.Header, bufs):
@@ -229,16 +256,21 @@ class DisaggAttentionServer:
                 num_blocks = self.kv_cache_bytes // kv_bytes_per_block(g)
                 if num_blocks < 1:
                     raise ValueError(f"kv_cache_bytes={self.kv_cache_bytes} holds no block of {g}")
+                self.retention.reset()
                 self.kernel = make_kernel(self.kernel_kind, g, num_blocks)
                 if self.ingest is not None:
                     self.ingest.attach(self.kernel.caches)
                 logger.info("attention server: %d blocks for %s", num_blocks, g)
+            elif not h.flags & wire.RESUME:  # same geometry: a restarted model worker, keep what it registered
+                num = self.retention.new_session()
+                logger.info("attention server: new session keeps the KV; %d blocks retained for %.0f s",
+                            num, self.retention.ttl_s)
         session.geometry = g
         # reused for every reply (sent before the next message is read): no allocation per layer
         session.out = torch.empty(g.max_num_tokens, g.num_heads, g.head_size, dtype=g.torch_dtype)
         session.out_bytes = wire.byte_view(session.out)  # lives as long as session.out
         reply = {"num_blocks": self.kernel.num_blocks, "supports_lse": self.kernel.supports_lse,
-                 "kernel": self.kernel_kind}
+                 "kernel": self.kernel_kind, "retained": self.retention.num_retained}
         return wire.Header(wire.INIT_OK, seq=h.seq), [torch.frombuffer(bytearray(json.dumps(reply).encode()),
                                                                        dtype=torch.uint8)]
 
@@ -246,15 +278,21 @@ class DisaggAttentionServer:
         """Split payloads into the named activations and the step metadata (cached by meta_id)."""
         g = session.geometry
         n = len(names)
-        expect = n + (4 if h.has_meta else 0)
+        expect = n
+        if h.flags:  # most layer frames carry neither metadata nor registrations
+            if h.has_reg and not h.has_meta:
+                raise ProtocolError("block registrations travel only with step metadata (HAS_META)")
+            expect += (4 if h.has_meta else 0) + (2 if h.has_reg else 0)
         if len(bufs) != expect:
             raise ProtocolError(f"expected {expect} payloads, got {len(bufs)}")
         if not 0 <= h.layer < g.num_layers or h.num_tokens > g.max_num_tokens:
             raise ProtocolError(f"layer {h.layer} / {h.num_tokens} tokens outside the INIT geometry")
         if h.has_meta:
-            meta = wire.decode_meta(h, bufs[n:], self.kernel.num_blocks, g.block_size)
+            meta = wire.decode_meta(h, bufs[n:n + 4], self.kernel.num_blocks, g.block_size)
+            regs = wire.decode_block_keys(bufs[n + 4:], self.kernel.num_blocks, "registrations") if h.has_reg else None
             meta = wire.StepMeta(*(t.clone() for t in meta.tensors()))  # own it: buffers get reused
             session.remember(h.meta_id, meta)
+            self._new_step(meta, regs, g.block_size)
         meta, state = session.lookup(h.meta_id)
         heads = {"q": g.num_heads, "k": g.num_kv_heads, "v": g.num_kv_heads}
         dtype, shape = g.torch_dtype, (h.num_tokens, 0, g.head_size)
@@ -286,6 +324,46 @@ class DisaggAttentionServer:
         (k, v), meta, _ = self._tensors(session, h, bufs, _KV)
         with self._lock:
             self.kernel.write_kv(h.layer, k, v, meta)
+
+    def _new_step(self, meta: wire.StepMeta, regs, block_size: int) -> None:
+        """Once per step (its metadata): apply the registrations, then drop the registrations of
+        (and copy retained data out of) the blocks this step writes."""
+        retention = self.retention
+        if regs is None and not retention.needs_write_check():
+            return  # the common case: nothing registered or retained, no per-step work
+        with self._lock:
+            if regs is not None:
+                retention.register(*regs)
+            if retention.needs_write_check():  # padding slots (-1) give block -1: never registered
+                written = np.unique(meta.slot_mapping.numpy() // block_size).tolist()
+                retention.before_write(written, self.kernel)
+
+    def _restore(self, h: wire.Header, bufs):
+        """Registrations riding on a RESTORE (HAS_REG) predate it: applied first."""
+        n = self.kernel.num_blocks
+        if len(bufs) != (4 if h.has_reg else 2):
+            raise ProtocolError(f"RESTORE carries {4 if h.has_reg else 2} payloads, got {len(bufs)}")
+        block_ids, keys = wire.decode_block_keys(bufs[:2], n, "RESTORE")
+        regs = wire.decode_block_keys(bufs[2:], n, "registrations") if h.has_reg else None
+        with self._lock:
+            if regs is not None:
+                self.retention.register(*regs)
+            failed = self.retention.restore(block_ids, keys, self.kernel)
+        self.metrics.restored.inc(len(block_ids) - len(failed))
+        self.metrics.restore_misses.inc(len(failed))
+        return (wire.Header(wire.RESTORE_OK, seq=h.seq, num_tokens=len(failed)),
+                [torch.tensor(failed, dtype=torch.int32)])
+
+    def retained_info(self) -> dict:
+        """The body of `GET /kv/retained`."""
+        keys, ttl = self.retention.keys()
+        g = self.kernel.geometry if self.kernel else None
+        return {"block_size": g.block_size if g else None, "geometry": dict(g.__dict__) if g else None,
+                "keys": [k.hex() for k in keys], "ttl_s": round(ttl, 3), "retain_ttl_s": self.retention.ttl_s}
+
+    def authorized(self, header: str | None) -> bool:
+        expect = f"Bearer {self._token}".encode()
+        return hmac.compare_digest((header or "").encode(), expect)
 
     def _timed(self, layer: int):
         return _Timer(self.metrics.layer(layer))
@@ -338,6 +416,11 @@ def _handler_for(server: DisaggAttentionServer):
                 body, ctype = json.dumps(server.info()).encode(), "application/json"
             elif self.path == "/metrics":
                 body, ctype = generate_latest(server.metrics.registry), "text/plain; version=0.0.4"
+            elif self.path == "/kv/retained":
+                if not server.authorized(self.headers.get("Authorization")):
+                    self.send_error(401, "GET /kv/retained needs 'Authorization: Bearer <VLLM_DISAGG_AUTH_TOKEN>'")
+                    return
+                body, ctype = json.dumps(server.retained_info()).encode(), "application/json"
             elif self.path.startswith("/kv/landed") and server.ingest is not None:
                 try:
                     body, ctype = json.dumps(server.ingest.http_landed(self.path)).encode(), "application/json"

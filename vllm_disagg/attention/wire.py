@@ -7,18 +7,25 @@ INIT handshake. Every received frame is checked (magic, version, type, sizes) be
 
 Conversation (FIFO per channel; the server answers in order):
   INIT(json geometry)                   -> INIT_OK(json {num_blocks, supports_lse, ...}) | ERROR
+                                           (flag RESUME: the same worker reconnects, keep its
+                                           registrations; else a same-geometry INIT retains them)
   ATTN(q, k, v [, meta])                -> OUT(out)               write k/v, run the kernel
   QPREV(q [, meta]) then KV(k, v)       -> OUT_LSE(out, lse)      send-Q-early: attention over the
                                            previous tokens is answered first, k/v land after it
   PING                                  -> PONG
+  RESTORE(block_ids, keys)              -> RESTORE_OK(failed block ids)   copy retained KV into
+                                           the new session's blocks (`retain.py`), server-local
 Any bad frame -> ERROR(utf-8 text); the server keeps serving.
 
 `meta` = (query_start_loc int32[R+1], seq_lens int32[R], block_table int32[R, C],
 slot_mapping int64[T]) travels with the first frame of a step (flag HAS_META) and is cached
-by the server under `meta_id` for the other layers of that step.
+by the server under `meta_id` for the other layers of that step. A frame with HAS_META may also
+carry block registrations (flag HAS_REG: two more payloads, int32 block ids [n] and uint8 keys
+[n, 16]), applied before that step's KV writes.
 
 Protocol versions:
   1: initial.
+  2: HAS_REG registrations on step-meta frames; RESTORE / RESTORE_OK; INIT flag RESUME.
 """
 
 from __future__ import annotations
@@ -33,15 +40,18 @@ import torch
 
 from vllm_disagg.errors import ProtocolError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAGIC = b"LAMA"
 
-INIT, INIT_OK, ATTN, QPREV, KV, OUT, OUT_LSE, PING, PONG, ERROR = range(1, 11)
+INIT, INIT_OK, ATTN, QPREV, KV, OUT, OUT_LSE, PING, PONG, ERROR, RESTORE, RESTORE_OK = range(1, 13)
 TYPE_NAMES = {
     INIT: "INIT", INIT_OK: "INIT_OK", ATTN: "ATTN", QPREV: "QPREV", KV: "KV", OUT: "OUT",
-    OUT_LSE: "OUT_LSE", PING: "PING", PONG: "PONG", ERROR: "ERROR",
+    OUT_LSE: "OUT_LSE", PING: "PING", PONG: "PONG", ERROR: "ERROR", RESTORE: "RESTORE",
+    RESTORE_OK: "RESTORE_OK",
 }
-HAS_META = 1
+HAS_META, HAS_REG = 1, 2
+RESUME = 4  # INIT flag: the same model worker reconnecting (recovery), not a restarted one
+KEY_BYTES = 16
 
 # magic, version, type, flags, seq, layer, meta_id, num_tokens, num_reqs, num_cols, scale
 _HEADER = struct.Struct("<4sHHIQiIIIIf")
@@ -71,6 +81,10 @@ class Header(NamedTuple):
     @property
     def has_meta(self) -> bool:
         return bool(self.flags & HAS_META)
+
+    @property
+    def has_reg(self) -> bool:
+        return bool(self.flags & HAS_REG)
 
 
 def unpack_header(raw: bytes) -> Header:
@@ -191,3 +205,32 @@ def decode_meta(h: Header, bufs: list[memoryview], num_blocks: int, block_size: 
 
 def error_text(bufs: list[memoryview]) -> str:
     return bytes(bufs[0]).decode("utf-8", "replace") if bufs else "unknown error"
+
+
+def encode_block_keys(block_ids, keys) -> list:
+    """(block ids, 16-byte keys) as two payloads: int32 [n] and the keys back to back."""
+    return [torch.tensor(list(block_ids), dtype=torch.int32), b"".join(keys)]
+
+
+def decode_block_keys(bufs: list[memoryview], num_blocks: int, what: str) -> tuple[list[int], list[bytes]]:
+    """Check and decode `encode_block_keys`' payloads: sizes, at most `num_blocks` entries, block
+    ids in range and distinct."""
+    if len(bufs) != 2:
+        raise ProtocolError(f"{what}: block ids and keys need 2 payloads, got {len(bufs)}")
+    ids_buf, keys_buf = bufs
+    if ids_buf.nbytes % 4:
+        raise ProtocolError(f"{what}: block ids payload is {ids_buf.nbytes} bytes, not a multiple of 4")
+    n = ids_buf.nbytes // 4
+    if n > num_blocks:
+        raise ProtocolError(f"{what}: {n} entries, more than the {num_blocks} blocks of this server")
+    if keys_buf.nbytes != n * KEY_BYTES:
+        raise ProtocolError(f"{what}: keys payload is {keys_buf.nbytes} bytes, expected {n} keys of "
+                            f"{KEY_BYTES} bytes")
+    ids = as_tensor(ids_buf, torch.int32, (n,), f"{what} block ids").tolist()
+    if n and (min(ids) < 0 or max(ids) >= num_blocks):
+        bad = next(b for b in ids if not 0 <= b < num_blocks)
+        raise ProtocolError(f"{what}: block id {bad} out of range [0, {num_blocks})")
+    if len(set(ids)) != n:
+        raise ProtocolError(f"{what}: a block id appears twice")
+    raw = bytes(keys_buf)
+    return ids, [raw[i * KEY_BYTES:(i + 1) * KEY_BYTES] for i in range(n)]

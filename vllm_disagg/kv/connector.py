@@ -45,8 +45,10 @@ class DisaggConnector(KVConnectorBase_V1):
             from vllm_disagg.kv.scheduler import DisaggConnectorScheduler
             from vllm_disagg.kv.worker import kv_settings
 
-            kv, _ = kv_settings(vllm_config)
-            self.connector_scheduler = DisaggConnectorScheduler(vllm_config.cache_config.block_size, kv.push_timeout_s)
+            kv, token = kv_settings(vllm_config)
+            self.connector_scheduler = DisaggConnectorScheduler(
+                vllm_config.cache_config.block_size, kv.push_timeout_s,
+                _reuse_scheduler(vllm_config, token, lambda: self._kv_cache_manager))
         else:
             from vllm_disagg.kv.worker import DisaggConnectorWorker
 
@@ -102,7 +104,11 @@ class DisaggConnector(KVConnectorBase_V1):
         self.connector_worker.bind(connector_metadata)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        """Nothing to load: the prefill side pushes into our blocks."""
+        """P/D: nothing to load (the prefill side pushes into our blocks); Lamina: restore retained blocks."""
+        self.connector_worker.start_load_kv()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.connector_worker.take_load_errors()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Nothing to wait for: a request is scheduled only after its whole push landed."""
@@ -129,3 +135,15 @@ class DisaggConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self.connector_worker is not None:
             self.connector_worker.shutdown()
+
+
+def _reuse_scheduler(vllm_config: VllmConfig, token: str | None, kv_cache_manager: Any) -> Any:
+    """A Lamina model worker's `DisaggReuseScheduler` (attention/reuse.py), else None."""
+    from vllm_disagg.kv.attn_targets import attention_settings
+
+    ra = attention_settings(vllm_config)
+    if ra is None or not token:
+        return None
+    from vllm_disagg.attention.reuse import DisaggReuseScheduler
+
+    return DisaggReuseScheduler.from_config(vllm_config, ra, token, kv_cache_manager)

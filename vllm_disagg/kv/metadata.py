@@ -11,6 +11,8 @@ the worker before the forward pass:
 * `release_req_ids` (prefill side): requests whose `request_finished` returned delay_free=True;
   the worker reports them in `finished_sending` once their push is over (done, failed or timed out).
 * `preempted_req_ids` (prefill side): pushes to abandon before their blocks are rewritten.
+* `reuse` (Lamina model worker): retained blocks to restore and full blocks to register on the
+  attention servers (`vllm_disagg/attention/reuse.py`).
 
 `DisaggWorkerMetadata` goes the other way (worker -> scheduler): failure reasons of decode requests.
 """
@@ -18,6 +20,7 @@ the worker before the forward pass:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
@@ -65,6 +68,8 @@ class DisaggConnectorMetadata(KVConnectorMetadata):
     save_specs: list[SaveSpec] = field(default_factory=list)
     release_req_ids: list[str] = field(default_factory=list)
     preempted_req_ids: list[str] = field(default_factory=list)
+    reuse: Any = None
+    """Lamina model worker: `attention.reuse.ReuseMeta` (restores and block registrations), else None."""
 
 
 @dataclass

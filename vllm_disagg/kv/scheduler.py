@@ -10,6 +10,10 @@ Decode side (`kv_transfer_params.do_remote_prefill`):
                                   scheduler's kv_load_failure_policy then recomputes or fails it)
     a request seen once is never loaded again, so a failed push falls back to local prefill.
 
+Lamina model worker (`reuse`, set with remote_attention): a request without do_remote_prefill may
+restore full blocks the attention servers kept from the previous model worker; see
+`vllm_disagg/attention/reuse.py` (this class only routes to it).
+
 Prefill side (`kv_transfer_params.do_remote_decode`):
     update_state_after_alloc   -> remember transfer id and prompt length
     build_connector_meta       -> per step, each prefilling request's blocks and computed tokens
@@ -35,6 +39,8 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
+
+    from vllm_disagg.attention.reuse import DisaggReuseScheduler
 
 __all__ = ["DisaggConnectorScheduler", "RemotePrefillParams"]
 
@@ -73,9 +79,10 @@ def prompt_digest(request: Request) -> str:
 
 
 class DisaggConnectorScheduler:
-    def __init__(self, block_size: int, push_timeout_s: float):
+    def __init__(self, block_size: int, push_timeout_s: float, reuse: DisaggReuseScheduler | None = None):
         self.block_size = block_size
         self.push_timeout_s = push_timeout_s
+        self.reuse = reuse
         # decode side
         self._recv_seen: set[str] = set()  # requests that got one load attempt (never retried)
         self._recv_inflight: set[str] = set()
@@ -90,6 +97,8 @@ class DisaggConnectorScheduler:
 
     # ---------------------------------------------------------------- decode side
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        if self.reuse is not None and not (request.kv_transfer_params or {}).get("do_remote_prefill"):
+            return self.reuse.get_num_new_matched_tokens(request, num_computed_tokens), False
         if request.request_id in self._recv_seen or self._remote_prefill(request) is None:
             return 0, False
         count = request.num_prompt_tokens - num_computed_tokens
@@ -107,6 +116,9 @@ class DisaggConnectorScheduler:
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         params = request.kv_transfer_params or {}
+        if self.reuse is not None:
+            pushed = params.get("do_remote_prefill")  # its external tokens come from the P/D push
+            self.reuse.update_state_after_alloc(request, blocks, 0 if pushed else num_external_tokens)
         if params.get("do_remote_decode") and request.request_id not in self._send_reqs:
             self._send_reqs[request.request_id] = (
                 str(params.get("transfer_id", "")), request.num_prompt_tokens, prompt_digest(request)
@@ -140,6 +152,7 @@ class DisaggConnectorScheduler:
             save_specs=self._save_specs(scheduler_output),
             release_req_ids=self._pending_release,
             preempted_req_ids=sorted(set(scheduler_output.preempted_req_ids or ()) & self._send_announced),
+            reuse=self.reuse.build_meta(scheduler_output) if self.reuse is not None else None,
         )
         self._pending_recv, self._pending_release = [], []
         return meta
@@ -178,6 +191,8 @@ class DisaggConnectorScheduler:
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
+        if self.reuse is not None:
+            self.reuse.request_finished(request, block_ids)
         self._recv_seen.discard(req_id)
         self._recv_inflight.discard(req_id)
         self._fatal.discard(req_id)

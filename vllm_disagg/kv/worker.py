@@ -8,6 +8,8 @@ layer). Per step: `bind` hands the metadata to them, `save_kv_layer` marks a lay
 sender thread pushes its whole blocks at once), `wait_for_save` marks the step's forward done,
 `get_transfer_results` reports pushes that are over and receives that landed or failed.
 Nothing here blocks the forward pass except `bind` after a preemption (bounded).
+A Lamina model worker also restores retained blocks on its attention servers in `start_load_kv`
+(before the forward, only on steps that load) and registers written blocks (`attention/reuse.py`).
 """
 
 from __future__ import annotations
@@ -63,6 +65,12 @@ class DisaggConnectorWorker:
 
         self._attention = attention_settings(vllm_config)
         """remote_attention of a Lamina model worker: its KV tensors are placeholders, pushes go to servers."""
+        self.reuse = None
+        """Lamina model worker: restores/registers blocks on the attention servers (attention/reuse.py)."""
+        if self._attention is not None:
+            from vllm_disagg.attention.reuse import DisaggReuseWorker
+
+            self.reuse = DisaggReuseWorker(self._attention.timeout_s)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         if not self.token:
@@ -118,6 +126,16 @@ class DisaggConnectorWorker:
             self.sender.bind(meta)
         if self.receiver is not None and meta.recv_specs:
             self.receiver.start(meta.recv_specs)
+        if self.reuse is not None:
+            self.reuse.bind(meta.reuse)
+
+    def start_load_kv(self) -> None:
+        if self.reuse is not None:
+            self.reuse.start_load()
+
+    def take_load_errors(self) -> set[int]:
+        """Blocks whose restore failed this step: vLLM recomputes them (kv_load_failure_policy)."""
+        return self.reuse.take_load_errors() if self.reuse is not None else set()
 
     def save_kv_layer(self, layer_name: str) -> None:
         if self.sender is not None:

@@ -14,8 +14,10 @@ healthy is started again with the same command line, ports and cores, after a do
 bounded number of times. The router's health checks drop it meanwhile and restore it once it answers;
 its replay re-sends the requests that were in flight (router/replay.py). A restarted model worker
 reconnects to its attention servers with the same token and geometry: it opens new sessions (INIT
-again), and the servers keep their KV allocation (same geometry, no reallocation), but the new engine
-does not know the old blocks' contents, so the replayed requests prefill again.
+again), the servers keep their KV allocation and the full blocks the old worker registered, and the
+new worker's connector restores those of the replayed requests (prompt + generated ids) instead of
+prefilling them again (attention/reuse.py). That is why a model worker always gets the connector
+(kv_consumer), with or without prefill instances.
 """
 
 from __future__ import annotations
@@ -147,6 +149,8 @@ def serve_command(spec: InstanceSpec, model: str, transport: str, extra_args: li
     if spec.role in _KV_ROLE:
         cmd += ["--kv-transfer-config", json.dumps({**CONNECTOR, "kv_role": _KV_ROLE[spec.role]})]
         disagg.update(role=spec.role, kv={"kv_port": spec.kv_port, "transport": transport, **spec.kv_extra})
+    elif "remote_attention" in disagg:  # the model worker without P/D: the connector restores retained KV
+        cmd += ["--kv-transfer-config", json.dumps({**CONNECTOR, "kv_role": "kv_consumer"})]
     if disagg:
         cmd += ["--additional-config", json.dumps({"disagg": disagg})]
     if any(a.startswith("--disagg-") for a in extra_args) and "--plugin" not in extra_args:

@@ -33,7 +33,8 @@ def test_attention_without_prefill_makes_one_mixed_model_worker_on_all_servers()
     from vllm_disagg.cli.flags import REMOTE_ATTN_WORKER, worker_cls_for
 
     assert worker_cls_for(cfg) == REMOTE_ATTN_WORKER
-    assert "--kv-transfer-config" not in cmd
+    kv = json.loads(cmd[cmd.index("--kv-transfer-config") + 1])  # restores retained KV after a restart
+    assert kv["kv_role"] == "kv_consumer" and kv["kv_load_failure_policy"] == "recompute"
 
 
 def test_attention_servers_run_attn_server_with_shared_settings_and_exit_with_the_launcher():
