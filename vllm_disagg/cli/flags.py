@@ -137,10 +137,13 @@ def _require_module(qualname: str, feature: str) -> None:
 
 
 def kv_transfer_config_for(cfg: DisaggConfig) -> dict | None:
-    """The --kv-transfer-config a prefill or decode instance needs."""
-    if cfg.role not in ("prefill", "decode"):
+    """The --kv-transfer-config a prefill or decode instance needs.
+
+    A Lamina model worker of any role gets the consumer half too: its reuse half registers the
+    blocks its attention servers hold and restores them after a restart (attention/reuse.py)."""
+    if cfg.role not in ("prefill", "decode") and cfg.remote_attention is None:
         return None
-    _require_module(KV_CONNECTOR_MODULE, f"--disagg-role {cfg.role}")
+    _require_module(KV_CONNECTOR_MODULE, f"--disagg-role {cfg.role}" if cfg.role != "mixed" else "remote attention")
     producer = cfg.role == "prefill"
     return {
         "kv_connector": KV_CONNECTOR,
