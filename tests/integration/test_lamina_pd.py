@@ -5,7 +5,11 @@ The prefill instance pushes its KV (P/D connector and transport) straight into t
 servers' blocks, KV-head slices (head-wise) or whole blocks to the request's server (request-wise);
 the decode model worker holds no KV and starts decoding once the push landed. Greedy float32 tokens
 and their logprobs equal plain vLLM; every pushed byte is counted on the servers, and no request fell
-back to recomputing its prompt. With the prefill instance killed, decode recomputes (same tokens).
+back to recomputing its prompt. Then the decode model worker is SIGKILLed and the launcher restarts
+it: the prompts + generated ids, replayed through P and D as the router does after a restart, are
+restored from the blocks the servers kept (pushed prompt blocks included: D CLAIMs a push's blocks
+first, so a server that takes pushes still retains), not pushed again, and their tokens equal plain
+vLLM. With the prefill instance killed, decode recomputes (same tokens).
 Real processes on 127.0.0.1 throughout.
 """
 
@@ -17,6 +21,7 @@ import json
 import math
 import os
 import signal
+import time
 import urllib.request
 
 import pytest
@@ -45,8 +50,9 @@ def model_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def plain(model_dir):
-    """Greedy float32 token ids and their logprobs from plain vLLM (in process)."""
+def plain_runs(model_dir):
+    """Plain vLLM (in process), greedy float32: token ids and logprobs for PROMPTS, then the token ids
+    for each prompt + its generated ids (what the router replays after a model-worker restart)."""
     from vllm import LLM, SamplingParams
 
     from vllm_disagg.testing import tiny_llm_kwargs
@@ -55,9 +61,12 @@ def plain(model_dir):
     try:
         sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, logprobs=0)
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sp, use_tqdm=False)
-        return [(list(o.outputs[0].token_ids), [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids,
-                                                                                o.outputs[0].logprobs, strict=True)])
-                for o in outs]
+        first = [(list(o.outputs[0].token_ids), [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids,
+                                                                                 o.outputs[0].logprobs, strict=True)])
+                 for o in outs]
+        replayed = [p + ids for p, (ids, _) in zip(PROMPTS, first, strict=True)]
+        outs = llm.generate([{"prompt_token_ids": p} for p in replayed], sp, use_tqdm=False)
+        return first, [list(o.outputs[0].token_ids) for o in outs]
     finally:
         llm.llm_engine.engine_core.shutdown()
         del llm
@@ -82,17 +91,78 @@ def _complete(state: dict, prompt: list[int], stream: bool) -> tuple[list[int], 
     return ids, lps, params
 
 
-def _ingested(url: str) -> float:
+def _metric(url: str, name: str) -> float:
     with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
         for line in resp.read().decode().splitlines():
-            if line.startswith("vllm:disagg_attention_kv_ingest_bytes_total"):
+            if line.startswith(name + " "):
                 return float(line.split()[-1])
-    raise AssertionError(f"{url} exports no KV ingest counter")
+    raise AssertionError(f"{url} exports no {name}")
+
+
+def _ingested(url: str) -> float:
+    return _metric(url, "vllm:disagg_attention_kv_ingest_bytes_total")
+
+
+def _restart_decode(up) -> None:
+    """SIGKILL the decode model worker (API server + EngineCore); `up` restarts it on the same port
+    (and rewrites the state file with the new pid). Returns once the new one answers /health and the
+    router routes to it again (meanwhile the router sends requests to the prefill instance alone)."""
+    [decode] = [i for i in up.state["instances"] if i["role"] == "decode"]
+    os.killpg(decode["pid"], signal.SIGKILL)
+    deadline, up_again = time.monotonic() + 300, False
+    while time.monotonic() < deadline:
+        try:
+            if not up_again:
+                [now] = [i for i in json.loads(up.state_file.read_text())["instances"] if i["role"] == "decode"]
+                if now["pid"] != decode["pid"]:
+                    with urllib.request.urlopen(f"{decode['url']}/health", timeout=10) as resp:
+                        up_again = resp.status == 200
+            else:
+                with urllib.request.urlopen(f"{up.state['endpoint']}/health", timeout=10) as resp:
+                    if any(i["url"] == decode["url"] and i["healthy"] for i in json.load(resp)["instances"]):
+                        return
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.5)
+    raise AssertionError("the decode model worker did not come back within 300 s")
+
+
+def _replay_restores_after_a_decode_restart(up, plain_runs, block_nbytes: int, num_layers: int,
+                                            partition: str) -> None:
+    """Restart D, replay prompt + generated ids: restored from the servers, not pushed, exact tokens."""
+    state = up.state
+    first, replay_tokens = plain_runs
+    servers = [i["url"] for i in state["instances"] if i["role"] == "attention"]
+    registered = [_metric(u, "vllm:disagg_attention_registered_blocks") for u in servers]
+    _restart_decode(up)
+    landed = [_ingested(u) for u in servers]
+    replayed = [p + ids for p, (ids, _) in zip(PROMPTS, first, strict=True)]
+    with concurrent.futures.ThreadPoolExecutor(len(replayed)) as pool:
+        got = list(pool.map(lambda p: _complete(state, p, False), replayed))
+    for (ids, _, params), want in zip(got, replay_tokens, strict=True):
+        assert not (params or {}).get("disagg_kv_error"), params
+        assert ids == want
+    restored = [_metric(u, "vllm:disagg_attention_restored_blocks_total") for u in servers]
+    print(f"\n{partition}: blocks registered per server before the decode restart: {registered}, "
+          f"restored after it: {restored}")
+    # Each replay's full blocks but its last token's were registered (pushed prompt blocks) before the kill,
+    # but vLLM hands freed blocks out first: the streamed PROMPTS[1] run reused some of the earlier requests'
+    # blocks, and its CLAIM dropped them (their data was overwritten by its push). Its own 3 blocks, the
+    # last ones registered, are always kept, so PROMPTS[1]'s replay restores all 3 and is never pushed.
+    at_most = sum((len(r) - 1) // BLOCK_SIZE for r in replayed)
+    if partition == "head":
+        assert restored[0] == restored[1] and 3 <= restored[0] <= at_most
+    else:  # a request-wise key may be on both servers (PROMPTS[1] ran twice), each restores its copy
+        assert 3 <= sum(restored) <= 2 * at_most
+    pushed = sum(_ingested(u) for u in servers) - sum(landed)
+    blocks = [math.ceil(len(r) / BLOCK_SIZE) for r in replayed]
+    assert pushed <= (sum(blocks) - blocks[1]) * num_layers * block_nbytes
 
 
 @pytest.mark.parametrize("partition", ["head", "request"])
-def test_prefill_pushes_into_attention_servers_and_decode_matches_plain_vllm(
-        model_dir, plain, tmp_path, partition):
+def test_prefill_pushes_into_attention_servers_and_decode_matches_plain_vllm_also_after_a_decode_restart(
+        model_dir, plain_runs, tmp_path, partition):
+    plain = plain_runs[0]
     with open(os.path.join(model_dir, "config.json")) as f:
         cfg = json.load(f)
     block_nbytes = cfg["num_key_value_heads"] * BLOCK_SIZE * 2 * cfg["head_dim"] * 4  # float32
@@ -114,6 +184,8 @@ def test_prefill_pushes_into_attention_servers_and_decode_matches_plain_vllm(
         assert all(b > 0 for b in landed)  # both servers hold pushed KV
         if partition == "head":
             assert landed[0] == landed[1]  # each server got its half of every block
+        _replay_restores_after_a_decode_restart(up, plain_runs, block_nbytes, cfg["num_hidden_layers"], partition)
+        landed = [_ingested(i["url"]) for i in state["instances"][:2]]
         # a dead prefill instance: the decode model worker recomputes the prompt onto the servers
         [prefill] = [i for i in state["instances"] if i["role"] == "prefill"]
         os.killpg(prefill["pid"], signal.SIGKILL)

@@ -15,6 +15,8 @@ KV retention (`retain.py`): `queue_registrations(block_ids, keys, owner_first_bl
 (block, key) pairs that ride on the next step-metadata frame to each server that holds the block;
 `restore(pairs, timeout_s)` asks every server to copy retained blocks into new block ids (on the
 channel, so before the step's layer frames) and returns the block ids that could not be restored.
+`claim(block_ids, timeout_s)` tells the servers a prefill push is about to write those blocks
+(synchronous: the push is registered with the prefill side only after every server answered).
 
 A dead or silent server raises `AttentionServerLost` (never a hang: every recv has a timeout).
 """
@@ -268,6 +270,50 @@ class DisaggAttentionClient:
                 sent.append((conn, None))
         # every reply is read, so no channel is left holding one
         return [all_ids if seq is None else self._restore_reply(conn, seq, timeout_s, all_ids) for conn, seq in sent]
+
+    def claim(self, block_ids, timeout_s: float, owner_first_block=None) -> set[int]:
+        """A prefill instance is about to push KV into `block_ids` (kv_ingest.py): each server that
+        holds them drops their registrations and moves retained data out of them, and has answered
+        when this returns, so only then may the push be registered with the prefill side. Head-wise
+        every server; request-wise the server the request of `owner_first_block[i]` is placed on.
+        Returns the block ids not claimed (server lost, ERROR, timeout, or request not placed): the
+        caller must not let a push land in them (it recomputes instead)."""
+        block_ids = [int(b) for b in block_ids]
+        if not block_ids:
+            return set()
+        if len(set(block_ids)) != len(block_ids):
+            raise ValueError("claim: a block id appears twice")
+        self._check_block_keys(block_ids, [bytes(wire.KEY_BYTES)] * len(block_ids))
+        if self.placer is None:
+            per_server = {i: block_ids for i in range(len(self.conns))}
+            failed: set[int] = set()
+        else:
+            if owner_first_block is None or len(owner_first_block) != len(block_ids):
+                raise ValueError("request-wise claim needs owner_first_block, one per block id")
+            per_server, failed = {}, set()
+            for b, first in zip(block_ids, owner_first_block):
+                where = self.placer._where.get(first)
+                if where is None:
+                    failed.add(b)
+                else:
+                    per_server.setdefault(where[0], []).append(b)
+        sent = []
+        for server, ids in per_server.items():
+            conn = self.conns[server]
+            regs = conn._take_registrations()  # they describe the blocks before this claim: applied first
+            try:
+                payload = [torch.tensor(ids, dtype=torch.int32), *regs]
+                sent.append((conn, ids, conn.send(wire.CLAIM, payload, flags=wire.HAS_REG if regs else 0)))
+            except AttentionServerLost as err:
+                logger.warning("claim of %d blocks: %s", len(ids), err)
+                failed.update(ids)
+        for conn, ids, seq in sent:  # every reply is read, so no channel is left holding one
+            try:
+                conn.recv(seq, wire.CLAIM_OK, timeout=timeout_s)
+            except AttentionServerLost as err:
+                logger.warning("claim of %d blocks: %s", len(ids), err)
+                failed.update(ids)
+        return failed
 
     def _restore_request_wise(self, pairs: list, owners: list[int], timeout_s: float) -> set[int]:
         per_server = self._restore_each(pairs, timeout_s)

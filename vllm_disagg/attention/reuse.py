@@ -10,6 +10,8 @@ Scheduler half, `DisaggReuseScheduler` (EngineCore):
     get_num_new_matched_tokens  -> leading full blocks of the request whose keys are retained (head-wise
                                    on every server, request-wise on one), never the last token (vLLM
                                    must compute >= 1), loaded synchronously
+    takes_over_push             -> the same for a P/D request, if the match leaves at most a short tail:
+                                   restored here instead of pushed by the prefill instance (a replay)
     update_state_after_alloc    -> (key, new block id) pairs to restore this step
     build_meta (per step)       -> the restores, plus registrations: the full blocks of each scheduled
                                    request within `request.num_computed_tokens`. `build_connector_meta`
@@ -27,6 +29,10 @@ Lookups need `kv_load_failure_policy="recompute"` (`vllm-disagg up` sets it); wi
 "fail" a block that expired between lookup and restore would fail its request, so nothing matches.
 Request-wise, a request's blocks live on one server: the restore names each pair's request (its
 first block id) and the client places the request on the server that restored the longest prefix.
+
+P/D requests (a prefill instance pushes their prompt into the servers' blocks): their blocks register
+like any other once the request is scheduled after the push landed; the push's target blocks are
+CLAIMed on the servers first (`kv/attn_targets.py`), so retained data is moved out before it lands.
 
 Limits: registrations ride on the next step's frame, so the blocks filled by the last step before
 the engine idles (or is killed) are not kept; the retained set is read once at start (and retried
@@ -59,6 +65,7 @@ logger = init_logger(__name__)
 _RETRY_S = 5.0  # a failed lookup is retried at most this often ...
 _RETRY_WINDOW_S = 60.0  # ... and only this long after the first try: reuse matters right after a restart
 _HTTP_TIMEOUT_S = 5.0
+_PD_MAX_TAIL_BLOCKS = 2  # a P/D request restores instead of waiting for its push if at most this much is left
 
 
 @dataclass
@@ -224,6 +231,21 @@ class DisaggReuseScheduler:
             return 0
         self._lookups[request.request_id] = start
         return (matched - start) * self.block_size
+
+    def takes_over_push(self, request: Request, num_computed_tokens: int) -> int:
+        """A P/D request (`do_remote_prefill`) whose tokens the servers already hold, as when the router
+        replays prompt + generated ids after this model worker restarted: the retained full-block tokens
+        to restore instead of waiting for the prefill push (the tail, at most `_PD_MAX_TAIL_BLOCKS`
+        blocks, is computed here), or 0 to let the push come (a short or no match: computing most of a
+        prompt here would defeat P/D). The prefill side, never registered with, drops its push at its
+        push_timeout_s."""
+        matched = self.get_num_new_matched_tokens(request, num_computed_tokens)
+        if matched and request.num_tokens - num_computed_tokens - matched <= _PD_MAX_TAIL_BLOCKS * self.block_size:
+            logger.info("request %s: restoring %d tokens the attention servers kept instead of waiting for its "
+                        "prefill push", request.request_id, matched)
+            return matched
+        self._lookups.pop(request.request_id, None)
+        return 0
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         """Track the request; with a match, queue its (key, block) restores for this step."""

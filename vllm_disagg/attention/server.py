@@ -7,6 +7,8 @@ Lifecycle: `start()` opens a `MsgListener` on the chosen transport and an HTTP p
 conversation). The KV survives a client reconnect with the same geometry, so a restarted model
 worker loses nothing: the blocks the old session registered become the retained set
 (`retain.py`), listed at `GET /kv/retained` and copied into the new session's blocks by RESTORE.
+Prefill pushes (`--kv-transport`, `kv_ingest.py`) write blocks unseen by this code, so the decode
+worker CLAIMs a push's blocks before registering it with the prefill side (same write check).
 `stop()` closes everything. A bad frame gets an ERROR reply and the
 server keeps serving; a lost peer ends only that session.
 """
@@ -53,6 +55,9 @@ class _Metrics:
         self.sessions = Gauge("vllm:disagg_attention_sessions", "Connected model workers", registry=r)
         self.retained = Gauge("vllm:disagg_attention_retained_blocks",
                               "Blocks kept from an earlier session, restorable by key", registry=r)
+        self.registered = Gauge("vllm:disagg_attention_registered_blocks",
+                                "Blocks the current session registered (kept if its model worker restarts)",
+                                registry=r)
         self.retained_copy_bytes = Gauge("vllm:disagg_attention_retained_copy_bytes",
                                          "Bytes of retained blocks moved aside by copy-on-write", registry=r)
         self.restored = Counter("vllm:disagg_attention_restored_blocks",
@@ -108,15 +113,13 @@ class DisaggAttentionServer:
             from vllm_disagg.attention.kv_ingest import KVIngest
 
             self.ingest = KVIngest(kv_transport, token, http_host, port=kv_port, registry=self.metrics.registry)
-        if self.ingest is not None and retain_ttl_s > 0:
-            # a prefill push writes block memory directly: the server cannot see which blocks, so
-            # neither drop their registrations nor copy retained data out of them first
-            logger.info("attention server: prefill pushes land here (--kv-transport); KV retention is off")
-            retain_ttl_s = 0.0
+        # a prefill push writes block memory directly, unseen by this server: the decode worker CLAIMs
+        # the destination blocks first (`_claim`), so retention still sees every write
         copy_bytes = kv_cache_bytes // 4 if retain_copy_bytes is None else retain_copy_bytes
         self.retention = KVRetention(retain_ttl_s, copy_bytes)
         self.metrics.retained.set_function(lambda: self.retention.num_retained)
         self.metrics.retained_copy_bytes.set_function(lambda: self.retention.copy_bytes)
+        self.metrics.registered.set_function(lambda: self.retention.num_registered)
         self._http_addr = (http_host, http_port)
         self._recv_timeout = recv_timeout_s
         # one kernel call at a time: sessions share the KV, and vLLM's CPU kernels share one
@@ -245,6 +248,8 @@ class DisaggAttentionServer:
             return None
         if h.mtype == wire.RESTORE:
             return self._restore(h, bufs)
+        if h.mtype == wire.CLAIM:
+            return self._claim(h, bufs)
         raise ProtocolError(f"unexpected {wire.TYPE_NAMES[h.mtype]} from a client")
 
     def _init(self, session: _Session, h: wire.Header, bufs):
@@ -353,6 +358,21 @@ class DisaggAttentionServer:
         self.metrics.restore_misses.inc(len(failed))
         return (wire.Header(wire.RESTORE_OK, seq=h.seq, num_tokens=len(failed)),
                 [torch.tensor(failed, dtype=torch.int32)])
+
+    def _claim(self, h: wire.Header, bufs):
+        """A prefill push will write into these blocks: the write check of `_new_step` runs now, before
+        the decode worker registers the push with the prefill side (registrations riding here first)."""
+        n = self.kernel.num_blocks
+        if len(bufs) != (3 if h.has_reg else 1):
+            raise ProtocolError(f"CLAIM carries {3 if h.has_reg else 1} payloads, got {len(bufs)}")
+        block_ids = wire.decode_block_ids(bufs[0], n, "CLAIM")
+        regs = wire.decode_block_keys(bufs[1:], n, "registrations") if h.has_reg else None
+        with self._lock:
+            if regs is not None:
+                self.retention.register(*regs)
+            if self.retention.needs_write_check():
+                self.retention.before_write(block_ids, self.kernel)
+        return wire.Header(wire.CLAIM_OK, seq=h.seq, num_tokens=len(block_ids)), []
 
     def retained_info(self) -> dict:
         """The body of `GET /kv/retained`."""

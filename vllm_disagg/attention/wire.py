@@ -15,6 +15,11 @@ Conversation (FIFO per channel; the server answers in order):
   PING                                  -> PONG
   RESTORE(block_ids, keys)              -> RESTORE_OK(failed block ids)   copy retained KV into
                                            the new session's blocks (`retain.py`), server-local
+  CLAIM(block_ids)                      -> CLAIM_OK               a prefill instance is about to push
+                                           into these blocks (`kv_ingest.py`, which cannot see
+                                           where a push writes): drop their registrations and move
+                                           retained data out of them first; the decode worker
+                                           registers the push with the prefill side only after this
 Any bad frame -> ERROR(utf-8 text); the server keeps serving.
 
 `meta` = (query_start_loc int32[R+1], seq_lens int32[R], block_table int32[R, C],
@@ -26,6 +31,7 @@ carry block registrations (flag HAS_REG: two more payloads, int32 block ids [n] 
 Protocol versions:
   1: initial.
   2: HAS_REG registrations on step-meta frames; RESTORE / RESTORE_OK; INIT flag RESUME.
+  3: CLAIM / CLAIM_OK (HAS_REG allowed, applied first), so servers that take prefill pushes retain.
 """
 
 from __future__ import annotations
@@ -40,14 +46,15 @@ import torch
 
 from vllm_disagg.errors import ProtocolError
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 MAGIC = b"LAMA"
 
-INIT, INIT_OK, ATTN, QPREV, KV, OUT, OUT_LSE, PING, PONG, ERROR, RESTORE, RESTORE_OK = range(1, 13)
+(INIT, INIT_OK, ATTN, QPREV, KV, OUT, OUT_LSE, PING, PONG, ERROR, RESTORE, RESTORE_OK, CLAIM,
+ CLAIM_OK) = range(1, 15)
 TYPE_NAMES = {
     INIT: "INIT", INIT_OK: "INIT_OK", ATTN: "ATTN", QPREV: "QPREV", KV: "KV", OUT: "OUT",
     OUT_LSE: "OUT_LSE", PING: "PING", PONG: "PONG", ERROR: "ERROR", RESTORE: "RESTORE",
-    RESTORE_OK: "RESTORE_OK",
+    RESTORE_OK: "RESTORE_OK", CLAIM: "CLAIM", CLAIM_OK: "CLAIM_OK",
 }
 HAS_META, HAS_REG = 1, 2
 RESUME = 4  # INIT flag: the same model worker reconnecting (recovery), not a restarted one
@@ -212,25 +219,32 @@ def encode_block_keys(block_ids, keys) -> list:
     return [torch.tensor(list(block_ids), dtype=torch.int32), b"".join(keys)]
 
 
+def decode_block_ids(buf: memoryview, num_blocks: int, what: str) -> list[int]:
+    """Check and decode an int32 [n] block-id payload: at most `num_blocks` ids, in range, distinct."""
+    if buf.nbytes % 4:
+        raise ProtocolError(f"{what}: block ids payload is {buf.nbytes} bytes, not a multiple of 4")
+    n = buf.nbytes // 4
+    if n > num_blocks:
+        raise ProtocolError(f"{what}: {n} entries, more than the {num_blocks} blocks of this server")
+    ids = as_tensor(buf, torch.int32, (n,), f"{what} block ids").tolist()
+    if n and (min(ids) < 0 or max(ids) >= num_blocks):
+        bad = next(b for b in ids if not 0 <= b < num_blocks)
+        raise ProtocolError(f"{what}: block id {bad} out of range [0, {num_blocks})")
+    if len(set(ids)) != n:
+        raise ProtocolError(f"{what}: a block id appears twice")
+    return ids
+
+
 def decode_block_keys(bufs: list[memoryview], num_blocks: int, what: str) -> tuple[list[int], list[bytes]]:
     """Check and decode `encode_block_keys`' payloads: sizes, at most `num_blocks` entries, block
     ids in range and distinct."""
     if len(bufs) != 2:
         raise ProtocolError(f"{what}: block ids and keys need 2 payloads, got {len(bufs)}")
     ids_buf, keys_buf = bufs
-    if ids_buf.nbytes % 4:
-        raise ProtocolError(f"{what}: block ids payload is {ids_buf.nbytes} bytes, not a multiple of 4")
-    n = ids_buf.nbytes // 4
-    if n > num_blocks:
-        raise ProtocolError(f"{what}: {n} entries, more than the {num_blocks} blocks of this server")
+    ids = decode_block_ids(ids_buf, num_blocks, what)
+    n = len(ids)
     if keys_buf.nbytes != n * KEY_BYTES:
         raise ProtocolError(f"{what}: keys payload is {keys_buf.nbytes} bytes, expected {n} keys of "
                             f"{KEY_BYTES} bytes")
-    ids = as_tensor(ids_buf, torch.int32, (n,), f"{what} block ids").tolist()
-    if n and (min(ids) < 0 or max(ids) >= num_blocks):
-        bad = next(b for b in ids if not 0 <= b < num_blocks)
-        raise ProtocolError(f"{what}: block id {bad} out of range [0, {num_blocks})")
-    if len(set(ids)) != n:
-        raise ProtocolError(f"{what}: a block id appears twice")
     raw = bytes(keys_buf)
     return ids, [raw[i * KEY_BYTES:(i + 1) * KEY_BYTES] for i in range(n)]

@@ -11,6 +11,9 @@ What differs from `PushReceiver`:
 - REGISTER carries `targets` = [kv address, num_shards, shard] per server instead of one receiver:
   head-wise every server gets its KV-head slice of every block; request-wise the request's server
   (placed now, on the engine thread, by the attention client's `RequestPlacer`) gets whole blocks.
+- Before REGISTER, the request's blocks are CLAIMed on the servers that will hold them (a synchronous
+  round trip on the attention client's channels), so a server that keeps KV across a model-worker
+  restart moves retained data out of them before the push overwrites it (attention/retain.py).
 - Landing is counted on the servers (`attention/kv_ingest.py`); a thread polls their
   `GET /kv/landed` while receives are pending and sums the bytes per transfer.
 """
@@ -46,6 +49,13 @@ def attention_settings(vllm_config: Any):
     return ra if ra is not None and ra.servers else None
 
 
+def _runner_client() -> Any:
+    """This process's `DisaggAttentionClient` (set by the remote attention backend), or None."""
+    from vllm_disagg.attention import backend
+
+    return backend._CLIENT
+
+
 def side_channel_closed(client: Any, address: str) -> bool:
     """True when the prefill side closed `client`'s idle channel to `address` (side_channel.py).
 
@@ -71,9 +81,11 @@ class AttnPushReceiver(PushReceiver):
     """PushReceiver whose KV lands on the attention servers `ra.servers` (head- or request-wise)."""
 
     def __init__(self, control: Any, handshake: Any, token: str, stats: Any, failure_policy: str, ra: Any,
-                 placer: Any = None):
+                 placer: Any = None, client: Any = None):
         self.servers, self.partition, self.http_timeout_s = list(ra.servers), ra.partition, min(ra.timeout_s, 5.0)
         self._placer = placer
+        self._client_fn = client or _runner_client
+        self._unclaimed: set[str] = set()  # transfer ids whose blocks the servers did not confirm (CLAIM)
         self._kv_addrs: list[str] | None = None
         self._where: dict[str, int] = {}  # transfer_id -> server (request-wise)
         self._totals: dict[str, int] = {}  # transfer_id -> bytes landed over all servers
@@ -94,7 +106,32 @@ class AttnPushReceiver(PushReceiver):
         if self.partition == "request":  # engine thread: the same thread the placer splits steps on
             for spec in specs:
                 self._where[spec.transfer_id] = self._place(spec)
+        self._claim(specs)
         super().start(specs)
+
+    def _claim(self, specs: list[RecvSpec]) -> None:
+        """CLAIM the specs' blocks on their servers (engine thread, the attention client's thread) before
+        they are registered with the prefill side: the servers cannot see where a push writes, so they
+        drop those blocks' registrations and move retained KV out of them now (attention/retain.py).
+        A spec whose claim failed is never registered (`_register_fields` refuses it): D recomputes."""
+        if self.partition == "request":  # an unplaced request fails at registration, with its own reason
+            specs = [s for s in specs if self._where.get(s.transfer_id, -1) >= 0]
+        if not specs:
+            return
+        client = self._client_fn()
+        ids = [b for spec in specs for b in spec.block_ids]
+        owners = [spec.block_ids[0] for spec in specs for _ in spec.block_ids]
+        if client is None:
+            failed = set(ids)
+        else:
+            try:
+                failed = client.claim(ids, self.http_timeout_s, owners if self.partition == "request" else None)
+            except (DisaggError, ValueError) as err:
+                logger.warning("claiming %d blocks for prefill pushes failed: %s", len(ids), err)
+                failed = set(ids)
+        for spec in specs:
+            if failed.intersection(spec.block_ids):
+                self._unclaimed.add(spec.transfer_id)
 
     def _place(self, spec: RecvSpec) -> int:
         if self._placer is None:
@@ -109,6 +146,9 @@ class AttnPushReceiver(PushReceiver):
         return self._placer.place(spec.block_ids[0], spec.num_prompt_tokens)
 
     def _register_fields(self, spec: RecvSpec) -> dict:
+        if spec.transfer_id in self._unclaimed:
+            self._unclaimed.discard(spec.transfer_id)
+            raise DisaggError("the attention servers did not confirm the CLAIM of its blocks")
         addrs = self._kv_addresses()
         if self.partition == "head":
             return {"targets": encode_targets([(a, len(addrs), i) for i, a in enumerate(addrs)])}

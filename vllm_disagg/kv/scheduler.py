@@ -12,7 +12,9 @@ Decode side (`kv_transfer_params.do_remote_prefill`):
 
 Lamina model worker (`reuse`, set with remote_attention): a request without do_remote_prefill may
 restore full blocks the attention servers kept from the previous model worker; see
-`vllm_disagg/attention/reuse.py` (this class only routes to it).
+`vllm_disagg/attention/reuse.py` (this class only routes to it). A P/D request whose tokens the servers
+kept (a replay after a model-worker restart) is restored the same way instead of pushed
+(`reuse.takes_over_push`).
 
 Prefill side (`kv_transfer_params.do_remote_decode`):
     update_state_after_alloc   -> remember transfer id and prompt length
@@ -89,6 +91,7 @@ class DisaggConnectorScheduler:
         self._pending_recv: list[RecvSpec] = []
         self._recv_errors: dict[str, str] = {}  # req_id -> why its push failed
         self._fatal: set[str] = set()
+        self._restored_pd: set[str] = set()  # P/D requests restored from the attention servers, not pushed
         # prefill side
         self._send_reqs: dict[str, tuple[str, int, str]] = {}  # req_id -> (transfer_id, #prompt, digest)
         self._send_announced: set[str] = set()
@@ -99,8 +102,14 @@ class DisaggConnectorScheduler:
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         if self.reuse is not None and not (request.kv_transfer_params or {}).get("do_remote_prefill"):
             return self.reuse.get_num_new_matched_tokens(request, num_computed_tokens), False
+        self._restored_pd.discard(request.request_id)
         if request.request_id in self._recv_seen or self._remote_prefill(request) is None:
             return 0, False
+        if self.reuse is not None:  # a replayed P/D request whose KV the attention servers kept
+            restored = self.reuse.takes_over_push(request, num_computed_tokens)
+            if restored:
+                self._restored_pd.add(request.request_id)
+                return restored, False
         count = request.num_prompt_tokens - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
@@ -116,9 +125,13 @@ class DisaggConnectorScheduler:
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         params = request.kv_transfer_params or {}
+        restored_pd = request.request_id in self._restored_pd
         if self.reuse is not None:
-            pushed = params.get("do_remote_prefill")  # its external tokens come from the P/D push
+            pushed = params.get("do_remote_prefill") and not restored_pd  # external tokens come from the push
             self.reuse.update_state_after_alloc(request, blocks, 0 if pushed else num_external_tokens)
+        if restored_pd:  # seen: after a preemption it is computed here, never pushed into blocks it may reuse
+            self._recv_seen.add(request.request_id)
+            return
         if params.get("do_remote_decode") and request.request_id not in self._send_reqs:
             self._send_reqs[request.request_id] = (
                 str(params.get("transfer_id", "")), request.num_prompt_tokens, prompt_digest(request)
@@ -195,6 +208,7 @@ class DisaggConnectorScheduler:
             self.reuse.request_finished(request, block_ids)
         self._recv_seen.discard(req_id)
         self._recv_inflight.discard(req_id)
+        self._restored_pd.discard(req_id)
         self._fatal.discard(req_id)
         error = self._recv_errors.pop(req_id, None)
         if error is not None:

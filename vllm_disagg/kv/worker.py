@@ -9,7 +9,8 @@ sender thread pushes its whole blocks at once), `wait_for_save` marks the step's
 `get_transfer_results` reports pushes that are over and receives that landed or failed.
 Nothing here blocks the forward pass except `bind` after a preemption (bounded).
 A Lamina model worker also restores retained blocks on its attention servers in `start_load_kv`
-(before the forward, only on steps that load) and registers written blocks (`attention/reuse.py`).
+(before the forward, only on steps that load) and registers written blocks (`attention/reuse.py`);
+its receiver CLAIMs a prefill push's blocks on the servers before registering it (`attn_targets.py`).
 """
 
 from __future__ import annotations
@@ -124,10 +125,10 @@ class DisaggConnectorWorker:
     def bind(self, meta: DisaggConnectorMetadata) -> None:
         if self.sender is not None and (meta.save_specs or meta.release_req_ids or meta.preempted_req_ids):
             self.sender.bind(meta)
+        if self.reuse is not None:  # first: registrations queued now ride on the receiver's CLAIM, ahead of it
+            self.reuse.bind(meta.reuse)
         if self.receiver is not None and meta.recv_specs:
             self.receiver.start(meta.recv_specs)
-        if self.reuse is not None:
-            self.reuse.bind(meta.reuse)
 
     def start_load_kv(self) -> None:
         if self.reuse is not None:

@@ -55,7 +55,7 @@ def attention_server():
     client = DisaggAttentionClient([info["http"]], transport="tcp", auth_token=TOKEN)
     client.connect(num_layers=LAYERS, num_heads=4, num_kv_heads=KV_HEADS, head_size=HEAD, block_size=BS,
                    dtype="float32", max_num_tokens=256)  # the INIT attaches the server's KV receiver
-    yield info["http"]
+    yield info["http"], client
     client.close()
     server.stop()
 
@@ -85,9 +85,11 @@ def _state(receiver: AttnPushReceiver, req_id: str) -> str | None:
 
 
 def test_a_prefill_killed_after_accepting_a_registration_is_noticed_within_a_poll(attention_server):
-    ra = RemoteAttentionSection(servers=[attention_server], transport="tcp", partition="head")
+    http, client = attention_server
+    ra = RemoteAttentionSection(servers=[http], transport="tcp", partition="head")
     receiver = AttnPushReceiver(get_transport("tcp", TransportOptions(auth_token=TOKEN)), INFO, TOKEN,
-                                (DisaggKVConnectorStats(), threading.Lock()), "recompute", ra)
+                                (DisaggKVConnectorStats(), threading.Lock()), "recompute", ra,
+                                client=lambda: client)  # the model worker's client CLAIMs the blocks
     proc, address = _start_prefill()
     try:
         receiver.start([RecvSpec("d1", "t1", address, (1, 2), 0, 40, PUSH_TIMEOUT_S)])

@@ -344,14 +344,6 @@ def test_a_server_with_a_short_ttl_forgets_the_retained_blocks_and_restore_misse
         srv.stop()
 
 
-def test_a_server_that_takes_prefill_pushes_does_not_retain():
-    srv = DisaggAttentionServer(transport="tcp", kv_cache_bytes=1 << 20, auth_token=TOKEN, kv_transport="tcp")
-    try:
-        assert srv.retention.ttl_s == 0  # pushes write block memory the server cannot see
-    finally:
-        srv.ingest.close()
-
-
 def _batch(tables: list[list[int]], start: int, length: int) -> ClientMeta:
     """Requests of equal shape at positions [start, start+length), one block-table row each."""
     steps = [_step(t, start, length).step for t in tables]

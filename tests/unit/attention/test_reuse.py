@@ -357,3 +357,68 @@ def test_the_worker_half_registers_through_step_frames_and_reports_blocks_it_cou
     finally:
         for s in servers:
             s.stop()
+
+
+# ---------------------------------------------------------------- P/D requests (a prefill instance pushes)
+def _add_pd(eng: Engine, req_id: str, prompt: list[int]):
+    """A decode-side P/D request, as the router sends it to D (`kv_transfer_params.do_remote_prefill`)."""
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    sp = SamplingParams(max_tokens=20, ignore_eos=True, temperature=0, extra_args={"kv_transfer_params": {
+        "do_remote_prefill": True, "transfer_id": f"tid-{req_id}", "remote_host": "127.0.0.1", "remote_port": 9}})
+    sp.update_from_generation_config({}, None)
+    eng.sched.add_request(Request(req_id, prompt, sp, None))
+
+
+def _retain(eng: Engine, keys) -> None:
+    eng.reuse.index = RetainedIndex(["x"], "t", BS, fetch=lambda s, _: {"block_size": BS, "keys": set(keys),
+                                                                        "ttl_s": 9.0})
+    eng.reuse.index.refresh()
+
+
+def test_a_pd_request_is_pushed_then_its_full_blocks_register_once_it_runs(vllm_config):
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+    eng = Engine(vllm_config, [set(), set()])
+    prompt = _prompt(100, 20)
+    _add_pd(eng, "a", prompt)
+    out = eng.sched.schedule()  # STEP (1) allocate, register the push with the prefill instance
+    [spec] = out.kv_connector_metadata.recv_specs
+    assert out.num_scheduled_tokens == {} and spec.block_ids == tuple(eng.blocks("a"))
+    assert out.kv_connector_metadata.reuse.restores == []
+    eng.sched.update_from_output(out, ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[],
+                                                        kv_connector_output=KVConnectorOutput(
+                                                            finished_recving={"a"})))  # the push landed
+    out, meta = eng.step()  # STEP (2) the pushed prompt's full blocks are on the servers: register them
+    assert "a" in out.num_scheduled_tokens
+    assert meta.reg_block_ids == eng.blocks("a")[:3] and meta.reg_keys == chain_keys(prompt, BS, eng.salt)
+
+
+def test_a_replayed_pd_request_whose_blocks_were_kept_is_restored_instead_of_pushed(vllm_config):
+    """The router replays prompt + generated ids through P and D after the model worker restarted: D
+    restores what the servers kept and computes the tail, registering nothing with the prefill side."""
+    eng = Engine(vllm_config, [set(), set()])
+    replayed = _prompt(150, 21)  # blocks 0-3 full, 22 tokens in block 4
+    keys = chain_keys(replayed, BS, eng.salt)
+    _retain(eng, keys[:3])  # block 3 was filled by the last step before the kill: never registered
+    _add_pd(eng, "a", replayed)
+    out, meta = eng.step()
+    blocks = eng.blocks("a")
+    assert out.kv_connector_metadata.recv_specs == []
+    assert out.has_sync_kv_loads and out.num_scheduled_tokens == {"a": 150 - 96}
+    assert meta.restores == [(k, b) for k, b in zip(keys[:3], blocks[:3])]
+    _, meta = eng.step()  # the tail's full block registers like any other
+    assert meta.reg_block_ids == [blocks[3]] and meta.reg_keys == [keys[3]]
+
+
+def test_a_pd_request_with_a_short_retained_prefix_waits_for_its_push(vllm_config):
+    """Computing most of a prompt on D would defeat P/D: a match that leaves more than two blocks
+    to compute is not taken, and the whole prompt is pushed."""
+    eng = Engine(vllm_config, [set(), set()])
+    prompt = _prompt(150, 22)
+    _retain(eng, chain_keys(prompt, BS, eng.salt)[:1])  # a shared first block only
+    _add_pd(eng, "a", prompt)
+    out, meta = eng.step()
+    [spec] = out.kv_connector_metadata.recv_specs
+    assert spec.block_ids == tuple(eng.blocks("a")) and meta.restores == [] and out.num_scheduled_tokens == {}
