@@ -116,6 +116,18 @@ def merge_flags_into_namespace(args: argparse.Namespace) -> None:
     check_wiring(cfg)
     additional["disagg"] = cfg.model_dump(exclude_none=True)
     args.additional_config = additional
+    if cfg.remote_attention is not None and getattr(args, "kv_transfer_config", None) is None:
+        _wire_restart_reuse(args)
+
+
+def _wire_restart_reuse(args: argparse.Namespace) -> None:
+    """A `vllm serve` model worker restores its attention servers' KV after a restart
+    (attention/reuse.py), which needs the connector's consumer half. CLI only: vLLM's connector
+    agent is process-global, so an implicit connector under LLM() would leak into the next
+    in-process engine; API users pass `kv_transfer_config=reuse_connector_config()`."""
+    from vllm.config import KVTransferConfig
+
+    args.kv_transfer_config = KVTransferConfig(**reuse_connector_config())
 
 
 # ---------------------------------------------------------------------------
@@ -137,13 +149,10 @@ def _require_module(qualname: str, feature: str) -> None:
 
 
 def kv_transfer_config_for(cfg: DisaggConfig) -> dict | None:
-    """The --kv-transfer-config a prefill or decode instance needs.
-
-    A Lamina model worker of any role gets the consumer half too: its reuse half registers the
-    blocks its attention servers hold and restores them after a restart (attention/reuse.py)."""
-    if cfg.role not in ("prefill", "decode") and cfg.remote_attention is None:
+    """The --kv-transfer-config a prefill or decode instance needs."""
+    if cfg.role not in ("prefill", "decode"):
         return None
-    _require_module(KV_CONNECTOR_MODULE, f"--disagg-role {cfg.role}" if cfg.role != "mixed" else "remote attention")
+    _require_module(KV_CONNECTOR_MODULE, f"--disagg-role {cfg.role}")
     producer = cfg.role == "prefill"
     return {
         "kv_connector": KV_CONNECTOR,
@@ -151,6 +160,14 @@ def kv_transfer_config_for(cfg: DisaggConfig) -> dict | None:
         "kv_role": "kv_producer" if producer else "kv_consumer",
         "kv_load_failure_policy": "recompute",
     }
+
+
+def reuse_connector_config() -> dict:
+    """The --kv-transfer-config of a Lamina model worker without a prefill pool: the consumer half
+    only registers and restores retained blocks (a failed restore is recomputed)."""
+    _require_module(KV_CONNECTOR_MODULE, "remote attention restart reuse")
+    return {"kv_connector": KV_CONNECTOR, "kv_connector_module_path": KV_CONNECTOR_MODULE,
+            "kv_role": "kv_consumer", "kv_load_failure_policy": "recompute"}
 
 
 def _on_cpu() -> bool:

@@ -68,3 +68,18 @@ def test_every_flag_maps_to_a_real_config_key():
         for part in parents:
             model = [a for a in model.model_fields[part].annotation.__args__ if a is not type(None)][0]
         assert leaf in model.model_fields, flag.flag
+
+
+def test_a_vllm_serve_model_worker_gets_the_connector_that_restores_its_servers_kv_unless_one_is_given():
+    from vllm.config import KVTransferConfig
+
+    args = parse(["--plugin", "disagg", "--disagg-attention-servers", "127.0.0.1:8301"])
+    args.kv_transfer_config = None
+    merge_flags_into_namespace(args)
+    kv = args.kv_transfer_config
+    assert isinstance(kv, KVTransferConfig) and kv.kv_connector == "DisaggConnector"
+    assert kv.kv_role == "kv_consumer" and kv.kv_load_failure_policy == "recompute"
+    args = parse(["--plugin", "disagg", "--disagg-attention-servers", "127.0.0.1:8301"])
+    args.kv_transfer_config = mine = KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_both")
+    merge_flags_into_namespace(args)
+    assert args.kv_transfer_config is mine
