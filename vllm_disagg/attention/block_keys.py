@@ -2,7 +2,7 @@
 """Content keys of full KV blocks: what a restarted model worker asks the attention servers for.
 
 `key_i = blake2b(key_{i-1} || salt || int32-LE token ids of block i, digest_size=16)`, with
-`key_{-1}` = 16 zero bytes (`.coord/retain_api.md`, "Keys"). Chaining makes a key name the whole
+`key_{-1}` = 16 zero bytes (`docs/design/retain_api.md`, "Keys"). Chaining makes a key name the whole
 prefix, as vLLM's own prefix-cache hashes do: two requests share block i's key only if they share
 every token up to the end of block i. The salt names the model and everything that changes its KV
 (`model_salt`), so a server that kept another model's blocks never matches.

@@ -2,7 +2,7 @@
 """A restarted model worker reuses the KV its attention servers kept (issue 4, connector side).
 
 The servers keep each model worker's registered full blocks, by content key (`block_keys.py`),
-when its session ends, and copy them into new block ids on request (`.coord/retain_api.md`). This
+when its session ends, and copy them into new block ids on request (`docs/design/retain_api.md`). This
 module is the `DisaggConnector`'s part of that, active only with `remote_attention` configured:
 
 Scheduler half, `DisaggReuseScheduler` (EngineCore):

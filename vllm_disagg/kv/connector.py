@@ -5,7 +5,7 @@ Load it with `--kv-transfer-config '{"kv_connector":"DisaggConnector",
 "kv_connector_module_path":"vllm_disagg.kv.connector","kv_role":"kv_producer"|"kv_consumer"}'`
 (no registration needed). The scheduler instance (EngineCore) delegates to
 `DisaggConnectorScheduler`, the worker instance to `DisaggConnectorWorker`; see README.md in this
-package for the lifecycle and the request protocol (.coord/pd_protocol.md).
+package for the lifecycle and the request protocol (docs/design/pd_protocol.md).
 """
 
 from __future__ import annotations

@@ -51,7 +51,7 @@ logger = init_logger(__name__)
 
 @dataclass(frozen=True)
 class RemotePrefillParams:
-    """The decode-side keys of `kv_transfer_params` (see .coord/pd_protocol.md), validated."""
+    """The decode-side keys of `kv_transfer_params` (see docs/design/pd_protocol.md), validated."""
 
     transfer_id: str
     remote: str

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Public overlap API for code that runs inside a nano-batched step (see .coord/overlap_api.md).
+"""Public overlap API for code that runs inside a nano-batched step (see docs/design/overlap_api.md).
 
 - An attention impl whose forward is network-bound (remote attention) sets the class attribute
   `nanoflow_network_bound = True`; the executor then runs that layer's attention ops on the "net"
