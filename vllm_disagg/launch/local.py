@@ -90,10 +90,23 @@ class InstanceSpec:
 
 
 def free_ports(num: int) -> list[int]:
-    """Ports the OS reports free right now (held open together so they are distinct)."""
-    socks = []
+    """Ports free right now (held open together so they are distinct), chosen below the kernel's
+    ephemeral range: a bind(0) port is the kind a vLLM engine starting beside ours takes for its own
+    sockets before our instance binds it (seen in CI: a prefill's KV port, "Address already in use")."""
+    low, high = _static_port_range()
+    socks: list[socket.socket] = []
     try:
-        for _ in range(num):
+        for port in secrets.SystemRandom().sample(range(low, high), k=min(high - low, 64 * num)):
+            if len(socks) == num:
+                break
+            s = socket.socket()
+            try:
+                s.bind((HOST, port))
+            except OSError:
+                s.close()
+                continue
+            socks.append(s)
+        while len(socks) < num:  # no static range on this host: the OS's pick
             s = socket.socket()
             s.bind((HOST, 0))
             socks.append(s)
@@ -101,6 +114,16 @@ def free_ports(num: int) -> list[int]:
     finally:
         for s in socks:
             s.close()
+
+
+def _static_port_range() -> tuple[int, int]:
+    """[20000, start of the ephemeral range): above Ray's worker ports (10002-19999), below the
+    ports the kernel hands out for bind(0)/connect(); empty when the host's range starts lower."""
+    try:
+        ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 32768
+    return 20000, max(20000, ephemeral_low)
 
 
 def core_slices(num_instances: int, cores_per_instance: int, cores: list[int] | None = None) -> list[str]:
