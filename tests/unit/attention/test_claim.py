@@ -11,9 +11,9 @@ import time
 
 import pytest
 import torch
+from retain_helpers import BS, GEOM, TOKEN, _attend, _client, _key, _step
 
 from vllm_disagg.attention import wire
-from vllm_disagg.attention.client import ClientMeta, DisaggAttentionClient
 from vllm_disagg.attention.server import DisaggAttentionServer
 from vllm_disagg.config import RemoteAttentionSection
 from vllm_disagg.kv.attn_targets import AttnPushReceiver
@@ -21,15 +21,6 @@ from vllm_disagg.kv.handshake import HandshakeInfo
 from vllm_disagg.kv.metadata import RecvSpec
 from vllm_disagg.kv.stats import DisaggKVConnectorStats
 from vllm_disagg.transport import BlockWrite, TransportOptions, get_transport
-
-TOKEN = "claim-token"
-BS = 32
-GEOM = dict(num_layers=2, num_heads=4, num_kv_heads=2, head_size=32, block_size=BS, dtype="float32",
-            max_num_tokens=256)
-
-
-def _key(i: int) -> bytes:
-    return bytes([i]) * 16
 
 
 def _server() -> tuple[DisaggAttentionServer, dict]:
@@ -44,28 +35,6 @@ def server():
     srv.stop()
 
 
-def _client(*infos, partition: str = "head") -> DisaggAttentionClient:
-    client = DisaggAttentionClient([i["http"] for i in infos], transport="tcp", partition=partition,
-                                   send_q_early=False, auth_token=TOKEN)
-    client.connect(**GEOM)
-    return client
-
-
-def _step(table: list[int], start: int, length: int) -> ClientMeta:
-    """One request at positions [start, start+length) over block ids `table`."""
-    pos = torch.arange(start, start + length)
-    bt = torch.tensor([table], dtype=torch.int32)
-    slots = bt[0, pos // BS].long() * BS + pos % BS
-    step = wire.StepMeta(torch.tensor([0, length], dtype=torch.int32),
-                         torch.tensor([start + length], dtype=torch.int32), bt, slots)
-    return ClientMeta(step, max_query_len=length, num_actual_tokens=length)
-
-
-def _attend(client, meta: ClientMeta, q, k, v) -> torch.Tensor:
-    out = torch.empty(q.shape)
-    for layer in range(GEOM["num_layers"]):
-        client.attend(layer, q, k, v, meta, 0.2, out)
-    return out
 
 
 def _push(srv: DisaggAttentionServer, src_blocks: list[int], dst_blocks: list[int], tid: str) -> list:

@@ -11,6 +11,7 @@ import urllib.request
 
 import pytest
 import torch
+from retain_helpers import BS, GEOM, TOKEN, _attend, _client, _key, _step
 
 from vllm_disagg.attention import wire
 from vllm_disagg.attention.client import ClientMeta, DisaggAttentionClient
@@ -19,15 +20,6 @@ from vllm_disagg.attention.merge import partial_attention
 from vllm_disagg.attention.retain import KVRetention
 from vllm_disagg.attention.server import DisaggAttentionServer
 from vllm_disagg.transport import TransportOptions, get_transport
-
-TOKEN = "retain-token"
-BS = 32
-GEOM = dict(num_layers=2, num_heads=4, num_kv_heads=2, head_size=32, block_size=BS, dtype="float32",
-            max_num_tokens=256)
-
-
-def _key(i: int) -> bytes:
-    return bytes([i]) * 16
 
 
 class _Clock:
@@ -144,12 +136,6 @@ def server():
     srv.stop()
 
 
-def _client(*infos, partition: str = "head") -> DisaggAttentionClient:
-    client = DisaggAttentionClient([i["http"] for i in infos], transport="tcp", partition=partition,
-                                   send_q_early=False, auth_token=TOKEN)
-    client.connect(**GEOM)
-    return client
-
 
 def _get_retained(info: dict, token: str | None = TOKEN) -> dict:
     req = urllib.request.Request(f"http://{info['http']}/kv/retained")
@@ -158,22 +144,6 @@ def _get_retained(info: dict, token: str | None = TOKEN) -> dict:
     with urllib.request.urlopen(req, timeout=5) as r:
         return json.loads(r.read())
 
-
-def _step(table: list[int], start: int, length: int) -> ClientMeta:
-    """One request at positions [start, start+length) over block ids `table`."""
-    pos = torch.arange(start, start + length)
-    bt = torch.tensor([table], dtype=torch.int32)
-    slots = bt[0, pos // BS].long() * BS + pos % BS
-    step = wire.StepMeta(torch.tensor([0, length], dtype=torch.int32),
-                         torch.tensor([start + length], dtype=torch.int32), bt, slots)
-    return ClientMeta(step, max_query_len=length, num_actual_tokens=length)
-
-
-def _attend(client, meta: ClientMeta, q, k, v) -> torch.Tensor:
-    out = torch.empty(q.shape)
-    for layer in range(GEOM["num_layers"]):
-        client.attend(layer, q, k, v, meta, 0.2, out)
-    return out
 
 
 def test_a_new_session_restores_retained_blocks_and_attends_exactly_as_the_first_did(server):
