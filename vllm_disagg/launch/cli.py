@@ -23,6 +23,8 @@ import signal
 import tempfile
 from pathlib import Path
 
+from vllm_disagg.router.cli import add_failover_args
+
 logger = logging.getLogger("vllm_disagg.launch")
 
 
@@ -51,12 +53,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         help="router: pending prefill tokens above which prompts overflow to the mixed pool")
     parser.add_argument("--decode-queue-threshold", type=int, default=65536,
                         help="router: pending decode tokens above which requests overflow to the mixed pool")
-    parser.add_argument("--replay-attempts", type=int, default=3,
-                        help="router: re-sends of a request whose instance failed (0: off)")
-    parser.add_argument("--replay-wait-s", type=float, default=300.0,
-                        help="router: longest wait for a healthy instance (e.g. a restart) before a replay")
-    parser.add_argument("--admission-wait-s", type=float, default=120.0,
-                        help="router: longest wait of a new request for a healthy instance before 503 (0: at once)")
+    add_failover_args(parser.add_argument_group("router failover"))
     parser.add_argument("--access-log", action="store_true",
                         help="keep vLLM's per-request access log (off: /health polls would flood the logs)")
     parser.add_argument("--health-timeout-s", type=float, default=900.0,

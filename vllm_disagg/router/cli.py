@@ -31,16 +31,22 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--read-timeout-s", type=float, default=300.0,
                    help="longest silence from an instance before the request fails cleanly")
     g.add_argument("--health-interval-s", type=float, default=2.0, help="period of /health polls")
+    add_failover_args(g)
+    g.add_argument("--prefill-queue-threshold", type=int, default=8192,
+                   help="pending prefill tokens above which prompts overflow to the mixed pool")
+    g.add_argument("--decode-queue-threshold", type=int, default=65536,
+                   help="pending decode tokens above which requests overflow to the mixed pool")
+
+
+
+def add_failover_args(g) -> None:
+    """Replay and admission waits; `vllm-disagg up` adds the same to its own parser."""
     g.add_argument("--replay-attempts", type=int, default=3,
                    help="re-sends of a request whose instance failed; a stream goes on from the tokens sent (0: off)")
     g.add_argument("--replay-wait-s", type=float, default=300.0,
                    help="longest wait for a healthy instance (e.g. a restart) before a replay")
     g.add_argument("--admission-wait-s", type=float, default=120.0,
                    help="longest wait of a new request for a healthy instance (e.g. a restart) before 503 (0: at once)")
-    g.add_argument("--prefill-queue-threshold", type=int, default=8192,
-                   help="pending prefill tokens above which prompts overflow to the mixed pool")
-    g.add_argument("--decode-queue-threshold", type=int, default=65536,
-                   help="pending decode tokens above which requests overflow to the mixed pool")
 
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
