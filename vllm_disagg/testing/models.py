@@ -1,21 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Helpers for tests and benchmarks: a tiny random-weight Llama and the environment vLLM needs here.
+"""Tiny seeded-weight models for equivalence tests, and deterministic token prompts.
 
-The tiny model is a `config.json` only; load it with `load_format="dummy"` and
-`skip_tokenizer_init=True`, and pass prompts as token ids. Its output is gibberish but deterministic,
-which is what equivalence tests need.
+Seeded weights (not vLLM's dummy ones) make the next token depend on the context, so a test can see
+stale or misplaced KV. Load with `tiny_llm_kwargs`; prompts are token ids.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
-import subprocess
-import sys
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 TINY_LLAMA_CONFIG = {
@@ -37,26 +30,6 @@ TINY_LLAMA_CONFIG = {
     "bos_token_id": 1,
     "eos_token_id": 2,
 }
-
-# Env every vLLM process in tests needs on these boxes (see README, "Environment").
-TEST_ENV = {
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "VLLM_HOST_IP": "127.0.0.1",
-    "VLLM_NO_USAGE_STATS": "1",
-    "DO_NOT_TRACK": "1",
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-}
-
-
-def apply_test_env(in_process: bool = True) -> None:
-    """Set TEST_ENV (without overriding what the caller set); in-process engines start in ~5 s."""
-    for key, value in TEST_ENV.items():
-        os.environ.setdefault(key, value)
-    if in_process:
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-
 
 def make_tiny_llama(path: str | os.PathLike, weights: bool = False, seed: int = 0, **overrides) -> Path:
     """Write a tiny Llama `config.json` into `path` and return the directory.
@@ -174,65 +147,3 @@ def tiny_llama_with_tokenizer(dest: str | os.PathLike, num_hidden_layers: int = 
 def token_id_lists(num: int, length: int, seed: int, vocab: int = SMOLLM2_VOCAB) -> list[list[int]]:
     """`token_prompts` as bare id lists (HTTP bodies take `prompt: [ids]`)."""
     return [p["prompt_token_ids"] for p in token_prompts(num, length, vocab, seed)]
-
-
-def group_alive(pgid: int) -> bool:
-    """Whether any process of the process group `pgid` still exists."""
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-
-
-@dataclass
-class RunningUp:
-    """A `vllm-disagg up` deployment started by `running_up`; `output` is filled on exit."""
-
-    proc: subprocess.Popen
-    state_file: Path
-    state: dict = field(default_factory=dict)
-    output: bytes = b""
-
-
-@contextlib.contextmanager
-def running_up(tmp_path: str | os.PathLike, *argv: str, start_timeout_s: float = 600):
-    """`vllm-disagg up --port 0 ... *argv` until its state file appears.
-
-    On leaving the block it SIGTERMs `up`, asserts a clean exit and that no process group of the
-    deployment outlived it (the reapers' job), so every test using it also tests shutdown."""
-    state_file = Path(tmp_path) / "state.json"
-    cmd = [sys.executable, "-m", "vllm_disagg.cli.main", "up", "--port", "0", "--state-file", str(state_file),
-           "--log-dir", str(Path(tmp_path) / "logs"), *argv]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-    up = RunningUp(proc, state_file)
-    try:
-        deadline = time.monotonic() + start_timeout_s
-        while not state_file.exists():
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read().decode()[-3000:]
-            time.sleep(1)
-        up.state = json.loads(state_file.read_text())
-        yield up
-        os.kill(proc.pid, signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0
-        up.output = proc.stdout.read()
-        pids = [i["pid"] for i in up.state.get("instances", [])]
-        deadline = time.monotonic() + 10  # SIGKILLed members vanish once init reaps them
-        while any(group_alive(p) for p in pids) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not [p for p in pids if group_alive(p)], "a process group of the deployment outlived `up`"
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-
-
-async def sse_events(resp):
-    """The JSON events of an OpenAI-style SSE stream (aiohttp response), up to `[DONE]`; an error
-    event fails the calling test."""
-    async for line in resp.content:
-        line = line.strip()
-        if not line.startswith(b"data: ") or line == b"data: [DONE]":
-            continue
-        event = json.loads(line[6:])
-        assert "error" not in event, event
-        yield event
