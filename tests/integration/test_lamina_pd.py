@@ -99,6 +99,14 @@ def _metric(url: str, name: str) -> float:
     raise AssertionError(f"{url} exports no {name}")
 
 
+def _labelled_metric(url: str, name: str) -> float:
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
+        for line in resp.read().decode().splitlines():
+            if line.startswith(name + "{"):
+                return float(line.split()[-1])
+    raise AssertionError(f"{url} exports no {name}")
+
+
 def _ingested(url: str) -> float:
     return _metric(url, "vllm:disagg_attention_kv_ingest_bytes_total")
 
@@ -142,6 +150,13 @@ def _replay_restores_after_a_decode_restart(up, plain_runs, block_nbytes: int, n
     for (ids, _, params), want in zip(got, replay_tokens, strict=True):
         assert not (params or {}).get("disagg_kv_error"), params
         assert ids == want
+    # D sent the prefill instance a CANCEL for each push it took over (restored), so P frees those blocks
+    # now: before wire v2 it held them until its push_timeout_s (30 s)
+    [prefill] = [i["url"] for i in state["instances"] if i["role"] == "prefill"]
+    deadline = time.monotonic() + 5
+    while _labelled_metric(prefill, "vllm:kv_cache_usage_perc") > 0:
+        assert time.monotonic() < deadline, "the prefill instance still holds KV blocks of taken-over pushes"
+        time.sleep(0.2)
     restored = [_metric(u, "vllm:disagg_attention_restored_blocks_total") for u in servers]
     print(f"\n{partition}: blocks registered per server before the decode restart: {registered}, "
           f"restored after it: {restored}")

@@ -37,6 +37,7 @@ from vllm_disagg.attention import wire
 from vllm_disagg.attention.merge import merge_attn_states, partial_attention
 from vllm_disagg.attention.partition import RequestPlacer, head_shards
 from vllm_disagg.errors import DisaggError, PeerLostError, ProtocolError, TransportTimeout
+from vllm_disagg.trace_context import TraceContext
 from vllm_disagg.transport import TransportOptions, get_transport
 
 logger = init_logger(__name__)
@@ -61,6 +62,8 @@ class ClientMeta:
     max_query_len: int
     num_actual_tokens: int = 0
     meta_id: int = field(default_factory=lambda: next(_meta_ids))
+    trace: TraceContext | None = None
+    """W3C trace context sent with this step's metadata (HAS_TRACE), for the servers' spans."""
     _splits: list | None = None
 
     @property
@@ -94,14 +97,15 @@ class ServerConn:
             regs, self._regs = self._regs, {}
         return wire.encode_block_keys(regs.keys(), regs.values())
 
-    def connect(self, geometry: wire.Geometry, resume: bool = False) -> dict:
+    def connect(self, geometry: wire.Geometry, resume: bool = False, trace: TraceContext | None = None) -> dict:
         try:
             with urllib.request.urlopen(f"http://{self.http_addr}/health", timeout=self.timeout_s) as r:
                 health = json.loads(r.read())
             self.channel = self.transport.connect_msg(health["address"], timeout=self.timeout_s)
         except (OSError, KeyError, ValueError, DisaggError) as err:
             raise AttentionServerLost(self.http_addr, err) from err
-        seq = self.send(wire.INIT, [geometry.to_json()], flags=wire.RESUME if resume else 0)
+        seq = self.send(wire.INIT, [geometry.to_json(), *wire.encode_trace(trace)],
+                        flags=(wire.RESUME if resume else 0) | (wire.HAS_TRACE if trace is not None else 0))
         reply = self.recv(seq, wire.INIT_OK, timeout=max(self.timeout_s, 120.0))  # allocates the KV
         self.info = json.loads(bytes(reply.buffers[0]))
         return self.info
@@ -112,8 +116,8 @@ class ServerConn:
         seq = next(self._seq)
         if meta is not None and meta.meta_id not in self._sent_metas:
             regs = self._take_registrations()
-            flags = wire.HAS_META | (wire.HAS_REG if regs else 0)
-            tensors = [*tensors, *(step or meta.step).tensors(), *regs]
+            flags = wire.HAS_META | (wire.HAS_REG if regs else 0) | (wire.HAS_TRACE if meta.trace is not None else 0)
+            tensors = [*tensors, *(step or meta.step).tensors(), *regs, *wire.encode_trace(meta.trace)]
             self._sent_metas[meta.meta_id] = None
             while len(self._sent_metas) > _META_CACHE:
                 self._sent_metas.popitem(last=False)
@@ -175,8 +179,8 @@ class DisaggAttentionClient:
         self.placer = RequestPlacer(len(servers)) if partition == "request" else None
 
     def connect(self, num_layers: int, num_heads: int, num_kv_heads: int, head_size: int,
-                block_size: int, dtype: str, max_num_tokens: int) -> int:
-        """Connect and INIT every server; returns the usable number of blocks."""
+                block_size: int, dtype: str, max_num_tokens: int, trace: TraceContext | None = None) -> int:
+        """Connect and INIT every server (with `trace`, if given); returns the usable number of blocks."""
         self.geometry_args = dict(num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads,
                                   head_size=head_size, block_size=block_size, dtype=dtype,
                                   max_num_tokens=max_num_tokens)
@@ -189,7 +193,7 @@ class DisaggAttentionClient:
             geoms = [wire.Geometry(num_layers, num_heads, num_kv_heads, head_size, block_size, dtype,
                                    max_num_tokens)] * n
         resume = self.num_blocks > 0  # connected before: the recovery reconnects, not a restart
-        infos = [c.connect(g, resume) for c, g in zip(self.conns, geoms)]
+        infos = [c.connect(g, resume, trace) for c, g in zip(self.conns, geoms)]
         self.num_blocks = min(int(i["num_blocks"]) for i in infos)
         lse = all(i.get("supports_lse") for i in infos)
         if self.send_q_early and not lse:

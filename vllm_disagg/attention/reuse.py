@@ -237,8 +237,8 @@ class DisaggReuseScheduler:
         replays prompt + generated ids after this model worker restarted: the retained full-block tokens
         to restore instead of waiting for the prefill push (the tail, at most `_PD_MAX_TAIL_BLOCKS`
         blocks, is computed here), or 0 to let the push come (a short or no match: computing most of a
-        prompt here would defeat P/D). The prefill side, never registered with, drops its push at its
-        push_timeout_s."""
+        prompt here would defeat P/D). The prefill side, never registered with, gets a CANCEL for that push
+        (`kv.scheduler`), so it frees the push's blocks at once."""
         matched = self.get_num_new_matched_tokens(request, num_computed_tokens)
         if matched and request.num_tokens - num_computed_tokens - matched <= _PD_MAX_TAIL_BLOCKS * self.block_size:
             logger.info("request %s: restoring %d tokens the attention servers kept instead of waiting for its "

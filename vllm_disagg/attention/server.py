@@ -36,6 +36,7 @@ from vllm_disagg.transport import TransportOptions, get_transport
 logger = init_logger(__name__)
 _META_CACHE = 8  # steps whose metadata we keep (pipelining keeps a few in flight)
 _QKV, _Q, _KV = ("q", "k", "v"), ("q",), ("k", "v")
+_STEP_FLAGS = wire.HAS_TRACE | wire.HAS_META
 
 
 class _Metrics:
@@ -218,7 +219,10 @@ class DisaggAttentionServer:
         self.metrics.bytes_in.inc(sum(msg.lengths))
         self.metrics.message(h.mtype).inc()
         try:
-            reply = self._dispatch(session, h, msg.buffers)
+            bufs = msg.buffers
+            if h.flags & _STEP_FLAGS:  # a step (or INIT) starts: its trace, if any
+                session.trace, bufs = wire.decode_trace(h, bufs)
+            reply = self._dispatch(session, h, bufs)
         except (ProtocolError, ValueError, RuntimeError, NotImplementedError) as err:
             self._reply_error(ch, h.seq, f"{wire.TYPE_NAMES[h.mtype]} seq {h.seq}: {err}")
             return
@@ -397,6 +401,8 @@ class _Session:
         self.out: torch.Tensor | None = None
         self.out_bytes: memoryview | None = None
         self._metas: OrderedDict[int, list] = OrderedDict()
+        self.trace = None
+        """W3C trace context (`TraceContext`) of the step (or INIT) being served, if the client sent one."""
 
     def remember(self, meta_id: int, meta: wire.StepMeta) -> None:
         self._metas[meta_id] = [meta, None]

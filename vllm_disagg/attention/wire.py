@@ -26,17 +26,22 @@ Any bad frame -> ERROR(utf-8 text); the server keeps serving.
 slot_mapping int64[T]) travels with the first frame of a step (flag HAS_META) and is cached
 by the server under `meta_id` for the other layers of that step. A frame with HAS_META may also
 carry block registrations (flag HAS_REG: two more payloads, int32 block ids [n] and uint8 keys
-[n, 16]), applied before that step's KV writes.
+[n, 16]), applied before that step's KV writes. INIT and step-metadata frames may carry the
+request's W3C trace context (flag HAS_TRACE: one more payload, 25 bytes, always last;
+`vllm_disagg.trace_context.TraceContext`). An older peer's frames are refused with a line naming
+both versions.
 
 Protocol versions:
   1: initial.
   2: HAS_REG registrations on step-meta frames; RESTORE / RESTORE_OK; INIT flag RESUME.
   3: CLAIM / CLAIM_OK (HAS_REG allowed, applied first), so servers that take prefill pushes retain.
+  4: HAS_TRACE (W3C trace context on INIT and step-metadata frames); message types are `MsgType`.
 """
 
 from __future__ import annotations
 
 import ctypes
+import enum
 import json
 import struct
 from dataclasses import dataclass
@@ -45,22 +50,48 @@ from typing import NamedTuple
 import torch
 
 from vllm_disagg.errors import ProtocolError
+from vllm_disagg.trace_context import TRACE_CONTEXT_BYTES, TraceContext
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 MAGIC = b"LAMA"
 
+
+class MsgType(enum.IntEnum):
+    INIT = 1
+    INIT_OK = 2
+    ATTN = 3
+    QPREV = 4
+    KV = 5
+    OUT = 6
+    OUT_LSE = 7
+    PING = 8
+    PONG = 9
+    ERROR = 10
+    RESTORE = 11
+    RESTORE_OK = 12
+    CLAIM = 13
+    CLAIM_OK = 14
+
+
+class Flag(enum.IntFlag):
+    HAS_META = 1
+    HAS_REG = 2
+    RESUME = 4  # INIT: the same model worker reconnecting (recovery), not a restarted one
+    HAS_TRACE = 8  # INIT or HAS_META: a 25-byte trace context is the last payload
+
+
 (INIT, INIT_OK, ATTN, QPREV, KV, OUT, OUT_LSE, PING, PONG, ERROR, RESTORE, RESTORE_OK, CLAIM,
- CLAIM_OK) = range(1, 15)
-TYPE_NAMES = {
-    INIT: "INIT", INIT_OK: "INIT_OK", ATTN: "ATTN", QPREV: "QPREV", KV: "KV", OUT: "OUT",
-    OUT_LSE: "OUT_LSE", PING: "PING", PONG: "PONG", ERROR: "ERROR", RESTORE: "RESTORE",
-    RESTORE_OK: "RESTORE_OK", CLAIM: "CLAIM", CLAIM_OK: "CLAIM_OK",
-}
-HAS_META, HAS_REG = 1, 2
-RESUME = 4  # INIT flag: the same model worker reconnecting (recovery), not a restarted one
+ CLAIM_OK) = MsgType
+TYPE_NAMES = {t: t.name for t in MsgType}
+# plain ints: flags are tested on every layer frame, and IntFlag's operators run in Python
+HAS_META, HAS_REG, RESUME, HAS_TRACE = (int(f) for f in Flag)
+_KNOWN_FLAGS = HAS_META | HAS_REG | RESUME | HAS_TRACE
+_BY_VALUE = MsgType._value2member_map_
 KEY_BYTES = 16
 
-# magic, version, type, flags, seq, layer, meta_id, num_tokens, num_reqs, num_cols, scale
+# magic, version, then `Header`'s fields in its order (type, seq, flags, layer, ...): the struct's
+# formats were written for another order, but pack and unpack agree (u32 seq, u64 flags)
+_PREFIX = struct.Struct("<4sH")  # the same in every version
 _HEADER = struct.Struct("<4sHHIQiIIIIf")
 HEADER_SIZE = _HEADER.size
 _pack, _unpack = _HEADER.pack, _HEADER.unpack
@@ -72,7 +103,7 @@ _ITEMSIZE = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2, torch.int32:
 class Header(NamedTuple):
     """The fixed per-message header (a tuple: built and read once per layer, so kept cheap)."""
 
-    mtype: int
+    mtype: MsgType
     seq: int = 0
     flags: int = 0
     layer: int = 0
@@ -93,18 +124,45 @@ class Header(NamedTuple):
     def has_reg(self) -> bool:
         return bool(self.flags & HAS_REG)
 
+    @property
+    def has_trace(self) -> bool:
+        return bool(self.flags & HAS_TRACE)
+
 
 def unpack_header(raw: bytes) -> Header:
+    if len(raw) >= _PREFIX.size:
+        magic, version = _PREFIX.unpack_from(raw)
+        if magic != MAGIC:
+            raise ProtocolError(f"bad magic {bytes(magic)!r}, expected {MAGIC!r}")
+        if version != PROTOCOL_VERSION:
+            raise ProtocolError(f"attention protocol version {version} from the peer, this side speaks "
+                                f"{PROTOCOL_VERSION}: run the same vllm-disagg on model worker and attention servers")
     if len(raw) != HEADER_SIZE:
         raise ProtocolError(f"attention header is {len(raw)} bytes, expected {HEADER_SIZE}")
-    magic, version, *fields = _unpack(raw)
-    if magic != MAGIC:
-        raise ProtocolError(f"bad magic {magic!r}, expected {MAGIC!r}")
-    if version != PROTOCOL_VERSION:
-        raise ProtocolError(f"attention protocol version {version}, this side speaks {PROTOCOL_VERSION}")
-    if fields[0] not in TYPE_NAMES:
+    _, _, *fields = _unpack(raw)
+    mtype = _BY_VALUE.get(fields[0])
+    if mtype is None:
         raise ProtocolError(f"unknown message type {fields[0]}")
+    if fields[2] & ~_KNOWN_FLAGS:
+        raise ProtocolError(f"unknown flags {fields[2]:#x} on {mtype.name}")
+    fields[0] = mtype
     return Header._make(fields)
+
+
+def encode_trace(trace: TraceContext | None) -> list[bytes]:
+    """The HAS_TRACE payload (empty list when there is no trace)."""
+    return [trace.to_bytes()] if trace is not None else []
+
+
+def decode_trace(h: Header, bufs: list[memoryview]) -> tuple[TraceContext | None, list[memoryview]]:
+    """Split off a HAS_TRACE frame's last payload: (its trace context, the other payloads)."""
+    if not h.has_trace:
+        return None, bufs
+    if h.mtype is not MsgType.INIT and not h.has_meta:
+        raise ProtocolError(f"a trace context travels only on INIT or step metadata, not {h.mtype.name}")
+    if not bufs or bufs[-1].nbytes != TRACE_CONTEXT_BYTES:
+        raise ProtocolError(f"HAS_TRACE: the last payload must be {TRACE_CONTEXT_BYTES} bytes")
+    return TraceContext.from_bytes(bufs[-1], "the model worker"), bufs[:-1]
 
 
 @dataclass(frozen=True)

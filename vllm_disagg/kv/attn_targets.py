@@ -31,7 +31,7 @@ from vllm.logger import init_logger
 
 from vllm_disagg.errors import DisaggError, PeerLostError
 from vllm_disagg.kv.metadata import RecvSpec
-from vllm_disagg.kv.push_receiver import PushReceiver
+from vllm_disagg.kv.push_receiver import PushReceiver, RecvState
 from vllm_disagg.kv.push_sender import encode_targets
 
 __all__ = ["AttnPushReceiver", "attention_settings"]
@@ -178,23 +178,23 @@ class AttnPushReceiver(PushReceiver):
         with self._lock:
             for tid, landed in totals.items():
                 recv = self._by_tid.get(tid)
-                if recv is not None and recv.state not in ("failed", "cancelling", "done"):
+                if recv is not None and recv.state in (RecvState.REGISTERING, RecvState.REGISTERED):
                     recv.landed_bytes = landed
                     if landed >= recv.expected_bytes:
-                        recv.state = "done"
+                        recv.state = RecvState.DONE
 
     def _fail_lost_peers(self) -> None:
         """A prefill instance that dies after ACCEPT closes its side channel to us (EOF, or its BYE):
         fail its registered receives now instead of at push_timeout_s (the servers keep no peer list
         for D). A host that vanishes without closing its sockets is still noticed at push_timeout_s."""
         with self._lock:
-            remotes = {r.spec.remote for r in self._recvs.values() if r.state == "registered"}
+            remotes = {r.spec.remote for r in self._recvs.values() if r.state is RecvState.REGISTERED}
         lost = {a for a in remotes if side_channel_closed(self._client, a)}
         if not lost:
             return
         with self._lock:
             for recv in self._recvs.values():
-                if recv.spec.remote in lost and recv.state == "registered":
+                if recv.spec.remote in lost and recv.state is RecvState.REGISTERED:
                     self._set_failed(recv, f"prefill instance {recv.spec.remote} closed its side channel")
         for address in lost:
             self._client.drop(address)
@@ -207,7 +207,7 @@ class AttnPushReceiver(PushReceiver):
     def _poll_loop(self) -> None:
         while not self._stop.wait(_POLL_S):
             with self._lock:
-                pending = [r.spec.transfer_id for r in self._recvs.values() if r.state == "registered"]
+                pending = [r.spec.transfer_id for r in self._recvs.values() if r.state is RecvState.REGISTERED]
             if not pending:
                 continue
             try:

@@ -5,16 +5,21 @@ Before any KV byte moves, the decode worker sends REGISTER (its `HandshakeInfo`,
 its receiver address and block ids) to the prefill worker's side channel. The prefill side checks
 every field, in `HANDSHAKE_FIELDS` order, and answers ACCEPT (with its own info, which the decode
 side checks too) or REJECT naming the first field that differs. CANCEL asks the prefill side to
-stop a push and answers CANCEL_ACK once none of its writes are still in flight.
+stop a push (its push timed out, the request was aborted, or D took it over from the attention
+servers' retained KV) and answers CANCEL_ACK once none of its writes are still in flight; a CANCEL
+that arrives before the prefill request is remembered, so that push never starts.
 
 Wire format (one transport message per frame, no pickle):
-    header  = struct "!4sHHII": magic b"DGKV", PROTOCOL_VERSION, msg type, json length,
-              number of block ids
+    header  = struct "!4sHHIIB": magic b"DGKV", PROTOCOL_VERSION, msg type, json length,
+              number of block ids, trace-context length (0 or 25; REGISTER only)
     body    = UTF-8 JSON object (strings, ints, floats only)
-    payload = block ids as little-endian int32, immediately after the body
+    payload = block ids as little-endian int32, then the binary W3C trace context
+              (`vllm_disagg.trace_context.TraceContext`)
+An older peer is answered with a REJECT in its own version's layout naming both versions.
 
 PROTOCOL_VERSION history:
     1: initial (REGISTER / ACCEPT / REJECT / CANCEL / CANCEL_ACK).
+    2: trace context on REGISTER; CANCEL before REGISTER (takeover, abort) with a `reason`.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from vllm_disagg.errors import HandshakeMismatch, ProtocolError
+from vllm_disagg.trace_context import TRACE_CONTEXT_BYTES, TraceContext
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -37,17 +43,21 @@ __all__ = [
     "HandshakeInfo",
     "MsgType",
     "SideMsg",
+    "VersionMismatch",
     "auth_proof",
     "check_compatible",
     "decode_msg",
     "encode_msg",
     "handshake_body",
+    "legacy_reject",
     "local_handshake_info",
 ]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 _MAGIC = b"DGKV"
-_HEADER = struct.Struct("!4sHHII")
+_PREFIX = struct.Struct("!4sH")  # magic, version: the same in every version
+_HEADER = struct.Struct("!4sHHIIB")
+_HEADER_V1 = struct.Struct("!4sHHII")
 MAX_BODY_BYTES = 8 << 10
 MAX_BLOCK_IDS = 12 << 10  # the whole frame must fit a transport message header (64 KiB)
 
@@ -104,6 +114,8 @@ class SideMsg:
     type: MsgType
     body: dict[str, Any]
     block_ids: tuple[int, ...] = ()
+    trace: TraceContext | None = None
+    """W3C trace context of the request (REGISTER only), filled and read by the tracer."""
 
     @property
     def transfer_id(self) -> str:
@@ -119,45 +131,79 @@ def handshake_body(info: HandshakeInfo, token: str, transfer_id: str) -> dict[st
     }
 
 
+class VersionMismatch(ProtocolError):
+    """A side message from a peer of another protocol version (`peer_version`)."""
+
+    def __init__(self, peer_version: int, peer: str):
+        self.peer_version = peer_version
+        super().__init__(
+            f"side message from {peer}: protocol version {peer_version}, this side speaks {PROTOCOL_VERSION}; "
+            "run the same vllm-disagg version on prefill and decode"
+        )
+
+
 def encode_msg(msg: SideMsg) -> bytes:
     body = json.dumps(msg.body, separators=(",", ":")).encode()
     if len(body) > MAX_BODY_BYTES or len(msg.block_ids) > MAX_BLOCK_IDS:
         raise ValueError(f"side message too large: body {len(body)} B, {len(msg.block_ids)} block ids")
+    if msg.trace is not None and msg.type is not MsgType.REGISTER:
+        raise ValueError(f"only REGISTER carries a trace context, not {msg.type.name}")
+    trace = msg.trace.to_bytes() if msg.trace is not None else b""
     ids = np.asarray(msg.block_ids, dtype="<i4").tobytes()
-    return _HEADER.pack(_MAGIC, PROTOCOL_VERSION, int(msg.type), len(body), len(msg.block_ids)) + body + ids
+    head = _HEADER.pack(_MAGIC, PROTOCOL_VERSION, int(msg.type), len(body), len(msg.block_ids), len(trace))
+    return head + body + ids + trace
 
 
 def decode_msg(data: bytes | memoryview, peer: str = "?") -> SideMsg:
     """Parse and check one frame; `ProtocolError` says what was wrong (and the peer)."""
     data = bytes(data)
-    if len(data) < _HEADER.size:
+    if len(data) < _PREFIX.size:
         raise ProtocolError(f"side message from {peer}: {len(data)} bytes, shorter than the header")
-    magic, version, mtype, body_len, num_ids = _HEADER.unpack_from(data)
+    magic, version = _PREFIX.unpack_from(data)
     if magic != _MAGIC:
         raise ProtocolError(f"side message from {peer}: bad magic {magic!r}, expected {_MAGIC!r}")
     if version != PROTOCOL_VERSION:
-        raise ProtocolError(
-            f"side message from {peer}: protocol version {version}, expected {PROTOCOL_VERSION}; "
-            "run the same vllm-disagg version on prefill and decode"
-        )
+        raise VersionMismatch(version, peer)
+    if len(data) < _HEADER.size:
+        raise ProtocolError(f"side message from {peer}: {len(data)} bytes, shorter than the header")
+    _, _, mtype, body_len, num_ids, trace_len = _HEADER.unpack_from(data)
     if mtype not in MsgType._value2member_map_:
         raise ProtocolError(f"side message from {peer}: unknown type {mtype}")
     if body_len > MAX_BODY_BYTES or num_ids > MAX_BLOCK_IDS:
         raise ProtocolError(f"side message from {peer}: body {body_len} B / {num_ids} ids over limits")
-    expected = _HEADER.size + body_len + 4 * num_ids
+    if trace_len not in (0, TRACE_CONTEXT_BYTES) or (trace_len and mtype != MsgType.REGISTER):
+        raise ProtocolError(f"side message from {peer}: a {trace_len}-byte trace context on type {mtype}")
+    expected = _HEADER.size + body_len + 4 * num_ids + trace_len
     if len(data) != expected:
         raise ProtocolError(f"side message from {peer}: {len(data)} bytes, header says {expected}")
     body = _parse_body(data[_HEADER.size : _HEADER.size + body_len], peer)
     ids = np.frombuffer(data, dtype="<i4", count=num_ids, offset=_HEADER.size + body_len)
     if num_ids and int(ids.min()) < 0:
         raise ProtocolError(f"side message from {peer}: negative block id")
-    return SideMsg(MsgType(mtype), body, tuple(int(i) for i in ids))
+    trace = TraceContext.from_bytes(data[expected - trace_len :], peer) if trace_len else None
+    return SideMsg(MsgType(mtype), body, tuple(int(i) for i in ids), trace)
+
+
+def legacy_reject(data: bytes | memoryview, err: VersionMismatch) -> bytes | None:
+    """A REJECT an older peer can read (its own version's layout), naming both versions; None when
+    that version's layout is unknown here (the peer then times out, and this side logged why)."""
+    if err.peer_version != 1:
+        return None
+    data = bytes(data)
+    tid = ""
+    try:
+        _, _, _, body_len, _ = _HEADER_V1.unpack_from(data)
+        tid = str(json.loads(data[_HEADER_V1.size : _HEADER_V1.size + body_len]).get("transfer_id", ""))
+    except (struct.error, ValueError, AttributeError, RecursionError):
+        pass
+    body = json.dumps({"transfer_id": tid[:128], "field": "protocol_version", "message": str(err)}).encode()
+    return _HEADER_V1.pack(_MAGIC, 1, int(MsgType.REJECT), len(body), 0) + body
 
 
 def _parse_body(raw: bytes, peer: str) -> dict[str, Any]:
     try:
         body = json.loads(raw.decode())
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
         raise ProtocolError(f"side message from {peer}: body is not JSON ({err})") from None
     if not isinstance(body, dict) or not all(
         isinstance(v, (str, int, float, bool)) or v is None for v in body.values()

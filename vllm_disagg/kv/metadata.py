@@ -11,6 +11,8 @@ the worker before the forward pass:
 * `release_req_ids` (prefill side): requests whose `request_finished` returned delay_free=True;
   the worker reports them in `finished_sending` once their push is over (done, failed or timed out).
 * `preempted_req_ids` (prefill side): pushes to abandon before their blocks are rewritten.
+* `cancel_specs` (decode side): pushes to CANCEL on their prefill side (the request was aborted
+  while it waited, or its KV is restored from the attention servers instead), so P frees at once.
 * `reuse` (Lamina model worker): retained blocks to restore and full blocks to register on the
   attention servers (`vllm_disagg/attention/reuse.py`).
 
@@ -24,7 +26,9 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
-__all__ = ["RecvSpec", "SaveSpec", "DisaggConnectorMetadata", "DisaggWorkerMetadata"]
+from vllm_disagg.trace_context import TraceContext
+
+__all__ = ["CancelSpec", "RecvSpec", "SaveSpec", "DisaggConnectorMetadata", "DisaggWorkerMetadata"]
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,18 @@ class RecvSpec:
     push_timeout_s: float
     prompt_digest: str = ""
     """Digest of the prompt token ids; the prefill side refuses to push a different prompt."""
+    trace: TraceContext | None = None
+    """The request's W3C trace context (from its `traceparent`), sent on REGISTER."""
+
+
+@dataclass(frozen=True)
+class CancelSpec:
+    """Decode side: tell the prefill side channel at `remote` to drop push `transfer_id` now."""
+
+    req_id: str
+    transfer_id: str
+    remote: str
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -68,6 +84,7 @@ class DisaggConnectorMetadata(KVConnectorMetadata):
     save_specs: list[SaveSpec] = field(default_factory=list)
     release_req_ids: list[str] = field(default_factory=list)
     preempted_req_ids: list[str] = field(default_factory=list)
+    cancel_specs: list[CancelSpec] = field(default_factory=list)
     reuse: Any = None
     """Lamina model worker: `attention.reuse.ReuseMeta` (restores and block registrations), else None."""
 

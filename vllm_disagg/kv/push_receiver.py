@@ -12,10 +12,16 @@ Lifecycle of one receive (`_Recv`, keyed by transfer_id):
                  or push_timeout_s passed (then CANCEL first, so no late write can land in blocks
                  the scheduler will reuse) -> finished_recving + failed_recving; the scheduler's
                  kv_load_failure_policy recomputes the prompt locally ("recompute") or fails it
+    cancelled    the request was aborted while it waited (client gone, router cut it): CANCEL, so
+                 the prefill side frees its blocks now, then failed as above (vLLM frees ours)
+
+A request D restores from the attention servers instead (`reuse.takes_over_push`) never registers:
+`cancel` sends its prefill side a CANCEL all the same, so P drops that push at once.
 """
 
 from __future__ import annotations
 
+import enum
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -33,13 +39,25 @@ from vllm_disagg.kv.handshake import (
     encode_msg,
     handshake_body,
 )
-from vllm_disagg.kv.metadata import RecvSpec
+from vllm_disagg.kv.metadata import CancelSpec, RecvSpec
 from vllm_disagg.kv.side_channel import SideChannelClient
 
-__all__ = ["PushReceiver"]
+__all__ = ["PushReceiver", "RecvState"]
 
 logger = init_logger(__name__)
 _CANCEL_TIMEOUT_S = 5.0
+
+
+class RecvState(enum.IntEnum):
+    REGISTERING = 1
+    REGISTERED = 2
+    CANCELLING = 3
+    DONE = 4
+    FAILED = 5
+
+
+_OVER = (RecvState.DONE, RecvState.FAILED)
+_WAITING = (RecvState.REGISTERING, RecvState.REGISTERED)
 
 
 @dataclass
@@ -48,7 +66,7 @@ class _Recv:
     expected_bytes: int
     deadline: float
     landed_bytes: int = 0
-    state: str = "registering"
+    state: RecvState = RecvState.REGISTERING
     error: str | None = None
     fatal: bool = False
     announced: bool = False
@@ -97,6 +115,21 @@ class PushReceiver:
                 self._by_tid[spec.transfer_id] = recv
             self._pool.submit(self._register, recv)
 
+    def cancel(self, specs: list[CancelSpec]) -> None:
+        """CANCEL pushes the scheduler gave up on (aborted while waiting, or taken over from the
+        attention servers), on pool threads: the prefill side frees their blocks at once."""
+        for spec in specs:
+            with self._lock:
+                recv = self._recvs.get(spec.req_id)
+                if recv is not None and recv.spec.transfer_id == spec.transfer_id and recv.state in _WAITING:
+                    recv.state = RecvState.CANCELLING
+                elif recv is not None:
+                    continue  # already over (or cancelling): nothing left to stop
+            if recv is not None:
+                self._pool.submit(self._cancel, recv, spec.reason)
+            else:
+                self._pool.submit(self._send_cancel, spec.remote, spec.transfer_id, spec.reason)
+
     def poll(self) -> tuple[set[str], set[str]]:
         """(finished_recving, failed_recving) since the last call; failed ones are in both.
 
@@ -108,17 +141,17 @@ class PushReceiver:
         done, failed = set(), set()
         with self._lock:
             for req_id, recv in list(self._recvs.items()):
-                if recv.state == "failed" and not recv.announced:
+                if recv.state is RecvState.FAILED and not recv.announced:
                     recv.announced = True
                     self._errors[recv.spec.req_id] = (recv.error or "", recv.fatal)
                     if recv.fatal:
                         continue
-                if recv.state in ("done", "failed"):
+                if recv.state in _OVER:
                     del self._recvs[req_id]
-                    (done if recv.state == "done" else failed).add(req_id)
+                    (done if recv.state is RecvState.DONE else failed).add(req_id)
                     if self._by_tid.get(recv.spec.transfer_id) is recv:
                         del self._by_tid[recv.spec.transfer_id]
-                        if recv.state == "failed":
+                        if recv.state is RecvState.FAILED:
                             self._late[recv.spec.transfer_id] = time.monotonic()
         if failed:
             self._record(lambda s: [s.record_fallback() for _ in failed])
@@ -138,13 +171,13 @@ class PushReceiver:
         for note in self._receiver.poll_notifications():
             with self._lock:
                 recv = self._by_tid.get(note.transfer_id)
-                if recv is None or recv.state in ("failed", "cancelling"):
+                if recv is None or recv.state in (RecvState.FAILED, RecvState.CANCELLING):
                     if note.transfer_id not in self._late:
                         logger.warning("KV push: notification for unknown transfer %s", note.transfer_id)
                     continue
                 recv.landed_bytes += note.nbytes
                 if recv.landed_bytes >= recv.expected_bytes:
-                    recv.state = "done"
+                    recv.state = RecvState.DONE
 
     def _fail_lost_peers(self) -> None:
         lost = set(self._receiver.lost_peers())
@@ -152,14 +185,14 @@ class PushReceiver:
             return
         with self._lock:
             for recv in self._recvs.values():
-                if recv.spec.remote in lost and recv.state not in ("done", "failed"):
+                if recv.spec.remote in lost and recv.state not in _OVER:
                     self._set_failed(recv, f"prefill instance {recv.spec.remote} lost mid-transfer")
 
     def _expire(self, now: float) -> None:
         with self._lock:
-            expired = [r for r in self._recvs.values() if now > r.deadline and r.state in ("registering", "registered")]
+            expired = [r for r in self._recvs.values() if now > r.deadline and r.state in _WAITING]
             for recv in expired:
-                recv.state = "cancelling"
+                recv.state = RecvState.CANCELLING
         for recv in expired:
             logger.warning("KV push %s (request %s): nothing complete after %.1fs; cancelling",
                            recv.spec.transfer_id, recv.spec.req_id, recv.spec.push_timeout_s)
@@ -171,13 +204,16 @@ class PushReceiver:
     # ------------------------------------------------------------ registration threads
     def _register(self, recv: _Recv) -> None:
         spec = recv.spec
+        if recv.state is not RecvState.REGISTERING:  # cancelled (aborted) before its turn came
+            return
         body = handshake_body(self.handshake, self.token, spec.transfer_id)
         body.update(address=self.address, start_block=spec.start_block, push_timeout_s=spec.push_timeout_s,
                     num_prompt_tokens=spec.num_prompt_tokens, prompt_digest=spec.prompt_digest)
         try:
             body.update(self._register_fields(spec))
             reply = decode_msg(
-                self._client.call(spec.remote, encode_msg(SideMsg(MsgType.REGISTER, body, spec.block_ids)),
+                self._client.call(spec.remote,
+                                  encode_msg(SideMsg(MsgType.REGISTER, body, spec.block_ids, spec.trace)),
                                   timeout=min(spec.push_timeout_s, 10.0)),
                 spec.remote,
             )
@@ -204,8 +240,8 @@ class PushReceiver:
             raise HandshakeMismatch("reply type", "ACCEPT", reply.type.name, recv.spec.remote)
         check_compatible(self.handshake, reply.body, self.token, recv.spec.transfer_id, recv.spec.remote)
         with self._lock:
-            if recv.state == "registering":
-                recv.state = "registered"
+            if recv.state is RecvState.REGISTERING:
+                recv.state = RecvState.REGISTERED
 
     def _log_refused(self, recv: _Recv, message: str) -> None:
         logger.error("KV push %s (request %s) refused by the handshake: %s",
@@ -214,19 +250,27 @@ class PushReceiver:
 
     def _cancel(self, recv: _Recv, reason: str | None = None) -> None:
         """Ask the prefill side to stop; it answers once none of its writes is in flight."""
-        tid = recv.spec.transfer_id
+        reason = reason or f"push did not complete within {recv.spec.push_timeout_s}s"
+        self._send_cancel(recv.spec.remote, recv.spec.transfer_id, reason)
+        with self._lock:
+            self._set_failed(recv, reason)
+
+    def _send_cancel(self, remote: str, tid: str, reason: str) -> bool:
         try:
-            self._client.call(recv.spec.remote, encode_msg(SideMsg(MsgType.CANCEL, {"transfer_id": tid})),
-                              timeout=_CANCEL_TIMEOUT_S)
+            reply = decode_msg(self._client.call(
+                remote, encode_msg(SideMsg(MsgType.CANCEL, {"transfer_id": tid, "reason": reason[:200]})),
+                timeout=_CANCEL_TIMEOUT_S), remote)
+            if reply.type is MsgType.CANCEL_ACK:
+                return True
+            logger.info("KV push %s: prefill answered CANCEL with %s", tid, reply.type.name)
         except (DisaggError, OSError) as err:
             logger.info("KV push %s: cancel not acknowledged (%s); treating the prefill side as gone", tid, err)
-        with self._lock:
-            self._set_failed(recv, reason or f"push did not complete within {recv.spec.push_timeout_s}s")
+        return False
 
     def _set_failed(self, recv: _Recv, reason: str) -> None:
-        if recv.state in ("done", "failed"):
+        if recv.state in _OVER:
             return
-        recv.state, recv.error = "failed", reason
+        recv.state, recv.error = RecvState.FAILED, reason
         logger.warning("KV push %s (request %s) failed: %s; %s",
                        recv.spec.transfer_id, recv.spec.req_id, reason, self._on_failure)
 

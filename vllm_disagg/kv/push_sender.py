@@ -38,18 +38,23 @@ from vllm_disagg.errors import DisaggError, HandshakeMismatch
 from vllm_disagg.kv.handshake import (
     MsgType,
     SideMsg,
+    VersionMismatch,
     check_compatible,
     decode_msg,
     encode_msg,
     handshake_body,
+    legacy_reject,
 )
 from vllm_disagg.kv.metadata import DisaggConnectorMetadata, SaveSpec
 from vllm_disagg.kv.side_channel import SideChannelServer
+from vllm_disagg.trace_context import TraceContext
 from vllm_disagg.transport import BlockWrite, XferState
 
 __all__ = ["PushSender"]
 
 logger = init_logger(__name__)
+_CANCELLED_TTL_S = 600.0
+_MAX_CANCELLED = 4096
 
 
 @dataclass
@@ -64,6 +69,8 @@ class _Registration:
     t_arrival: float = field(default_factory=time.monotonic)
     targets: tuple[tuple[str, int, int], ...] = ()
     """(receiver address, num_shards, shard): where each layer's blocks (or their head slice) go."""
+    trace: TraceContext | None = None
+    """The decode request's W3C trace context (REGISTER), for the tracer."""
 
 
 @dataclass
@@ -108,6 +115,9 @@ class PushSender:
         self._by_tid: dict[str, str] = {}
         self._registry: dict[str, _Registration] = {}
         self._rejected: dict[str, str] = {}
+        self._cancelled: dict[str, tuple[str, float]] = {}
+        """transfer id -> (why, when): CANCELs that came before their prefill request (D took the push
+        over or its request was aborted), so that push fails the moment it is created."""
         self._step_reqs: list[SaveSpec] = []
         self._orphans: set[str] = set()
         self._stop = threading.Event()
@@ -152,6 +162,8 @@ class PushSender:
                 self._fail(push, "request has no kv_transfer_params.transfer_id")
             elif tid in self._rejected:
                 self._fail(push, self._rejected.pop(tid))
+            elif tid in self._cancelled:
+                self._fail(push, f"cancelled by the decode instance ({self._cancelled.pop(tid)[0]})")
         if spec.replace_blocks:
             push.block_ids = list(spec.new_block_ids)
         else:
@@ -199,11 +211,16 @@ class PushSender:
 
     # ------------------------------------------------------------ side channel thread
     def _on_message(self, raw: bytes, peer: str) -> bytes | None:
-        msg = decode_msg(raw, peer)
+        try:
+            msg = decode_msg(raw, peer)
+        except VersionMismatch as err:  # an older decode instance: refuse it in words it can read
+            logger.error("KV side channel: %s", err)
+            self._record(lambda s: s.record_handshake_failure())
+            return legacy_reject(raw, err)
         if msg.type is MsgType.REGISTER:
             return encode_msg(self._on_register(msg, peer))
         if msg.type is MsgType.CANCEL:
-            self._on_cancel(msg.transfer_id)
+            self._on_cancel(msg.transfer_id, str(msg.body.get("reason") or "push timeout"))
             return encode_msg(SideMsg(MsgType.CANCEL_ACK, {"transfer_id": msg.transfer_id}))
         logger.warning("KV side channel: unexpected %s from %s; ignored", msg.type.name, peer)
         return None
@@ -215,7 +232,7 @@ class PushSender:
             reg = _Registration(str(msg.body["address"]), msg.block_ids, int(msg.body["start_block"]),
                                 float(msg.body.get("push_timeout_s") or self.cfg.push_timeout_s),
                                 int(msg.body["num_prompt_tokens"]), str(msg.body.get("prompt_digest") or ""),
-                                targets=_targets(msg.body, self.handshake.num_kv_heads))
+                                targets=_targets(msg.body, self.handshake.num_kv_heads), trace=msg.trace)
         except HandshakeMismatch as err:
             why = (f"KV handshake mismatch on {err.field!r}: prefill {self.address} has {err.local!r}, "
                    f"decode {msg.body.get('address', peer)} has {err.remote!r}")
@@ -233,11 +250,18 @@ class PushSender:
         logger.debug("KV push %s: decode registered %d blocks from %s", tid, len(reg.block_ids), peer)
         return SideMsg(MsgType.ACCEPT, handshake_body(self.handshake, self.token, tid))
 
-    def _on_cancel(self, tid: str) -> None:
+    def _on_cancel(self, tid: str, reason: str) -> None:
+        """Stop push `tid` (its blocks are freed once the request is released); a CANCEL ahead of the
+        prefill request is remembered so that push fails the moment it is created."""
         with self._cond:
-            push = self._pushes.get(self._by_tid.get(tid, ""))
+            push = self._pushes.get(self._by_tid.get(tid, "")) if tid else None
             self._registry.pop(tid, None)
-            self._fail(push, "cancelled by the decode instance (push timeout)")
+            if push is None and tid:
+                self._cancelled[tid] = (reason[:200], time.monotonic())
+                while len(self._cancelled) > _MAX_CANCELLED:
+                    del self._cancelled[next(iter(self._cancelled))]
+            self._fail(push, f"cancelled by the decode instance ({reason[:200]})")
+            self._cond.notify()
         if push is not None:
             self._wait_quiet([push.req_id])
 
@@ -375,6 +399,10 @@ class PushSender:
                 logger.warning("KV push %s: registration expired, no prefill request with that id", tid)
         if len(self._rejected) > 4096:
             self._rejected.clear()
+        for tid, (_, t) in list(self._cancelled.items()):
+            if now - t <= _CANCELLED_TTL_S:
+                break  # insertion order is arrival order
+            del self._cancelled[tid]
 
     def _record(self, fn: Any) -> None:
         with self._stats_lock:

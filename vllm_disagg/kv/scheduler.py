@@ -9,12 +9,14 @@ Decode side (`kv_transfer_params.do_remote_prefill`):
                                   the worker reports it in finished_recving (or failed_recving: the
                                   scheduler's kv_load_failure_policy then recomputes or fails it)
     a request seen once is never loaded again, so a failed push falls back to local prefill.
+    request_finished           -> a request aborted while it waited: CANCEL its push (`CancelSpec`),
+                                  so P frees its blocks now and the worker reports the receive over
 
 Lamina model worker (`reuse`, set with remote_attention): a request without do_remote_prefill may
 restore full blocks the attention servers kept from the previous model worker; see
 `vllm_disagg/attention/reuse.py` (this class only routes to it). A P/D request whose tokens the servers
 kept (a replay after a model-worker restart) is restored the same way instead of pushed
-(`reuse.takes_over_push`).
+(`reuse.takes_over_push`), and its prefill side gets a CANCEL so it frees that push's blocks at once.
 
 Prefill side (`kv_transfer_params.do_remote_decode`):
     update_state_after_alloc   -> remember transfer id and prompt length
@@ -34,7 +36,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from vllm.logger import init_logger
 
-from vllm_disagg.kv.metadata import DisaggConnectorMetadata, DisaggWorkerMetadata, RecvSpec, SaveSpec
+from vllm_disagg.kv.metadata import (
+    CancelSpec,
+    DisaggConnectorMetadata,
+    DisaggWorkerMetadata,
+    RecvSpec,
+    SaveSpec,
+)
+from vllm_disagg.trace_context import TraceContext
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -72,6 +81,15 @@ class RemotePrefillParams:
         return cls(tid, f"{host}:{port}", float(timeout))
 
 
+def request_trace(request: Request) -> TraceContext | None:
+    """The request's W3C trace context: `kv_transfer_params.traceparent` (set by the router), else
+    the `traceparent` HTTP header vLLM kept on the request."""
+    params = request.kv_transfer_params or {}
+    if isinstance(params.get("traceparent"), str):
+        return TraceContext.from_traceparent(params["traceparent"])
+    return TraceContext.from_headers(getattr(request, "trace_headers", None))
+
+
 def prompt_digest(request: Request) -> str:
     """Identifies the prompt on both sides, so a mixed-up transfer id can never ship foreign KV."""
     ids = getattr(request, "prompt_token_ids", None)
@@ -87,8 +105,9 @@ class DisaggConnectorScheduler:
         self.reuse = reuse
         # decode side
         self._recv_seen: set[str] = set()  # requests that got one load attempt (never retried)
-        self._recv_inflight: set[str] = set()
+        self._recv_inflight: dict[str, RecvSpec] = {}
         self._pending_recv: list[RecvSpec] = []
+        self._pending_cancel: list[CancelSpec] = []
         self._recv_errors: dict[str, str] = {}  # req_id -> why its push failed
         self._fatal: set[str] = set()
         self._restored_pd: set[str] = set()  # P/D requests restored from the attention servers, not pushed
@@ -130,6 +149,9 @@ class DisaggConnectorScheduler:
             pushed = params.get("do_remote_prefill") and not restored_pd  # external tokens come from the push
             self.reuse.update_state_after_alloc(request, blocks, 0 if pushed else num_external_tokens)
         if restored_pd:  # seen: after a preemption it is computed here, never pushed into blocks it may reuse
+            if request.request_id not in self._recv_seen and (remote := self._remote_prefill(request)):
+                self._pending_cancel.append(CancelSpec(request.request_id, remote.transfer_id, remote.remote,
+                                                       "decode restored the prompt from its attention servers"))
             self._recv_seen.add(request.request_id)
             return
         if params.get("do_remote_decode") and request.request_id not in self._send_reqs:
@@ -141,22 +163,22 @@ class DisaggConnectorScheduler:
         if remote is None or num_external_tokens <= 0 or request.request_id in self._recv_seen:
             return
         self._recv_seen.add(request.request_id)
-        self._recv_inflight.add(request.request_id)
         (block_ids,) = blocks.get_block_ids()
         start_block = (request.num_prompt_tokens - num_external_tokens) // self.block_size
         end_block = math.ceil(request.num_prompt_tokens / self.block_size)
-        self._pending_recv.append(
-            RecvSpec(
-                req_id=request.request_id,
-                transfer_id=remote.transfer_id,
-                remote=remote.remote,
-                block_ids=tuple(block_ids[start_block:end_block]),
-                start_block=start_block,
-                num_prompt_tokens=request.num_prompt_tokens,
-                push_timeout_s=remote.push_timeout_s,
-                prompt_digest=prompt_digest(request),
-            )
+        spec = RecvSpec(
+            req_id=request.request_id,
+            transfer_id=remote.transfer_id,
+            remote=remote.remote,
+            block_ids=tuple(block_ids[start_block:end_block]),
+            start_block=start_block,
+            num_prompt_tokens=request.num_prompt_tokens,
+            push_timeout_s=remote.push_timeout_s,
+            prompt_digest=prompt_digest(request),
+            trace=request_trace(request),
         )
+        self._recv_inflight[request.request_id] = spec
+        self._pending_recv.append(spec)
 
     # ---------------------------------------------------------------- both sides
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> DisaggConnectorMetadata:
@@ -165,9 +187,10 @@ class DisaggConnectorScheduler:
             save_specs=self._save_specs(scheduler_output),
             release_req_ids=self._pending_release,
             preempted_req_ids=sorted(set(scheduler_output.preempted_req_ids or ()) & self._send_announced),
+            cancel_specs=self._pending_cancel,
             reuse=self.reuse.build_meta(scheduler_output) if self.reuse is not None else None,
         )
-        self._pending_recv, self._pending_release = [], []
+        self._pending_recv, self._pending_release, self._pending_cancel = [], [], []
         return meta
 
     def _save_specs(self, out: SchedulerOutput) -> list[SaveSpec]:
@@ -207,7 +230,10 @@ class DisaggConnectorScheduler:
         if self.reuse is not None:
             self.reuse.request_finished(request, block_ids)
         self._recv_seen.discard(req_id)
-        self._recv_inflight.discard(req_id)
+        waiting = self._recv_inflight.pop(req_id, None)
+        if waiting is not None:  # finished before its KV landed: aborted; vLLM frees on finished_recving
+            self._pending_cancel.append(CancelSpec(req_id, waiting.transfer_id, waiting.remote,
+                                                   "request aborted on the decode instance"))
         self._restored_pd.discard(req_id)
         self._fatal.discard(req_id)
         error = self._recv_errors.pop(req_id, None)
@@ -234,7 +260,7 @@ class DisaggConnectorScheduler:
         for req_id in connector_output.finished_sending or ():
             self._awaiting_send.discard(req_id)
         for req_id in connector_output.finished_recving or ():
-            self._recv_inflight.discard(req_id)
+            self._recv_inflight.pop(req_id, None)
 
     def has_pending_push_work(self) -> bool:
-        return bool(self._awaiting_send or self._pending_release or self._pending_recv)
+        return bool(self._awaiting_send or self._pending_release or self._pending_recv or self._pending_cancel)

@@ -129,6 +129,8 @@ class DisaggConnectorWorker:
             self.reuse.bind(meta.reuse)
         if self.receiver is not None and meta.recv_specs:
             self.receiver.start(meta.recv_specs)
+        if self.receiver is not None and meta.cancel_specs:
+            self.receiver.cancel(meta.cancel_specs)
 
     def start_load_kv(self) -> None:
         if self.reuse is not None:

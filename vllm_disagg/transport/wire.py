@@ -14,6 +14,7 @@ is pickled. A connection starts with a mutual HMAC-SHA256 challenge over the sha
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import hmac
 import os
@@ -28,6 +29,8 @@ from vllm_disagg.errors import AuthError, HandshakeMismatch, PeerLostError, Prot
 
 # Version history of the wire protocol (bump on any incompatible change):
 #   1: initial: CHALLENGE/AUTH/WELCOME handshake, KV_WRITE, MSG, ERROR, BYE.
+#      (Frame types became the `FrameType` enum with the KV side channel's v2 and attention's v4:
+#      no byte changed here, so this stays 1. CANCEL and trace context live in those formats.)
 PROTOCOL_VERSION = 1
 MAGIC = b"VDTP"
 FRAME_HDR = struct.Struct("<4sHHIQ")  # magic, version, type, meta_len, payload_len
@@ -38,12 +41,23 @@ NONCE_BYTES = 32
 MAC_BYTES = 32
 SEND_IOV_MAX = 512
 
-# Frame types.
-T_CHALLENGE, T_AUTH, T_WELCOME, T_ERROR, T_BYE = 1, 2, 3, 4, 5
-T_KV_WRITE = 10
-T_MSG = 20
-T_SHM_SETUP = 30  # shm: carries memfd/eventfds (SCM_RIGHTS) right after WELCOME
-_KNOWN_TYPES = {T_CHALLENGE, T_AUTH, T_WELCOME, T_ERROR, T_BYE, T_KV_WRITE, T_MSG, T_SHM_SETUP}
+
+
+class FrameType(enum.IntEnum):
+    CHALLENGE = 1
+    AUTH = 2
+    WELCOME = 3
+    ERROR = 4
+    BYE = 5
+    KV_WRITE = 10
+    MSG = 20
+    SHM_SETUP = 30  # shm: carries memfd/eventfds (SCM_RIGHTS) right after WELCOME
+
+
+T_CHALLENGE, T_AUTH, T_WELCOME, T_ERROR, T_BYE = (FrameType.CHALLENGE, FrameType.AUTH, FrameType.WELCOME,
+                                                  FrameType.ERROR, FrameType.BYE)
+T_KV_WRITE, T_MSG, T_SHM_SETUP = FrameType.KV_WRITE, FrameType.MSG, FrameType.SHM_SETUP
+_BY_VALUE = FrameType._value2member_map_
 
 ERR_PROTOCOL, ERR_AUTH = b"P", b"A"  # ERROR frame codes
 
@@ -88,15 +102,16 @@ def pack_frame(ftype: int, meta: bytes = b"", payload_len: int = 0) -> bytes:
     return FRAME_HDR.pack(MAGIC, PROTOCOL_VERSION, ftype, len(meta), payload_len) + meta
 
 
-def parse_frame_header(raw: bytes | bytearray | memoryview, peer: str) -> tuple[int, int, int]:
+def parse_frame_header(raw: bytes | bytearray | memoryview, peer: str) -> tuple[FrameType, int, int]:
     """Check magic, version, type and meta size; return (type, meta_len, payload_len)."""
     magic, version, ftype, meta_len, payload_len = FRAME_HDR.unpack(raw)
     if magic != MAGIC:
         raise ProtocolError(f"bad magic {bytes(magic)!r} from {peer} (expected {MAGIC!r})")
     if version != PROTOCOL_VERSION:
         raise HandshakeMismatch("protocol_version", PROTOCOL_VERSION, version, peer)
-    if ftype not in _KNOWN_TYPES:
-        raise ProtocolError(f"unknown frame type {ftype} from {peer}")
+    ftype = _BY_VALUE.get(ftype)
+    if ftype is None:
+        raise ProtocolError(f"unknown frame type {FRAME_HDR.unpack(raw)[2]} from {peer}")
     if meta_len > MAX_META_BYTES:
         raise ProtocolError(f"frame meta of {meta_len} bytes from {peer} exceeds {MAX_META_BYTES}")
     return ftype, meta_len, payload_len
@@ -201,7 +216,7 @@ class SockStream:
             self._applied = want
 
 
-def read_frame(stream: SockStream, timeout: float | None = None) -> tuple[int, bytearray, int]:
+def read_frame(stream: SockStream, timeout: float | None = None) -> tuple[FrameType, bytearray, int]:
     """Read one frame header + meta; return (type, meta, payload_len). ERROR frames raise."""
     ftype, meta_len, payload_len = parse_frame_header(stream.recv_exact(FRAME_HDR.size, timeout), stream.peer)
     meta = stream.recv_exact(meta_len, timeout) if meta_len else bytearray()

@@ -22,6 +22,7 @@ from vllm_disagg.config import RemoteAttentionSection
 from vllm_disagg.kv.attn_targets import AttnPushReceiver
 from vllm_disagg.kv.handshake import HandshakeInfo
 from vllm_disagg.kv.metadata import RecvSpec
+from vllm_disagg.kv.push_receiver import RecvState
 from vllm_disagg.kv.stats import DisaggKVConnectorStats
 from vllm_disagg.transport import TransportOptions, get_transport
 
@@ -94,12 +95,12 @@ def test_a_prefill_killed_after_accepting_a_registration_is_noticed_within_a_pol
     try:
         receiver.start([RecvSpec("d1", "t1", address, (1, 2), 0, 40, PUSH_TIMEOUT_S)])
         deadline = time.monotonic() + 20
-        while _state(receiver, "d1") != "registered":  # the prefill side ACCEPTed
-            assert _state(receiver, "d1") == "registering" and time.monotonic() < deadline, _state(receiver, "d1")
+        while _state(receiver, "d1") is not RecvState.REGISTERED:  # the prefill side ACCEPTed
+            assert _state(receiver, "d1") is RecvState.REGISTERING and time.monotonic() < deadline, _state(receiver, "d1")
             receiver.poll()
             time.sleep(0.01)
         failed, _ = _poll_until(receiver, "d1", 1.0)
-        assert _state(receiver, "d1") == "registered"  # alive and silent: still waiting for its push
+        assert _state(receiver, "d1") is RecvState.REGISTERED  # alive and silent: still waiting for its push
         proc.kill()
         proc.wait(timeout=10)
         failed, waited = _poll_until(receiver, "d1", PUSH_TIMEOUT_S)

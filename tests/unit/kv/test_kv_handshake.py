@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import struct
 from types import SimpleNamespace
 
@@ -17,11 +18,14 @@ from vllm_disagg.kv.handshake import (
     HandshakeInfo,
     MsgType,
     SideMsg,
+    VersionMismatch,
     check_compatible,
     decode_msg,
     encode_msg,
     handshake_body,
+    legacy_reject,
 )
+from vllm_disagg.trace_context import TraceContext
 
 INFO = HandshakeInfo(model="m", dtype="float32", block_size=32, kv_layout="cpu:float32(2, 32, 64)",
                      num_layers=2, num_kv_heads=2, head_size=32, block_nbytes=16384)
@@ -57,21 +61,56 @@ def test_a_different_protocol_version_is_refused_before_anything_else():
         check_compatible(INFO, body, "tok", "t", "p")
 
 
+def _hdr(magic=b"DGKV", version=PROTOCOL_VERSION, mtype=1, body_len=0, num_ids=0, trace_len=0) -> bytes:
+    return struct.pack("!4sHHIIB", magic, version, mtype, body_len, num_ids, trace_len)
+
+
 @pytest.mark.parametrize(
     "frame, why",
     [
         (b"", "shorter than the header"),
-        (struct.pack("!4sHHII", b"XXXX", PROTOCOL_VERSION, 1, 0, 0), "bad magic"),
-        (struct.pack("!4sHHII", b"DGKV", 99, 1, 0, 0), "protocol version 99"),
-        (struct.pack("!4sHHII", b"DGKV", PROTOCOL_VERSION, 77, 0, 0), "unknown type"),
-        (struct.pack("!4sHHII", b"DGKV", PROTOCOL_VERSION, 1, 10, 0) + b"{}", "header says"),
-        (struct.pack("!4sHHII", b"DGKV", PROTOCOL_VERSION, 1, 2, 0) + b"[]", "flat JSON object"),
-        (struct.pack("!4sHHII", b"DGKV", PROTOCOL_VERSION, 1, 2, 1) + b"{}" + struct.pack("<i", -1), "negative"),
+        (_hdr(b"XXXX"), "bad magic"),
+        (_hdr(version=99), f"protocol version 99, this side speaks {PROTOCOL_VERSION}"),
+        (_hdr(mtype=77), "unknown type"),
+        (_hdr(body_len=10) + b"{}", "header says"),
+        (_hdr(body_len=2) + b"[]", "flat JSON object"),
+        (_hdr(body_len=2, num_ids=1) + b"{}" + struct.pack("<i", -1), "negative"),
+        (_hdr(body_len=2, trace_len=7) + b"{}" + bytes(7), "7-byte trace context"),
+        (_hdr(mtype=int(MsgType.CANCEL), body_len=2, trace_len=25) + b"{}" + bytes(25), "trace context on type 4"),
+        (_hdr(body_len=2, trace_len=25) + b"{}" + bytes(25), "not all zero"),
+        (_hdr(body_len=4000) + b"[" * 4000, "not JSON"),
     ],
 )
 def test_malformed_frames_are_rejected_with_a_reason(frame, why):
     with pytest.raises(ProtocolError, match=why):
         decode_msg(frame, "1.2.3.4:5")
+
+
+TRACE = TraceContext(bytes(range(1, 17)), bytes(range(1, 9)), 1)
+
+
+def test_register_carries_the_trace_context_and_other_types_refuse_one():
+    body = {**handshake_body(INFO, "tok", "tid-1"), "address": "127.0.0.1:1", "start_block": 0}
+    msg = decode_msg(encode_msg(SideMsg(MsgType.REGISTER, body, (5,), TRACE)))
+    assert msg.trace == TRACE and msg.block_ids == (5,)
+    assert decode_msg(encode_msg(SideMsg(MsgType.REGISTER, body, (5,)))).trace is None
+    with pytest.raises(ValueError, match="only REGISTER"):
+        encode_msg(SideMsg(MsgType.CANCEL, {"transfer_id": "t"}, (), TRACE))
+
+
+def test_a_version_1_peer_is_refused_in_its_own_layout_naming_both_versions():
+    body = json.dumps({"transfer_id": "tid-old", "protocol_version": 1}).encode()
+    old = struct.pack("!4sHHII", b"DGKV", 1, int(MsgType.REGISTER), len(body), 0) + body
+    with pytest.raises(VersionMismatch) as err:
+        decode_msg(old, "10.0.0.2:7")
+    assert "protocol version 1, this side speaks 2" in str(err.value) and "10.0.0.2:7" in str(err.value)
+    reply = legacy_reject(old, err.value)
+    magic, version, mtype, body_len, num_ids = struct.unpack_from("!4sHHII", reply)
+    assert (magic, version, mtype, num_ids) == (b"DGKV", 1, MsgType.REJECT, 0)
+    answer = json.loads(reply[16:16 + body_len])
+    assert answer["transfer_id"] == "tid-old" and answer["field"] == "protocol_version"
+    assert "version 1" in answer["message"] and "speaks 2" in answer["message"]
+    assert legacy_reject(b"DGKV\x00\x07", VersionMismatch(7, "p")) is None  # layouts we never knew
 
 
 @settings(max_examples=300, deadline=None)

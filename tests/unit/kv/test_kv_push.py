@@ -16,10 +16,11 @@ import torch
 
 from vllm_disagg.config import KVTransferSection
 from vllm_disagg.kv.handshake import HandshakeInfo
-from vllm_disagg.kv.metadata import DisaggConnectorMetadata, RecvSpec, SaveSpec
+from vllm_disagg.kv.metadata import CancelSpec, DisaggConnectorMetadata, RecvSpec, SaveSpec
 from vllm_disagg.kv.push_receiver import PushReceiver
 from vllm_disagg.kv.push_sender import PushSender
 from vllm_disagg.kv.stats import DisaggKVConnectorStats
+from vllm_disagg.trace_context import TraceContext
 from vllm_disagg.transport import TransportOptions, get_transport
 
 BS, NUM_LAYERS, NUM_BLOCKS = 16, 3, 32
@@ -218,3 +219,61 @@ def test_releasing_a_request_the_sender_never_saw_frees_it_at_once(pair):
     pair.prefill_step([], release=["unknown"])
     assert pair.sender.finished_sending() == {"unknown"}
     assert pair.sender.finished_sending() == set()
+
+
+def _p_holds(pair, req_id):
+    return req_id in pair.sender._pushes and not pair.sender._pushes[req_id].over
+
+
+def test_a_cancel_ahead_of_the_prefill_request_frees_that_push_the_moment_it_arrives():
+    """D took the push over (or its request was aborted) before P's request even started: P never
+    waits for a registration, its blocks go back as soon as the request is released."""
+    pair = Pair(timeout=30.0)
+    try:
+        pair.receiver.cancel([CancelSpec("d-x", "t-early", pair.sender.address, "taken over")])
+        _until(lambda: "t-early" in pair.sender._cancelled)
+        t0 = time.monotonic()
+        pair.prefill_step([SaveSpec("p1", (1, 2), 40, 40, "t-early", True)], release=["p1"])
+        assert "taken over" in pair.sender._pushes["p1"].error
+        assert _until(pair.sender.finished_sending) == {"p1"} and time.monotonic() - t0 < 1.0
+        assert "t-early" not in pair.sender._cancelled
+    finally:
+        pair.close()
+
+
+def test_cancelling_a_waiting_receive_frees_both_sides_at_once_and_lands_nothing_later():
+    """The decode request was aborted while it waited for its push (client gone, router cut it)."""
+    pair = Pair(timeout=30.0)
+    try:
+        pair.register("t1", range(10, 17), timeout=30.0)
+        pair.prefill_step([SaveSpec("p1", (1, 2), 40, 100, "t1", True)], layers=[0])  # prefill half way
+        _until(lambda: pair.sender._pushes["p1"].reg is not None)
+        t0 = time.monotonic()
+        pair.receiver.cancel([CancelSpec("d-t1", "t1", pair.sender.address, "request aborted")])
+        assert _until(pair.poll) == {"d-t1"} and pair.failed == {"d-t1"}  # vLLM frees D's blocks
+        assert not _p_holds(pair, "p1") and "request aborted" in pair.sender._pushes["p1"].error
+        pair.prefill_step([SaveSpec("p1", (3, 4, 5, 6, 7), 100, 100)], release=["p1"])
+        assert _until(pair.sender.finished_sending) == {"p1"} and time.monotonic() - t0 < 2.0
+        snapshot = [layer.clone() for layer in pair.d_layers]
+        time.sleep(0.2)
+        assert all(torch.equal(a, b) for a, b in zip(snapshot, pair.d_layers, strict=True))
+        assert not pair.d_layers[1].any() and not pair.d_layers[2].any()  # layers written after: never sent
+    finally:
+        pair.close()
+
+
+def test_cancelling_a_receive_that_already_landed_changes_nothing(pair):
+    pair.register("t1", range(10, 17))
+    pair.prefill_step([SaveSpec("p1", tuple(range(1, 8)), 100, 100, "t1", True)])
+    assert _until(pair.poll) == {"d-t1"} and not pair.failed
+    pair.receiver.cancel([CancelSpec("d-t1", "t1", pair.sender.address, "late abort")])
+    pair.prefill_step([], release=["p1"])
+    assert _until(pair.sender.finished_sending) == {"p1"} and pair.sender._pushes == {}
+
+
+def test_register_carries_the_trace_context_to_the_prefill_side(pair):
+    trace = TraceContext.from_traceparent("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01")
+    spec = RecvSpec("d-t1", "t1", pair.sender.address, tuple(range(10, 17)), 0, 100, 5.0, trace=trace)
+    pair.receiver.start([spec])
+    reg = _until(lambda: pair.sender._registry.get("t1"))
+    assert reg.trace == trace and reg.trace.to_traceparent().startswith("00-4bf92f35")

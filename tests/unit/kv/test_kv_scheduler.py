@@ -146,3 +146,42 @@ def test_the_worker_refuses_to_start_without_a_shared_token(monkeypatch):
     worker = DisaggConnectorWorker(cfg)
     with pytest.raises(DisaggConfigError, match="VLLM_DISAGG_AUTH_TOKEN"):
         worker.register_kv_caches({})
+
+
+def test_a_decode_request_aborted_while_its_push_is_pending_cancels_it_on_the_prefill_side():
+    s = DisaggConnectorScheduler(BS, push_timeout_s=30)
+    req = _req("r1", 100, **D_PARAMS, traceparent="00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01")
+    s.get_num_new_matched_tokens(req, 0)
+    s.update_state_after_alloc(req, _blocks([7, 8, 9, 10]), 100)
+    (spec,) = s.build_connector_meta(_out()).recv_specs
+    assert spec.trace is not None and spec.trace.sampled and spec.trace.trace_id.hex().startswith("4bf92f35")
+    assert s.request_finished(req, [7, 8, 9, 10]) == (False, None)  # vLLM delays the free itself
+    assert s.has_pending_push_work()
+    (cancel,) = s.build_connector_meta(_out()).cancel_specs
+    assert (cancel.req_id, cancel.transfer_id, cancel.remote) == ("r1", "t1", "127.0.0.1:9100")
+    assert "aborted" in cancel.reason and not s.has_pending_push_work()
+
+
+def test_a_request_that_finished_after_its_push_landed_cancels_nothing():
+    s = DisaggConnectorScheduler(BS, push_timeout_s=30)
+    req = _req("r1", 100, **D_PARAMS)
+    s.get_num_new_matched_tokens(req, 0)
+    s.update_state_after_alloc(req, _blocks([7, 8, 9, 10]), 100)
+    s.build_connector_meta(_out())
+    s.update_connector_output(SimpleNamespace(finished_sending=set(), finished_recving={"r1"}))
+    s.request_finished(req, [7, 8, 9, 10])
+    assert s.build_connector_meta(_out()).cancel_specs == []
+
+
+def test_a_push_taken_over_from_the_attention_servers_is_cancelled_on_the_prefill_side():
+    reuse = SimpleNamespace(takes_over_push=lambda request, n: 96, update_state_after_alloc=lambda *a: None,
+                            build_meta=lambda out: None, request_finished=lambda *a: None)
+    s = DisaggConnectorScheduler(BS, push_timeout_s=30, reuse=reuse)
+    req = _req("r1", 100, **D_PARAMS)
+    assert s.get_num_new_matched_tokens(req, 0) == (96, False)
+    s.update_state_after_alloc(req, _blocks([7, 8, 9, 10]), 96)
+    meta = s.build_connector_meta(_out())
+    assert meta.recv_specs == [] and [c.transfer_id for c in meta.cancel_specs] == ["t1"]
+    assert "attention servers" in meta.cancel_specs[0].reason
+    s.update_state_after_alloc(req, _blocks([7, 8, 9, 10]), 96)  # again (after a preemption): once only
+    assert s.build_connector_meta(_out()).cancel_specs == []
