@@ -35,7 +35,8 @@ Protocol versions:
   1: initial.
   2: HAS_REG registrations on step-meta frames; RESTORE / RESTORE_OK; INIT flag RESUME.
   3: CLAIM / CLAIM_OK (HAS_REG allowed, applied first), so servers that take prefill pushes retain.
-  4: HAS_TRACE (W3C trace context on INIT and step-metadata frames); message types are `MsgType`.
+  4: HAS_TRACE (W3C trace context on INIT and step-metadata frames); message types are `MsgType`;
+     the INIT geometry may carry `kv_cache_dtype` and per-layer attributes (issue 19, helper matrix).
 """
 
 from __future__ import annotations
