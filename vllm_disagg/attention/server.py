@@ -30,7 +30,7 @@ from vllm.logger import init_logger
 from vllm_disagg.attention import wire
 from vllm_disagg.attention.kernels import AttentionKernel, kv_bytes_per_block, make_kernel, preload
 from vllm_disagg.attention.retain import KVRetention
-from vllm_disagg.errors import DisaggError, PeerLostError, ProtocolError, TransportTimeout
+from vllm_disagg.errors import DisaggError, ProtocolError, TransportTimeout
 from vllm_disagg.transport import TransportOptions, get_transport
 
 logger = init_logger(__name__)
@@ -204,7 +204,7 @@ class DisaggAttentionServer:
                     self._handle(ch, session, msg)
                 finally:
                     self.metrics.queue.dec()
-        except (PeerLostError, ProtocolError) as err:
+        except DisaggError as err:  # lost peer, broken frame: only this session ends
             logger.info("attention session ended: %s", err)
         finally:
             self.metrics.sessions.dec()

@@ -97,6 +97,10 @@ _HEADER = struct.Struct("<4sHHIQiIIIIf")
 HEADER_SIZE = _HEADER.size
 _pack, _unpack = _HEADER.pack, _HEADER.unpack
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# no real model comes near these; they keep a malformed INIT from allocating the machine away
+_GEOMETRY_BOUNDS = {"num_layers": 4096, "num_heads": 4096, "num_kv_heads": 4096, "head_size": 4096,
+                    "block_size": 1 << 16, "max_num_tokens": 1 << 20}
+_MAX_OUT_BYTES = 4 << 30
 _ITEMSIZE = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2, torch.int32: 4, torch.int64: 8,
              torch.uint8: 1}
 
@@ -186,6 +190,12 @@ class Geometry:
                 raise ProtocolError(f"geometry.{name} must be a positive int, got {getattr(self, name)!r}")
         if self.num_heads % self.num_kv_heads:
             raise ProtocolError(f"{self.num_heads} query heads not a multiple of {self.num_kv_heads} KV heads")
+        for name, bound in _GEOMETRY_BOUNDS.items():
+            if getattr(self, name) > bound:
+                raise ProtocolError(f"geometry.{name}={getattr(self, name)} is over {bound}")
+        out_bytes = self.max_num_tokens * self.num_heads * self.head_size * _ITEMSIZE[self.torch_dtype]
+        if out_bytes > _MAX_OUT_BYTES:  # the server allocates one reply buffer of this size per session
+            raise ProtocolError(f"geometry asks for a {out_bytes}-byte output buffer (max {_MAX_OUT_BYTES})")
 
     @property
     def torch_dtype(self) -> torch.dtype:

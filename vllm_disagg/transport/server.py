@@ -4,7 +4,9 @@ the nixl control channel).
 
 Each connection gets a thread: the HMAC handshake (bounded by `handshake_timeout_s`), then
 `serve(stream, hello)`. A client that sends garbage, fails auth or stalls is logged, told why
-(ERROR frame, best effort) and dropped; the listener keeps serving everyone else.
+(ERROR frame, best effort) and dropped; the listener keeps serving everyone else. At most
+`MAX_PENDING_HANDSHAKES` connections may be in their handshake at once: past it a new one is closed
+at once, so silent strangers (slowloris) cannot pile up threads.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from vllm_disagg.transport.wire import SockStream, send_error, server_handshake
 logger = logging.getLogger(__name__)
 
 HANDSHAKE_TIMEOUT_S = 5.0
+MAX_PENDING_HANDSHAKES = 64
 _ACCEPT_POLL_S = 0.2
 
 
@@ -47,6 +50,7 @@ class AuthServer:
         self._closed = threading.Event()
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
+        self._num_pending = 0  # connections still in their handshake
         self.sock, self.address = _bind(host, port, unix, service)
         self._thread = threading.Thread(
             target=self._accept_loop, name=f"disagg-{service.decode()}-accept", daemon=True
@@ -62,10 +66,17 @@ class AuthServer:
                 continue
             except OSError:
                 break  # closed under us
+            with self._lock:
+                full = self._num_pending >= MAX_PENDING_HANDSHAKES
+                if not full:
+                    self._num_pending += 1
+                    self._conns.add(conn)
+            if full:
+                self._stats.record_rejected()
+                conn.close()
+                continue
             if conn.family == socket.AF_INET:
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            with self._lock:
-                self._conns.add(conn)
             peer = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else f"{self.address}(client)"
             threading.Thread(target=self._handle, args=(conn, peer), name="disagg-conn", daemon=True).start()
 
@@ -80,6 +91,9 @@ class AuthServer:
                 send_error(stream, err)
                 stream.close()
                 return
+            finally:
+                with self._lock:
+                    self._num_pending -= 1
             stream.timeout = self._timeout_s
             self._serve(stream, hello)
         except Exception:

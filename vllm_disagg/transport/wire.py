@@ -25,7 +25,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from vllm_disagg.errors import AuthError, HandshakeMismatch, PeerLostError, ProtocolError, TransportTimeout
+from vllm_disagg.errors import AuthError, PeerLostError, ProtocolError, TransportTimeout
 
 # Version history of the wire protocol (bump on any incompatible change):
 #   1: initial: CHALLENGE/AUTH/WELCOME handshake, KV_WRITE, MSG, ERROR, BYE.
@@ -107,8 +107,9 @@ def parse_frame_header(raw: bytes | bytearray | memoryview, peer: str) -> tuple[
     magic, version, ftype, meta_len, payload_len = FRAME_HDR.unpack(raw)
     if magic != MAGIC:
         raise ProtocolError(f"bad magic {bytes(magic)!r} from {peer} (expected {MAGIC!r})")
-    if version != PROTOCOL_VERSION:
-        raise HandshakeMismatch("protocol_version", PROTOCOL_VERSION, version, peer)
+    if version != PROTOCOL_VERSION:  # a frame, not a handshake field: the connection is dropped
+        raise ProtocolError(f"frame from {peer} has transport protocol version {version}, this side speaks "
+                            f"{PROTOCOL_VERSION}: run the same vllm-disagg version on both ends")
     ftype = _BY_VALUE.get(ftype)
     if ftype is None:
         raise ProtocolError(f"unknown frame type {FRAME_HDR.unpack(raw)[2]} from {peer}")

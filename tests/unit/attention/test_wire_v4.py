@@ -108,3 +108,12 @@ def test_a_client_sends_the_trace_with_init_and_with_each_step_s_metadata(server
         client.attend(layer, torch.randn(BS, 4, 32), torch.randn(BS, 2, 32), torch.randn(BS, 2, 32), meta, 0.2, out)
     client.close()
     assert seen == [(wire.INIT, TRACE), (wire.ATTN, meta.trace), (wire.ATTN, meta.trace)]
+
+
+@pytest.mark.parametrize("field, value", [("max_num_tokens", 1 << 21), ("num_layers", 5000), ("head_size", 8192)])
+def test_a_geometry_no_model_has_is_refused_before_anything_is_allocated(field, value):
+    with pytest.raises(ProtocolError, match=field):
+        wire.Geometry(**{**GEOM, field: value})
+    with pytest.raises(ProtocolError, match="output buffer"):
+        wire.Geometry(**{**GEOM, "max_num_tokens": 1 << 20, "num_heads": 1024, "num_kv_heads": 1024,
+                         "head_size": 2048})
