@@ -37,7 +37,7 @@ from vllm_disagg.attention import wire
 from vllm_disagg.attention.merge import merge_attn_states, partial_attention
 from vllm_disagg.attention.partition import RequestPlacer, head_shards
 from vllm_disagg.errors import DisaggError, PeerLostError, ProtocolError, TransportTimeout
-from vllm_disagg.trace_context import TraceContext
+from vllm_disagg.observe.context import TraceContext
 from vllm_disagg.transport import TransportOptions, get_transport
 
 logger = init_logger(__name__)

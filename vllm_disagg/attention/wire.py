@@ -28,7 +28,7 @@ by the server under `meta_id` for the other layers of that step. A frame with HA
 carry block registrations (flag HAS_REG: two more payloads, int32 block ids [n] and uint8 keys
 [n, 16]), applied before that step's KV writes. INIT and step-metadata frames may carry the
 request's W3C trace context (flag HAS_TRACE: one more payload, 25 bytes, always last;
-`vllm_disagg.trace_context.TraceContext`). An older peer's frames are refused with a line naming
+`vllm_disagg.observe.context.TraceContext`). An older peer's frames are refused with a line naming
 both versions.
 
 Protocol versions:
@@ -51,7 +51,7 @@ from typing import NamedTuple
 import torch
 
 from vllm_disagg.errors import ProtocolError
-from vllm_disagg.trace_context import TRACE_CONTEXT_BYTES, TraceContext
+from vllm_disagg.observe.context import TRACE_CONTEXT_BYTES, TraceContext
 
 PROTOCOL_VERSION = 4
 MAGIC = b"LAMA"

@@ -14,7 +14,7 @@ Wire format (one transport message per frame, no pickle):
               number of block ids, trace-context length (0 or 25; REGISTER only)
     body    = UTF-8 JSON object (strings, ints, floats only)
     payload = block ids as little-endian int32, then the binary W3C trace context
-              (`vllm_disagg.trace_context.TraceContext`)
+              (`vllm_disagg.observe.context.TraceContext`)
 An older peer is answered with a REJECT in its own version's layout naming both versions.
 
 PROTOCOL_VERSION history:
@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from vllm_disagg.errors import HandshakeMismatch, ProtocolError
-from vllm_disagg.trace_context import TRACE_CONTEXT_BYTES, TraceContext
+from vllm_disagg.observe.context import TRACE_CONTEXT_BYTES, TraceContext
 
 __all__ = [
     "PROTOCOL_VERSION",

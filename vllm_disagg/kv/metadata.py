@@ -26,7 +26,7 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
-from vllm_disagg.trace_context import TraceContext
+from vllm_disagg.observe.context import TraceContext
 
 __all__ = ["CancelSpec", "RecvSpec", "SaveSpec", "DisaggConnectorMetadata", "DisaggWorkerMetadata"]
 

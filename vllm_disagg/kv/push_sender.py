@@ -47,7 +47,7 @@ from vllm_disagg.kv.handshake import (
 )
 from vllm_disagg.kv.metadata import DisaggConnectorMetadata, SaveSpec
 from vllm_disagg.kv.side_channel import SideChannelServer
-from vllm_disagg.trace_context import TraceContext
+from vllm_disagg.observe.context import TraceContext
 from vllm_disagg.transport import BlockWrite, XferState
 
 __all__ = ["PushSender"]

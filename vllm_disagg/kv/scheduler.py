@@ -43,7 +43,7 @@ from vllm_disagg.kv.metadata import (
     RecvSpec,
     SaveSpec,
 )
-from vllm_disagg.trace_context import TraceContext
+from vllm_disagg.observe.context import TraceContext
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks

@@ -305,7 +305,7 @@ def _record_crash(res: FuzzResult, why: str) -> None:
 def side_channel_seeds() -> list[bytes]:
     """Valid KV side-channel messages (REGISTER with a trace context, CANCEL, ACCEPT)."""
     from vllm_disagg.kv.handshake import HandshakeInfo, MsgType, SideMsg, encode_msg, handshake_body
-    from vllm_disagg.trace_context import TraceContext
+    from vllm_disagg.observe.context import TraceContext
 
     info = HandshakeInfo("m", "float32", 16, "cpu:float32(2, 16, 8)", 2, 2, 4, 1024)
     body = {**handshake_body(info, "wrong-token", "fuzz-tid"), "address": "127.0.0.1:1", "start_block": 0,
@@ -332,7 +332,7 @@ def attention_seeds(num_heads: int = 4, num_kv_heads: int = 2, head_size: int = 
     import torch
 
     from vllm_disagg.attention import wire as lama
-    from vllm_disagg.trace_context import TraceContext
+    from vllm_disagg.observe.context import TraceContext
 
     geom = lama.Geometry(2, num_heads, num_kv_heads, head_size, block_size, "float32", 64)
     trace = TraceContext(bytes(range(1, 17)), bytes(range(1, 9)), 1).to_bytes()

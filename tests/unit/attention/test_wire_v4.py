@@ -14,7 +14,7 @@ from vllm_disagg.attention import wire
 from vllm_disagg.attention.client import DisaggAttentionClient
 from vllm_disagg.attention.server import DisaggAttentionServer, _Session
 from vllm_disagg.errors import ProtocolError
-from vllm_disagg.trace_context import TraceContext
+from vllm_disagg.observe.context import TraceContext
 from vllm_disagg.transport import Message
 
 TRACE = TraceContext(bytes(range(1, 17)), bytes(range(1, 9)), 1)

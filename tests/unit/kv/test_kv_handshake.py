@@ -25,7 +25,7 @@ from vllm_disagg.kv.handshake import (
     handshake_body,
     legacy_reject,
 )
-from vllm_disagg.trace_context import TraceContext
+from vllm_disagg.observe.context import TraceContext
 
 INFO = HandshakeInfo(model="m", dtype="float32", block_size=32, kv_layout="cpu:float32(2, 32, 64)",
                      num_layers=2, num_kv_heads=2, head_size=32, block_nbytes=16384)

@@ -20,7 +20,7 @@ from vllm_disagg.kv.metadata import CancelSpec, DisaggConnectorMetadata, RecvSpe
 from vllm_disagg.kv.push_receiver import PushReceiver
 from vllm_disagg.kv.push_sender import PushSender
 from vllm_disagg.kv.stats import DisaggKVConnectorStats
-from vllm_disagg.trace_context import TraceContext
+from vllm_disagg.observe.context import TraceContext
 from vllm_disagg.transport import TransportOptions, get_transport
 
 BS, NUM_LAYERS, NUM_BLOCKS = 16, 3, 32

@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from vllm_disagg.errors import ProtocolError
-from vllm_disagg.trace_context import TRACE_CONTEXT_BYTES, TraceContext
+from vllm_disagg.observe.context import TRACE_CONTEXT_BYTES, TraceContext
 from vllm_disagg.transport.wire import FrameType, pack_frame, parse_frame_header
 
 HEADER = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
