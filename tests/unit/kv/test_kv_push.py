@@ -235,7 +235,8 @@ def test_a_cancel_ahead_of_the_prefill_request_frees_that_push_the_moment_it_arr
         t0 = time.monotonic()
         pair.prefill_step([SaveSpec("p1", (1, 2), 40, 40, "t-early", True)], release=["p1"])
         assert "taken over" in pair.sender._pushes["p1"].error
-        assert _until(pair.sender.finished_sending) == {"p1"} and time.monotonic() - t0 < 1.0
+        assert _until(pair.sender.finished_sending) == {"p1"}
+        assert time.monotonic() - t0 < 10.0  # not its push_timeout_s (30 s); loose: the box may be loaded
         assert "t-early" not in pair.sender._cancelled
     finally:
         pair.close()
@@ -253,7 +254,8 @@ def test_cancelling_a_waiting_receive_frees_both_sides_at_once_and_lands_nothing
         assert _until(pair.poll) == {"d-t1"} and pair.failed == {"d-t1"}  # vLLM frees D's blocks
         assert not _p_holds(pair, "p1") and "request aborted" in pair.sender._pushes["p1"].error
         pair.prefill_step([SaveSpec("p1", (3, 4, 5, 6, 7), 100, 100)], release=["p1"])
-        assert _until(pair.sender.finished_sending) == {"p1"} and time.monotonic() - t0 < 2.0
+        assert _until(pair.sender.finished_sending) == {"p1"}
+        assert time.monotonic() - t0 < 10.0  # not its push_timeout_s (30 s)
         snapshot = [layer.clone() for layer in pair.d_layers]
         time.sleep(0.2)
         assert all(torch.equal(a, b) for a, b in zip(snapshot, pair.d_layers, strict=True))
