@@ -17,9 +17,10 @@ from __future__ import annotations
 from vllm_disagg.patches.compat import install, version_ok
 
 NAME = "scheduler_fatal_kv_failure"
+UPSTREAM = "vllm/v1/core/sched/scheduler.py:Scheduler.update_from_output"
 
 
-def apply() -> bool:
+def apply(hooks=None) -> bool:
     if not version_ok(NAME):
         return False
     from vllm.v1.core.sched.scheduler import Scheduler

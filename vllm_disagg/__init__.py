@@ -3,7 +3,9 @@
 
 `register()` is the `vllm.general_plugins` entry point. vLLM calls it in every process (API
 server, engine core, workers). It is idempotent and inert unless configured: it only installs
-hooks that check `additional_config["disagg"]` before doing anything.
+hooks that check `additional_config["disagg"]` before doing anything. It sits above every layer
+(docs/design/layers.md), so it imports the package only inside functions: importing any
+`vllm_disagg.*` module runs this file.
 """
 
 from __future__ import annotations
@@ -25,21 +27,33 @@ _registered = False
 CONCEPT_REGISTRARS = ["vllm_disagg.attention", "vllm_disagg.router", "vllm_disagg.kv"]
 
 
-def register() -> None:
-    """Install the plugin's hooks into vLLM; safe to call any number of times."""
+def register() -> dict[str, bool]:
+    """Install the plugin's hooks into vLLM; safe to call any number of times. Returns which
+    patches applied: a feature that needs one that did not refuses to start (`patches.require`)."""
     global _registered
-    if _registered:
-        return
-    _registered = True
-    from vllm_disagg.patches import apply_all
+    from vllm_disagg.patches import applied, apply_all
 
+    if _registered:
+        return applied()
+    _registered = True
     _share_vllm_logging()
-    apply_all()
+    results = apply_all(patch_hooks())
     for name in CONCEPT_REGISTRARS:
         try:
             importlib.import_module(name).register()
         except Exception:  # noqa: BLE001 - one concept failing must not take vLLM down
             logger.exception("vllm-disagg: registering %s failed; that feature is unavailable", name)
+    return results
+
+
+def patch_hooks():
+    """What the patches call into: the `--disagg-*` flags (P2) and the engine wiring (P3)."""
+    from vllm_disagg.cli.flags import add_disagg_flags, merge_flags_into_namespace
+    from vllm_disagg.patches import PatchHooks
+    from vllm_disagg.wiring import wire_engine_args
+
+    return PatchHooks(add_flags=add_disagg_flags, merge_flags=merge_flags_into_namespace,
+                      wire_engine_args=wire_engine_args)
 
 
 def _share_vllm_logging() -> None:

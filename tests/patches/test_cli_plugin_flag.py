@@ -20,7 +20,7 @@ def make_parser():
 
 
 def test_the_patch_applies_on_vllm_0_32():
-    assert cli_plugin_flag.apply()
+    assert cli_plugin_flag.apply(vllm_disagg.patch_hooks())
     assert hasattr(EngineArgs, "_vllm_disagg_original_add_cli_args")
     assert "--plugin" in make_parser().format_help()
 
@@ -51,6 +51,6 @@ def test_a_bad_flag_exits_with_one_line(capsys):
 def test_the_patch_is_idempotent_under_reload():
     before = EngineArgs.add_cli_args
     importlib.reload(cli_plugin_flag)
-    assert cli_plugin_flag.apply()
+    assert cli_plugin_flag.apply(vllm_disagg.patch_hooks())
     assert EngineArgs.add_cli_args is before
     assert make_parser().format_help().count("--plugin NAME") == 1

@@ -9,21 +9,22 @@ pytest.importorskip("vllm")
 
 from vllm.engine.arg_utils import EngineArgs  # noqa: E402
 
+from vllm_disagg import patch_hooks  # noqa: E402
 from vllm_disagg.config import DisaggConfigError  # noqa: E402
 from vllm_disagg.patches import engine_config_wiring  # noqa: E402
 
 
 def test_the_patch_applies_and_is_idempotent_under_reload():
-    assert engine_config_wiring.apply()
+    assert engine_config_wiring.apply(patch_hooks())
     wrapped = EngineArgs.create_engine_config
     importlib.reload(engine_config_wiring)
-    assert engine_config_wiring.apply()
+    assert engine_config_wiring.apply(patch_hooks())
     assert EngineArgs.create_engine_config is wrapped
     assert EngineArgs._vllm_disagg_original_create_engine_config is not wrapped
 
 
 def test_without_disagg_the_engine_args_are_untouched(tiny_model_dir):
-    from vllm_disagg.cli.flags import wire_engine_args
+    from vllm_disagg.wiring import wire_engine_args
 
     args = EngineArgs(model=tiny_model_dir, additional_config={"x": 1})
     assert wire_engine_args(args) is None
@@ -31,14 +32,14 @@ def test_without_disagg_the_engine_args_are_untouched(tiny_model_dir):
 
 
 def test_a_bad_disagg_config_fails_before_the_engine_starts(tiny_model_dir):
-    engine_config_wiring.apply()
+    engine_config_wiring.apply(patch_hooks())
     args = EngineArgs(model=tiny_model_dir, additional_config={"disagg": {"rol": "prefill"}})
     with pytest.raises(DisaggConfigError, match="rol"):
         args.create_engine_config()
 
 
 def test_an_attention_role_is_pointed_at_the_attention_server(tiny_model_dir):
-    engine_config_wiring.apply()
+    engine_config_wiring.apply(patch_hooks())
     args = EngineArgs(model=tiny_model_dir, additional_config={"disagg": {"role": "attention"}})
     with pytest.raises(DisaggConfigError, match="vllm-disagg attn-server"):
         args.create_engine_config()
@@ -54,7 +55,7 @@ def test_an_attention_role_is_pointed_at_the_attention_server(tiny_model_dir):
     ],
 )
 def test_the_disagg_config_selects_the_worker_class(tiny_model_dir, disagg, worker):
-    from vllm_disagg.cli.flags import wire_engine_args
+    from vllm_disagg.wiring import wire_engine_args
 
     args = EngineArgs(model=tiny_model_dir, additional_config={"disagg": disagg})
     wire_engine_args(args)
@@ -64,7 +65,7 @@ def test_the_disagg_config_selects_the_worker_class(tiny_model_dir, disagg, work
 def test_a_prefill_role_gets_the_producer_connector_and_keeps_explicit_choices(tiny_model_dir):
     from vllm.config import KVTransferConfig
 
-    from vllm_disagg.cli.flags import wire_engine_args
+    from vllm_disagg.wiring import wire_engine_args
 
     args = EngineArgs(model=tiny_model_dir, additional_config={"disagg": {"role": "prefill"}})
     wire_engine_args(args)

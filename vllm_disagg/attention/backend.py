@@ -25,6 +25,7 @@ from vllm_disagg.nanoflow.overlap import defer_wait
 
 _CLIENT: DisaggAttentionClient | None = None
 _OVERLAP_HOOK = None  # callable(pending) -> None, set by the pipelining runtime (pipeline.py)
+_NETWORK_BOUND = True  # what impls built from now on declare (set_network_bound)
 
 
 def set_client(client: DisaggAttentionClient | None) -> None:
@@ -45,6 +46,13 @@ def set_overlap_hook(hook) -> None:
     """Install `hook(pending)`, called between submit and wait (the pipelining runtime's yield)."""
     global _OVERLAP_HOOK
     _OVERLAP_HOOK = hook
+
+
+def set_network_bound(bound: bool) -> None:
+    """Whether impls built from now on declare themselves network-bound (read once per impl): the
+    nano-batch executor then runs their attention on its "net" unit (n=2 ping-pong), or not (n=1)."""
+    global _NETWORK_BOUND
+    _NETWORK_BOUND = bound
 
 
 def remote_attention_enabled(vllm_config) -> bool:
@@ -129,6 +137,7 @@ def _classes() -> dict:
             self.scale = float(scale)
             self.num_kv_heads = num_kv_heads or num_heads
             self._layer_idx: int | None = None
+            self.nanoflow_network_bound = _NETWORK_BOUND  # n=1 runs the same impl serially
             # the client of the worker building this model (set before load_model): keeps two
             # in-process engines (a benchmark's A/B pair) on their own clients
             self._client = _CLIENT

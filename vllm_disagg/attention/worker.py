@@ -26,8 +26,12 @@ from vllm.v1.worker.cpu_worker import CPUWorker
 from vllm_disagg.attention import backend, register
 from vllm_disagg.attention.client import DisaggAttentionClient
 from vllm_disagg.config import disagg_config_from_vllm
+from vllm_disagg.patches import require
+from vllm_disagg.patches.attn_backend_cache import clear_attn_backend_cache
+from vllm_disagg.patches.runner_class_swap import swap_runner_class
 
 logger = init_logger(__name__)
+REQUIRED_PATCHES = ("runner_class_swap", "attn_backend_cache", "couplings")
 register()  # the worker process imports this module before it builds the model
 
 
@@ -53,21 +57,16 @@ def connect_client(client: DisaggAttentionClient, vllm_config) -> int:
     )
 
 
-def _clear_backend_cache() -> None:
-    from vllm.v1.attention.selector import _cached_get_attn_backend
-
-    _cached_get_attn_backend.cache_clear()
-
-
 class DisaggAttentionWorker(CPUWorker):
     """CPUWorker whose KV lives on attention servers (inert if remote attention is not set)."""
 
     def init_device(self) -> None:
         super().init_device()
-        _clear_backend_cache()  # an earlier engine in this process may have cached the stock one
+        clear_attn_backend_cache()  # an earlier engine in this process may have cached the stock one
         client = client_from_config(self.vllm_config)
         if client is None:
             return
+        require("remote attention", *REQUIRED_PATCHES)
         ra = disagg_config_from_vllm(self.vllm_config).remote_attention
         if ra.pipeline > 2:
             raise NotImplementedError(
@@ -82,7 +81,7 @@ class DisaggAttentionWorker(CPUWorker):
                              '"nanoflow": {"nano_batches": 2}')
         connect_client(client, self.vllm_config)
         backend.set_client(client)
-        self.model_runner.__class__ = DisaggAttentionRunner
+        swap_runner_class(self.model_runner, DisaggAttentionRunner)
 
     def determine_available_memory(self) -> int:
         client = backend._CLIENT
@@ -99,7 +98,7 @@ class DisaggAttentionWorker(CPUWorker):
         if backend._CLIENT is not None:
             backend._CLIENT.close()
             backend.set_client(None)
-            _clear_backend_cache()
+            clear_attn_backend_cache()
         super().shutdown()
 
 

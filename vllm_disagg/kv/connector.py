@@ -22,6 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from vllm_disagg.kv.metadata import DisaggConnectorMetadata
 from vllm_disagg.kv.stats import DisaggKVConnectorStats, DisaggKVPromMetrics
+from vllm_disagg.patches import require
 
 if TYPE_CHECKING:
     import torch
@@ -35,6 +36,9 @@ if TYPE_CHECKING:
 
 __all__ = ["DisaggConnector"]
 
+CONSUMER_PATCHES = ("scheduler_fatal_kv_failure",)
+"""Without P4 a handshake mismatch would be recomputed quietly instead of failing its request."""
+
 
 class DisaggConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
@@ -42,6 +46,8 @@ class DisaggConnector(KVConnectorBase_V1):
         self.connector_scheduler = None
         self.connector_worker = None
         if role == KVConnectorRole.SCHEDULER:
+            if vllm_config.kv_transfer_config.is_kv_consumer:
+                require("the KV consumer (kv_role kv_consumer)", *CONSUMER_PATCHES)
             from vllm_disagg.kv.scheduler import DisaggConnectorScheduler
             from vllm_disagg.kv.worker import kv_settings
 

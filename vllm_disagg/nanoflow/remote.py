@@ -24,13 +24,14 @@ from typing import Any
 from vllm_disagg.attention import backend as remote_backend
 from vllm_disagg.attention import recovery
 from vllm_disagg.attention.worker import DisaggAttentionRunner, DisaggAttentionWorker
-from vllm_disagg.nanoflow.overlap import NETWORK_BOUND_ATTR
 from vllm_disagg.nanoflow.runner import enable_nano_ubatching, nanoflow_runner_cls, runner_stats
+from vllm_disagg.patches import require
+from vllm_disagg.patches.runner_class_swap import swap_runner_class
 
 
 def mark_remote_impl_network_bound(bound: bool = True) -> None:
-    """Set on the impl class before the model binds its pipeline (read once at load_model)."""
-    setattr(remote_backend._classes()["RemoteAttentionImpl"], NETWORK_BOUND_ATTR, bound)
+    """Set before the model binds its pipeline (each impl reads it once, when built)."""
+    remote_backend.set_network_bound(bound)
 
 
 def pipeline_depth(vllm_config) -> int:
@@ -78,7 +79,8 @@ class NanoFlowRemoteAttentionWorker(DisaggAttentionWorker):
         mark_remote_impl_network_bound(depth >= 2)
         super().init_device()
         runner = self.model_runner  # DisaggAttentionRunner when remote attention is configured
-        runner.__class__ = remote_nanoflow_runner_cls(type(runner))
+        require("nano-batching with remote attention", "runner_class_swap")
+        swap_runner_class(runner, remote_nanoflow_runner_cls(type(runner)))
         runner.init_nanoflow(self.vllm_config)
 
     def nanoflow_stats(self) -> dict:

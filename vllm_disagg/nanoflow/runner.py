@@ -28,8 +28,11 @@ from vllm_disagg.nanoflow.pipeline import LlamaPipeline, sequential_forward
 from vllm_disagg.nanoflow.plan import NanoFlowPlan
 from vllm_disagg.nanoflow.throughput import PairedSteps, ThroughputLog
 from vllm_disagg.nanoflow.units import make_units, set_num_threads
+from vllm_disagg.patches import require
+from vllm_disagg.patches.worker_ubatching import set_worker_ubatching
 
 logger = init_logger(__name__)
+REQUIRED_PATCHES = ("worker_ubatching", "couplings")
 
 AB_ENV = envs.VLLM_DISAGG_NANOFLOW_AB
 """Diagnostic (`envs.nanoflow_ab()`): "1" alternates nano-batched and plain forwards of eligible
@@ -62,11 +65,9 @@ def enable_nano_ubatching(vllm_config: Any) -> int:
             f"(dp={pc.data_parallel_size}, pp={pc.pipeline_parallel_size}, dbo={pc.enable_dbo}); "
             'remove additional_config["disagg"]["nanoflow"] or those flags'
         )
-    n = plan.nano_batches.attn
-    pc.ubatch_size = n
-    pc.dbo_decode_token_threshold = max(n, 1)
-    pc.dbo_prefill_token_threshold = max(n, 1)
-    return n
+    require("nano-batching", *REQUIRED_PATCHES)
+    set_worker_ubatching(pc, plan.nano_batches.attn)
+    return plan.nano_batches.attn
 
 
 def cpu_exclusive_units(shares: dict[str, int], device: torch.device) -> frozenset[str]:

@@ -20,6 +20,8 @@ from vllm_disagg.nanoflow.runner import (
     reset_runner_stats,
     runner_stats,
 )
+from vllm_disagg.patches import require
+from vllm_disagg.patches.cpu_worker_runner import building_cpu_runner
 
 logger = init_logger(__name__)
 
@@ -45,21 +47,15 @@ class NanoFlowCPUWorker(CPUWorker):
         return CPUModelRunner
 
     def init_device(self) -> None:
-        import vllm.v1.worker.cpu_worker as cpu_worker_mod
-
         if type(self).runner_base_cls is NanoFlowCPUWorker.runner_base_cls:
             _refuse_remote_attention(self.vllm_config)  # a subclass may compose its own runner
         if not enable_nano_ubatching(self.vllm_config):
             return super().init_device()
         if self.use_v2_model_runner:
             raise ValueError("nanoflow needs the V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0)")
-        # CPUWorker.init_device builds CPUModelRunner inline: swap the name for the call.
-        original = cpu_worker_mod.CPUModelRunner
-        cpu_worker_mod.CPUModelRunner = nanoflow_runner_cls(self.runner_base_cls())
-        try:
+        require("nano-batching", "cpu_worker_runner")
+        with building_cpu_runner(nanoflow_runner_cls(self.runner_base_cls())):
             super().init_device()
-        finally:
-            cpu_worker_mod.CPUModelRunner = original
 
     def nanoflow_stats(self) -> dict:
         """collective_rpc("nanoflow_stats"): step counters, units and throughput vs optimal."""
