@@ -1,26 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 """Executes routes: the P/D push path (pd_protocol.md) and whole requests on one instance.
 
-Push path, per request: P gets `max_tokens=1` + `do_remote_decode`, D gets the client's body +
-`do_remote_prefill`, both at once with one `transfer_id`; D's answer (SSE or JSON) is relayed to the
-client byte for byte. P's answer is only checked for errors: when P fails, D's connector recomputes the
-prompt. Nothing waits without a timeout.
-
-Single-prompt requests are replayed (`replay_attempts`, router/replay.py): when the instance refuses,
-answers 5xx, or dies before its last token, the request goes again to a healthy instance (the same
-one once it is back, or another one), as a continuation of the tokens the client already has, and
-the client sees one uninterrupted answer. Other requests (batch prompts, n > 1, echo) keep the old
-behaviour: a refused connection is re-routed once, and a death mid-stream ends the stream with an
-OpenAI-style error event.
-
-Admission: a new request that finds no healthy instance (the only one is restarting) waits up to
-`admission_wait_s` for one to join or pass a health check, woken by the scheduler's membership
-callback (no polling of the pools), then proceeds; after that it gets 503. A client that leaves
-while it waits is noticed within a second and nothing is sent upstream.
-
-A replayable attempt whose instance leaves routing (failed health checks, discovery removed it, or
-another request saw it die) is cut at once and replayed, instead of waiting out `read_timeout_s` on
-an instance that is hung rather than dead.
+Push path: P gets `max_tokens=1` + `do_remote_decode`, D the client's body + `do_remote_prefill`,
+both at once with one `transfer_id`; D's answer is relayed byte for byte, P's only checked for
+errors (when P fails, D recomputes the prompt). Single-prompt requests go through `ReplayRun`
+(replay_run.py); others (batch prompts, n > 1, echo) are re-routed once on a refused connection.
+Admission: a new request that finds no healthy instance waits up to `admission_wait_s`, woken by
+the scheduler's membership callback, then gets 503. Nothing waits without a timeout.
 """
 
 from __future__ import annotations
@@ -43,28 +29,21 @@ from vllm_disagg.router.health import HealthChecker
 from vllm_disagg.router.metrics import RouterMetrics
 from vllm_disagg.router.policy import NoHealthyInstanceError
 from vllm_disagg.router.pools import Instance, InstancePools, Route
+from vllm_disagg.router.replay_run import ReplayRun
+from vllm_disagg.router.upstream import (
+    FAILED,
+    UPSTREAM_ERRORS,
+    client_gone,
+    error_response,
+    route_headers,
+    sse_error,
+)
 
 logger = logging.getLogger(__name__)
 
-# Marks a relayed response that ended badly after its 200 status went out.
-_FAILED = web.ResponseKey("disagg_failed", bool)
-# Errors that mean "the instance is gone or stuck": the client gets a clean 502/504 or error event.
-_UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError)
-
-
-# Attempt failures that mean the instance is gone: it leaves routing until a health poll restores it.
-_INSTANCE_GONE = ("connect", "no_answer", "mid_stream", "mid_response")
 # How often a waiting request checks that its client is still connected (aiohttp has no event for it).
 _CLIENT_CHECK_S = 1.0
 _WAIT_BUCKETS = (0.1, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300)
-
-
-class _AttemptFailed(Exception):
-    """One replayable attempt failed in a way that a re-send can fix."""
-
-    def __init__(self, reason: str, instance: Instance, detail: str) -> None:
-        super().__init__(f"{reason} on {instance.url}: {detail}")
-        self.reason, self.instance = reason, instance
 
 
 class _ConnectFailed(Exception):
@@ -73,16 +52,6 @@ class _ConnectFailed(Exception):
     def __init__(self, instance: Instance) -> None:
         super().__init__(instance.url)
         self.instance = instance
-
-
-def error_response(status: int, message: str, err_type: str = "BadGateway") -> web.Response:
-    body = {"error": {"message": message, "type": err_type, "param": None, "code": status}}
-    return web.json_response(body, status=status)
-
-
-def _sse_error(message: str, status: int = 502) -> bytes:
-    err = {"error": {"message": message, "type": "BadGateway", "param": None, "code": status}}
-    return f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
 
 
 class Proxy:
@@ -104,7 +73,7 @@ class Proxy:
             "(admitted, timed_out, client_gone).", ["outcome"], buckets=_WAIT_BUCKETS, registry=metrics.registry,
         )
         self._joined = asyncio.Event()  # replaced after each set: waiters hold the one they saw
-        self._cuts: dict[str, Callable[[str], None]] = {}  # req_id -> cut its attempt (instance left)
+        self.cuts: dict[str, Callable[[str], None]] = {}  # req_id -> cut its attempt (instance left)
         pools.scheduler.listeners.append(self._on_membership)
 
     async def start(self) -> None:
@@ -160,7 +129,7 @@ class Proxy:
             self._joined = asyncio.Event()
             return
         for req_id in lost:
-            cut = self._cuts.get(req_id)
+            cut = self.cuts.get(req_id)
             if cut is not None:
                 cut(instance_id)
 
@@ -186,7 +155,7 @@ class Proxy:
             left = deadline - time.monotonic()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(joined.wait(), timeout=max(0.0, min(left, _CLIENT_CHECK_S)))
-            gone = _client_gone(request) or (tick is not None and not await tick())
+            gone = client_gone(request) or (tick is not None and not await tick())
             route = why = None
             if gone:
                 why = "client_gone"
@@ -215,7 +184,7 @@ class Proxy:
             async with self.session.get(f"{inst.url}{path}") as resp:
                 data = await resp.read()
                 return web.Response(body=data, status=resp.status, content_type=resp.content_type)
-        except _UPSTREAM_ERRORS as exc:
+        except UPSTREAM_ERRORS as exc:
             return error_response(502, f"instance {inst.url} failed: {exc!r}")
 
     # ----------------------------------------------------------- one try
@@ -225,7 +194,7 @@ class Proxy:
         ok = False
         try:
             out = await self._relay(request, route, d_body, endpoint, start)
-            ok = out.status == 200 and not out.get(_FAILED, False)
+            ok = out.status == 200 and not out.get(FAILED, False)
             return out
         finally:
             await self.end_prefill(p_task, ok)
@@ -260,7 +229,7 @@ class Proxy:
             try:
                 async with self.session.get(f"{inst.url}/v1/models") as resp:
                     self._max_model_len[inst.url] = int((await resp.json())["data"][0]["max_model_len"])
-            except (*_UPSTREAM_ERRORS, KeyError, IndexError, TypeError, ValueError) as exc:
+            except (*UPSTREAM_ERRORS, KeyError, IndexError, TypeError, ValueError) as exc:
                 logger.warning("no max_model_len from %s: %r", inst.url, exc)
                 return None
         return self._max_model_len[inst.url]
@@ -280,7 +249,7 @@ class Proxy:
         except aiohttp.ClientConnectorError as exc:
             self.metrics.prefill_failures.labels(pre.url).inc()
             self.health.drop(pre, f"refused a connection: {exc}")
-        except _UPSTREAM_ERRORS as exc:
+        except UPSTREAM_ERRORS as exc:
             self.metrics.prefill_failures.labels(pre.url).inc()
             logger.warning("prefill on %s failed for %s: %r (decode recomputes)", pre.url, route.req_id, exc)
         finally:
@@ -294,23 +263,21 @@ class Proxy:
             resp = await self.session.post(f"{target.url}/v1/{endpoint}", json=d_body)
         except aiohttp.ClientConnectorError as exc:
             raise _ConnectFailed(target) from exc
-        except _UPSTREAM_ERRORS as exc:
-            self._count(endpoint, route, "error", start)
+        except UPSTREAM_ERRORS as exc:
+            self.count(endpoint, route, "error", start)
             return error_response(502, f"instance {target.url} failed before answering: {exc!r}")
         try:
-            headers = {"x-disagg-route": route.kind, "x-disagg-decode": target.url}
-            if route.prefill is not None:
-                headers["x-disagg-prefill"] = route.prefill.url
+            headers = route_headers(route)
             if resp.status == 200 and resp.content_type == "text/event-stream":
                 return await self._relay_stream(request, route, resp, headers, endpoint, start)
             try:
                 data = await resp.read()
-            except _UPSTREAM_ERRORS as exc:
-                self._count(endpoint, route, "error", start)
+            except UPSTREAM_ERRORS as exc:
+                self.count(endpoint, route, "error", start)
                 self.health.record(target, False)
                 return error_response(502, f"instance {target.url} failed mid-response: {exc!r}")
             self.metrics.ttft.labels(route.kind).observe(time.monotonic() - start)
-            self._count(endpoint, route, "ok" if resp.status == 200 else f"http_{resp.status}", start)
+            self.count(endpoint, route, "ok" if resp.status == 200 else f"http_{resp.status}", start)
             return web.Response(body=data, status=resp.status, headers=headers,
                                 content_type=resp.content_type or "application/json")
         finally:
@@ -325,7 +292,7 @@ class Proxy:
         while True:
             try:
                 chunk = await resp.content.readany()
-            except _UPSTREAM_ERRORS as exc:
+            except UPSTREAM_ERRORS as exc:
                 return await self._end_stream_with_error(out, route, endpoint, start, exc)
             if not chunk:
                 break
@@ -337,10 +304,10 @@ class Proxy:
                 await out.write(chunk)
             except (ConnectionError, RuntimeError):
                 # the client went away; closing `resp` aborts the request upstream
-                self._count(endpoint, route, "client_gone", start)
-                out[_FAILED] = True
+                self.count(endpoint, route, "client_gone", start)
+                out[FAILED] = True
                 return out
-        self._count(endpoint, route, "ok", start)
+        self.count(endpoint, route, "ok", start)
         with contextlib.suppress(ConnectionError, RuntimeError):
             await out.write_eof()
         return out
@@ -349,243 +316,13 @@ class Proxy:
                                      start: float, exc: BaseException) -> web.StreamResponse:
         logger.error("decode instance %s failed mid-stream for %s: %r", route.target.url, route.req_id, exc)
         self.health.record(route.target, False)
-        self._count(endpoint, route, "error", start)
-        out[_FAILED] = True
+        self.count(endpoint, route, "error", start)
+        out[FAILED] = True
         with contextlib.suppress(ConnectionError, RuntimeError):
-            await out.write(_sse_error(f"instance {route.target.url} failed mid-stream: {exc!r}"))
+            await out.write(sse_error(f"instance {route.target.url} failed mid-stream: {exc!r}"))
             await out.write_eof()
         return out
 
-    def _count(self, endpoint: str, route: Route, outcome: str, start: float) -> None:
+    def count(self, endpoint: str, route: Route, outcome: str, start: float) -> None:
         self.metrics.requests.labels(endpoint, route.kind, outcome).inc()
         self.metrics.latency.labels(route.kind).observe(time.monotonic() - start)
-
-
-class ReplayRun:
-    """One replayable request: attempts until one ends the answer, the client leaves, or the budget is spent.
-
-    An attempt whose instance is gone drops it from routing (the health checker restores it once it
-    answers again); one that answered 5xx or an error event stays routable. The first attempt waits up
-    to `admission_wait_s` for a healthy instance, a replay up to `replay_wait_s`. A stream that already
-    started stays open meanwhile (SSE comments every few seconds keep idle clients patient). An attempt
-    whose instance leaves routing meanwhile is cut (`_cut`) and replayed at once."""
-
-    _KEEPALIVE_S = 5.0
-
-    def __init__(self, proxy: Proxy, request: web.Request, body: dict[str, Any], endpoint: str,
-                 start: float) -> None:
-        self.p, self.request, self.body, self.endpoint, self.start = proxy, request, body, endpoint, start
-        self.chat = endpoint == "chat/completions"
-        self.stitch = replay.Stitcher(body, self.chat) if body.get("stream") else None
-        self.out: web.StreamResponse | None = None
-        self._first = True
-        self._cut_from: str | None = None  # the instance the current attempt was cut from
-        self._cut_exc: ConnectionResetError | None = None  # what the cut made its response read raise
-        self._target: Instance | None = None  # the current attempt's instance
-        self._post: asyncio.Task | None = None  # the current attempt's request, until its headers came
-        self._resp: aiohttp.ClientResponse | None = None  # ... and its response after that
-        self._next_ping = 0.0
-
-    async def run(self) -> web.StreamResponse:
-        last: _AttemptFailed | None = None
-        route: Route | None = None
-        for attempt in range(1 + self.p.config.replay_attempts):
-            if attempt:
-                self.p.replays.labels(self.endpoint, last.reason).inc()
-                logger.warning("replaying a %s request (attempt %d, %d tokens already sent): %s", self.endpoint,
-                               attempt + 1, len(self.stitch.generated) if self.stitch else 0, last)
-            if self.stitch is not None and not self.stitch.continuable():
-                break
-            if self.stitch is not None and self.stitch.spent():
-                return await self._close_with(self.stitch.finish_chunk(), route)
-            wait_s = self.p.config.replay_wait_s if attempt else self.p.config.admission_wait_s
-            route, why = await self.p.route_when_ready(self.request, self._estimates, True, wait_s,
-                                                       self._keepalive, admission=not attempt)
-            if route is None:
-                if attempt == 0:
-                    return self.p.no_route_response(self.endpoint, why)
-                break
-            self.p._cuts[route.req_id] = self._cut
-            try:
-                return await self._attempt(route)
-            except _AttemptFailed as exc:
-                last = exc
-                if self._cut_exc is not None and exc.__cause__ is self._cut_exc:  # failed by our cut, not on its own
-                    last = exc = _AttemptFailed("left_routing", exc.instance, "left routing mid-answer")
-                if exc.reason in _INSTANCE_GONE:  # one that still answers (5xx, error event) stays routable
-                    self.p.health.drop(exc.instance, str(exc))
-            finally:
-                self.p._cuts.pop(route.req_id, None)
-                self._cut_from = self._cut_exc = self._target = self._post = self._resp = None
-                self.p.pools.done(route.req_id)
-        return await self._give_up(last, route)
-
-    # ----------------------------------------------------------- routing
-    def _estimates(self) -> tuple[int, int]:
-        st = self.stitch
-        if st is not None and st.prompt_ids is not None and st.generated:
-            return len(st.prompt_ids) + len(st.generated), max(1, st.remaining() or 1)
-        return (bodies.estimate_prompt_tokens(self.body, self.chat),
-                bodies.expected_output_tokens(self.body, self.chat))
-
-    async def _keepalive(self) -> bool:
-        """While waiting: an SSE comment every few seconds on a started stream; False if the client left."""
-        if self.out is None or time.monotonic() < self._next_ping:
-            return True
-        self._next_ping = time.monotonic() + self._KEEPALIVE_S
-        return await self._write(b": waiting for a healthy instance to replay on\n\n")
-
-    def _cut(self, instance_id: str) -> None:
-        """The current attempt's instance left routing: fail the attempt now (it is replayed)."""
-        route_target = self._target
-        if route_target is None or route_target.instance_id != instance_id or self._cut_from is not None:
-            return  # e.g. only its prefill instance left: D recomputes the prompt, the attempt goes on
-        self._cut_from = instance_id
-        logger.warning("cutting a %s request off %s: it left routing", self.endpoint, route_target.url)
-        if self._resp is not None:  # an attempt that already failed on its own keeps its own reason
-            self._cut_exc = ConnectionResetError(f"{route_target.url} left routing")
-            self._resp.content.set_exception(self._cut_exc)
-        elif self._post is not None:
-            self._post.cancel()
-
-    # ----------------------------------------------------------- attempt
-    async def _attempt(self, route: Route) -> web.StreamResponse:
-        body, endpoint = self.body, self.endpoint
-        if self.stitch is not None:
-            mml = await self.p.max_model_len(route.target) if self.stitch.needs_max_model_len() else None
-            if self.stitch.needs_max_model_len() and mml is None:
-                raise _AttemptFailed("no_answer", route.target, "no max_model_len for the continuation")
-            body, endpoint = self.stitch.next_request(self.endpoint, mml)
-        p_task, d_body = self.p.start_prefill(route, body, endpoint)
-        ok = False
-        try:
-            out = await self._relay(route, d_body, endpoint)
-            ok = True
-            return out
-        finally:
-            await self.p.end_prefill(p_task, ok)
-
-    async def _relay(self, route: Route, d_body: dict[str, Any], endpoint: str) -> web.StreamResponse:
-        target = self._target = route.target
-        # A task, so that `_cut` can end the wait for the headers (a hung instance sends none).
-        self._post = asyncio.ensure_future(self.p.session.post(f"{target.url}/v1/{endpoint}", json=d_body))
-        try:
-            resp = await self._post
-        except asyncio.CancelledError:
-            if self._cut_from is None or asyncio.current_task().cancelling():
-                raise  # not our cut: the handler itself is being cancelled
-            raise _AttemptFailed("left_routing", target, "left routing before it answered") from None
-        except _UPSTREAM_ERRORS as exc:
-            reason = "connect" if isinstance(exc, aiohttp.ClientConnectorError) else "no_answer"
-            raise _AttemptFailed(reason, target, repr(exc)) from exc
-        self._resp = resp
-        if self._cut_from is not None:  # cut between the headers and here
-            resp.close()
-            raise _AttemptFailed("left_routing", target, "left routing before it answered")
-        try:
-            if resp.status >= 500:
-                raise _AttemptFailed("http_5xx", target, f"HTTP {resp.status} {(await _read(resp, target))[:300]!r}")
-            if resp.status == 200 and self.stitch is not None and resp.content_type == "text/event-stream":
-                return await self._relay_stream(route, resp)
-            return await self._relay_whole(route, resp)
-        finally:
-            resp.close()
-
-    async def _relay_whole(self, route: Route, resp: aiohttp.ClientResponse) -> web.StreamResponse:
-        data = await _read(resp, route.target)
-        if self.out is not None:  # a continuation was refused (4xx): the client's stream ends with it
-            return await self._give_up(_AttemptFailed(f"http_{resp.status}", route.target, data[:300].decode(
-                errors="replace")), route)
-        self.p.metrics.ttft.labels(route.kind).observe(time.monotonic() - self.start)
-        self.p._count(self.endpoint, route, "ok" if resp.status == 200 else f"http_{resp.status}", self.start)
-        return web.Response(body=data, status=resp.status, headers=_route_headers(route),
-                            content_type=resp.content_type or "application/json")
-
-    async def _relay_stream(self, route: Route, resp: aiohttp.ClientResponse) -> web.StreamResponse:
-        if self.out is None:
-            self.out = web.StreamResponse(status=200, headers={**_route_headers(route), "Cache-Control": "no-cache"})
-            self.out.content_type = "text/event-stream"
-            await self.out.prepare(self.request)
-        parser = replay.SSEParser()
-        while True:
-            try:
-                chunk = await resp.content.readany()
-            except _UPSTREAM_ERRORS as exc:
-                if self.stitch.finished:
-                    break
-                raise _AttemptFailed("mid_stream", route.target, repr(exc)) from exc
-            if not chunk:
-                break
-            for data in parser.feed(chunk):
-                try:
-                    piece = self.stitch.on_event(data)
-                except replay.UpstreamFailed as exc:
-                    raise _AttemptFailed("error_event", route.target, str(exc)) from exc
-                if piece is None:
-                    continue
-                if self._first:
-                    self.p.metrics.ttft.labels(route.kind).observe(time.monotonic() - self.start)
-                    self._first = False
-                self.p.pools.decode_progress(route.req_id, 1)
-                if not await self._write(piece):
-                    self.p._count(self.endpoint, route, "client_gone", self.start)
-                    return self.out
-        if not self.stitch.finished:
-            raise _AttemptFailed("mid_stream", route.target, "the stream ended before its last token")
-        return await self._close_with(b"", route)
-
-    # ------------------------------------------------------------ ending
-    async def _write(self, data: bytes) -> bool:
-        """False when the client went away (closing upstream then aborts its request)."""
-        try:
-            await self.out.write(data)
-            return True
-        except (ConnectionError, RuntimeError):
-            self.out[_FAILED] = True
-            return False
-
-    async def _close_with(self, data: bytes, route: Route | None) -> web.StreamResponse:
-        if await self._write(data + b"data: [DONE]\n\n"):
-            with contextlib.suppress(ConnectionError, RuntimeError):
-                await self.out.write_eof()
-        if route is not None:
-            self.p._count(self.endpoint, route, "ok", self.start)
-        return self.out
-
-    async def _give_up(self, last: _AttemptFailed | None, route: Route | None) -> web.StreamResponse:
-        if self.out is not None and self.out.get(_FAILED, False):  # the client left while we waited
-            if route is not None:
-                self.p._count(self.endpoint, route, "client_gone", self.start)
-            return self.out
-        message = f"the request failed on every attempt; last: {last}" if last else \
-            "no healthy instance came back to replay the request on"
-        logger.error("%s request given up: %s", self.endpoint, message)
-        if route is not None:
-            self.p._count(self.endpoint, route, "error", self.start)
-        if self.out is None:
-            return error_response(502, message)
-        self.out[_FAILED] = True
-        with contextlib.suppress(ConnectionError, RuntimeError):
-            await self.out.write(_sse_error(message))
-            await self.out.write_eof()
-        return self.out
-
-
-async def _read(resp: aiohttp.ClientResponse, target: Instance) -> bytes:
-    try:
-        return await resp.read()
-    except _UPSTREAM_ERRORS as exc:
-        raise _AttemptFailed("mid_response", target, repr(exc)) from exc
-
-
-def _route_headers(route: Route) -> dict[str, str]:
-    headers = {"x-disagg-route": route.kind, "x-disagg-decode": route.target.url}
-    if route.prefill is not None:
-        headers["x-disagg-prefill"] = route.prefill.url
-    return headers
-
-
-def _client_gone(request: web.Request) -> bool:
-    """The client closed its connection (aiohttp drops the transport when it notices)."""
-    transport = request.transport
-    return transport is None or transport.is_closing()

@@ -1,0 +1,41 @@
+# SPDX-License-Identifier: Apache-2.0
+"""What the proxy and the replay run share about answering through an instance: the errors that
+mean it is gone or stuck, OpenAI-style error bodies and events, and the route headers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+from aiohttp import web
+
+from vllm_disagg.router.pools import Route
+
+# Marks a relayed response that ended badly after its 200 status went out.
+FAILED = web.ResponseKey("disagg_failed", bool)
+# Errors that mean "the instance is gone or stuck": the client gets a clean 502/504 or error event.
+UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError)
+
+
+def error_response(status: int, message: str, err_type: str = "BadGateway") -> web.Response:
+    body = {"error": {"message": message, "type": err_type, "param": None, "code": status}}
+    return web.json_response(body, status=status)
+
+
+def sse_error(message: str, status: int = 502) -> bytes:
+    err = {"error": {"message": message, "type": "BadGateway", "param": None, "code": status}}
+    return f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
+
+
+def route_headers(route: Route) -> dict[str, str]:
+    headers = {"x-disagg-route": route.kind, "x-disagg-decode": route.target.url}
+    if route.prefill is not None:
+        headers["x-disagg-prefill"] = route.prefill.url
+    return headers
+
+
+def client_gone(request: web.Request) -> bool:
+    """The client closed its connection (aiohttp drops the transport when it notices)."""
+    transport = request.transport
+    return transport is None or transport.is_closing()
