@@ -38,12 +38,25 @@ def register() -> dict[str, bool]:
     _registered = True
     _share_vllm_logging()
     results = apply_all(patch_hooks())
+    _pass_cost_models()
     for name in CONCEPT_REGISTRARS:
         try:
             importlib.import_module(name).register()
         except Exception:  # noqa: BLE001 - one concept failing must not take vLLM down
             logger.exception("vllm-disagg: registering %s failed; that feature is unavailable", name)
     return results
+
+
+def _pass_cost_models() -> None:
+    """The nano-batch runner logs its throughput against the planner's optimum (Eq. 9); nanoflow
+    sits below the planner (docs/design/layers.md), so the plugin root passes it in."""
+    try:
+        from vllm_disagg.nanoflow.throughput import set_optimum_model
+        from vllm_disagg.planner.nanoflow import optimal_tokens_per_s
+    except ImportError as err:  # a planning-only install has no torch
+        logger.debug("vllm-disagg: no nano-batch throughput log here: %s", err)
+        return
+    set_optimum_model(optimal_tokens_per_s)
 
 
 def patch_hooks():

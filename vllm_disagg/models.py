@@ -74,6 +74,13 @@ def resolve_model(name_or_path: str) -> str:
     return str(model_dir(name_or_path))
 
 
+def launch_model(name_or_path: str) -> str:
+    """`resolve_model`, with an existing path made absolute (instances run in other directories)."""
+    if Path(name_or_path).exists():
+        return str(Path(name_or_path).resolve())
+    return resolve_model(name_or_path)
+
+
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:

@@ -8,7 +8,7 @@ process group is SIGKILLed mid-stream. Every client still gets its complete answ
 plain vLLM greedy; the router counted the replays; the launcher restarted the instance on the same
 port, the router sees it healthy again and the attention servers hold the new worker's sessions only.
 The restarted worker's connector found the full blocks of the replayed requests (prompt + generated
-ids) in the servers' retained KV and restored them instead of prefilling them (attention/reuse.py).
+ids) in the servers' retained KV and restored them instead of prefilling them (kv/lamina/reuse.py).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ import torch
 
 from vllm_disagg.attention.client import ClientMeta, DisaggAttentionClient
 from vllm_disagg.attention.wire import StepMeta
-from vllm_disagg.nanoflow.overlap import defer_wait
+from vllm_disagg.overlap import defer_wait
 
 _CLIENT: DisaggAttentionClient | None = None
 _OVERLAP_HOOK = None  # callable(pending) -> None, set by the pipelining runtime (pipeline.py)
@@ -31,6 +31,11 @@ _NETWORK_BOUND = True  # what impls built from now on declare (set_network_bound
 def set_client(client: DisaggAttentionClient | None) -> None:
     global _CLIENT
     _CLIENT = client
+
+
+def current_client() -> DisaggAttentionClient | None:
+    """This process's attention client (installed by the remote-attention worker), or None."""
+    return _CLIENT
 
 
 def get_client() -> DisaggAttentionClient:

@@ -84,7 +84,7 @@ class DisaggAttentionWorker(CPUWorker):
         swap_runner_class(self.model_runner, DisaggAttentionRunner)
 
     def determine_available_memory(self) -> int:
-        client = backend._CLIENT
+        client = backend.current_client()
         if client is None:
             return super().determine_available_memory()
         if self._should_warm_up_model():
@@ -95,8 +95,9 @@ class DisaggAttentionWorker(CPUWorker):
         return client.num_blocks * per_block
 
     def shutdown(self) -> None:
-        if backend._CLIENT is not None:
-            backend._CLIENT.close()
+        client = backend.current_client()
+        if client is not None:
+            client.close()
             backend.set_client(None)
             clear_attn_backend_cache()
         super().shutdown()

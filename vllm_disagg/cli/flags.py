@@ -132,7 +132,7 @@ def merge_flags_into_namespace(args: argparse.Namespace) -> None:
 
 def _wire_restart_reuse(args: argparse.Namespace) -> None:
     """A `vllm serve` model worker restores its attention servers' KV after a restart
-    (attention/reuse.py), which needs the connector's consumer half. CLI only: vLLM's connector
+    (kv/lamina/reuse.py), which needs the connector's consumer half. CLI only: vLLM's connector
     agent is process-global, so an implicit connector under LLM() would leak into the next
     in-process engine; API users pass `kv_transfer_config=reuse_connector_config()`."""
     from vllm.config import KVTransferConfig

@@ -144,12 +144,12 @@ class DisaggConnector(KVConnectorBase_V1):
 
 
 def _reuse_scheduler(vllm_config: VllmConfig, token: str | None, kv_cache_manager: Any) -> Any:
-    """A Lamina model worker's `DisaggReuseScheduler` (attention/reuse.py), else None."""
-    from vllm_disagg.kv.attn_targets import attention_settings
+    """A Lamina model worker's `DisaggReuseScheduler` (kv/lamina/reuse.py), else None."""
+    from vllm_disagg.kv.lamina.targets import attention_settings
 
     ra = attention_settings(vllm_config)
     if ra is None or not token:
         return None
-    from vllm_disagg.attention.reuse import DisaggReuseScheduler
+    from vllm_disagg.kv.lamina.reuse import DisaggReuseScheduler
 
     return DisaggReuseScheduler.from_config(vllm_config, ra, token, kv_cache_manager)

@@ -14,7 +14,7 @@ the worker before the forward pass:
 * `cancel_specs` (decode side): pushes to CANCEL on their prefill side (the request was aborted
   while it waited, or its KV is restored from the attention servers instead), so P frees at once.
 * `reuse` (Lamina model worker): retained blocks to restore and full blocks to register on the
-  attention servers (`vllm_disagg/attention/reuse.py`).
+  attention servers (`vllm_disagg/kv/lamina/reuse.py`).
 
 `DisaggWorkerMetadata` goes the other way (worker -> scheduler): failure reasons of decode requests.
 """
@@ -86,7 +86,7 @@ class DisaggConnectorMetadata(KVConnectorMetadata):
     preempted_req_ids: list[str] = field(default_factory=list)
     cancel_specs: list[CancelSpec] = field(default_factory=list)
     reuse: Any = None
-    """Lamina model worker: `attention.reuse.ReuseMeta` (restores and block registrations), else None."""
+    """Lamina model worker: `kv.lamina.reuse.ReuseMeta` (restores and block registrations), else None."""
 
 
 @dataclass

@@ -92,7 +92,7 @@ class PushReceiver:
         logger.info("KV push receiver listening on %s", self.address)
 
     def _open_receiver(self, data: Any, layers: list[Any]) -> str:
-        """This worker's KV receiver, one region per layer (`kv.attn_targets` lands KV elsewhere)."""
+        """This worker's KV receiver, one region per layer (`kv.lamina.targets` lands KV elsewhere)."""
         self._receiver = data.kv_receiver(name="decode")
         for layer_idx, tensor in enumerate(layers):
             self._receiver.register_region(str(layer_idx), tensor)

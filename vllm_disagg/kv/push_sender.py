@@ -19,7 +19,7 @@ save_kv_layer runs. (On GPU a stream event must be recorded per layer before que
 
 Targets: by default the decode worker's own receiver (`address`). A decode model worker with remote
 attention registers `targets` instead, "address,num_shards,shard" per attention server, ";"-joined
-(`vllm_disagg.kv.attn_targets`): each gets KV-head slice `shard` of `num_shards` of every block (a
+(`vllm_disagg.kv.lamina.targets`): each gets KV-head slice `shard` of `num_shards` of every block (a
 contiguous part of the block in the CPU layout), or whole blocks with `num_shards=1`.
 """
 

@@ -14,7 +14,7 @@ Decode side (`kv_transfer_params.do_remote_prefill`):
 
 Lamina model worker (`reuse`, set with remote_attention): a request without do_remote_prefill may
 restore full blocks the attention servers kept from the previous model worker; see
-`vllm_disagg/attention/reuse.py` (this class only routes to it). A P/D request whose tokens the servers
+`vllm_disagg/kv/lamina/reuse.py` (this class only routes to it). A P/D request whose tokens the servers
 kept (a replay after a model-worker restart) is restored the same way instead of pushed
 (`reuse.takes_over_push`), and its prefill side gets a CANCEL so it frees that push's blocks at once.
 
@@ -51,7 +51,7 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-    from vllm_disagg.attention.reuse import DisaggReuseScheduler
+    from vllm_disagg.kv.lamina.reuse import DisaggReuseScheduler
 
 __all__ = ["DisaggConnectorScheduler", "RemotePrefillParams"]
 

@@ -9,6 +9,7 @@ keeps one channel per prefill address and does bounded `call`s on it, one at a t
 
 from __future__ import annotations
 
+import select
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -128,6 +129,26 @@ class SideChannelClient:
         except (DisaggError, OSError):
             self.drop(address)  # a late reply must never answer the next call
             raise
+
+    def closed_by_peer(self, address: str) -> bool:
+        """True when the peer closed the idle channel to `address` (EOF or its goodbye frame).
+
+        The channel is request/reply under its lock, so with no call in flight nothing may arrive
+        on it: readable then means closed. A channel busy with a call is left alone (that call
+        sees the loss itself)."""
+        with self._lock:
+            entry = self._channels.get(address)
+        sock = getattr(getattr(entry[0], "stream", None), "sock", None) if entry else None
+        if sock is None or not entry[1].acquire(blocking=False):
+            return False
+        try:
+            poller = select.poll()  # not select(): no FD_SETSIZE limit
+            poller.register(sock, select.POLLIN | select.POLLHUP | select.POLLERR)
+            return bool(poller.poll(0))
+        except (OSError, ValueError):  # dropped by our side meanwhile: the next call reconnects
+            return False
+        finally:
+            entry[1].release()
 
     def drop(self, address: str) -> None:
         with self._lock:

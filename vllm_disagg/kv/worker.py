@@ -9,8 +9,8 @@ sender thread pushes its whole blocks at once), `wait_for_save` marks the step's
 `get_transfer_results` reports pushes that are over and receives that landed or failed.
 Nothing here blocks the forward pass except `bind` after a preemption (bounded).
 A Lamina model worker also restores retained blocks on its attention servers in `start_load_kv`
-(before the forward, only on steps that load) and registers written blocks (`attention/reuse.py`);
-its receiver CLAIMs a prefill push's blocks on the servers before registering it (`attn_targets.py`).
+(before the forward, only on steps that load) and registers written blocks (`kv/lamina/reuse.py`);
+its receiver CLAIMs a prefill push's blocks on the servers before registering it (`lamina/targets.py`).
 """
 
 from __future__ import annotations
@@ -62,14 +62,14 @@ class DisaggConnectorWorker:
         self.layer_ids: dict[str, int] = {}
         self.sender: Any = None
         self.receiver: Any = None
-        from vllm_disagg.kv.attn_targets import attention_settings
+        from vllm_disagg.kv.lamina.targets import attention_settings
 
         self._attention = attention_settings(vllm_config)
         """remote_attention of a Lamina model worker: its KV tensors are placeholders, pushes go to servers."""
         self.reuse = None
-        """Lamina model worker: restores/registers blocks on the attention servers (attention/reuse.py)."""
+        """Lamina model worker: restores/registers blocks on the attention servers (kv/lamina/reuse.py)."""
         if self._attention is not None:
-            from vllm_disagg.attention.reuse import DisaggReuseWorker
+            from vllm_disagg.kv.lamina.reuse import DisaggReuseWorker
 
             self.reuse = DisaggReuseWorker(self._attention.timeout_s)
 
@@ -100,7 +100,7 @@ class DisaggConnectorWorker:
                                      self._make_transport(self.kv, self.token, self.kv.transport, 0),
                                      info, self.token, layers, self.kv, stats)
         if self.is_consumer and self._attention is not None:  # Lamina: KV lands on the attention servers
-            from vllm_disagg.kv.attn_targets import AttnPushReceiver
+            from vllm_disagg.kv.lamina.targets import AttnPushReceiver
 
             self.receiver = AttnPushReceiver(self._make_transport(self.kv, self.token, "tcp", 0), info, self.token,
                                              stats, self.vllm_config.kv_transfer_config.kv_load_failure_policy,

@@ -20,9 +20,11 @@ import contextlib
 import json
 import logging
 import signal
+import sys
 import tempfile
 from pathlib import Path
 
+from vllm_disagg.models import launch_model
 from vllm_disagg.router.cli import add_failover_args
 
 logger = logging.getLogger("vllm_disagg.launch")
@@ -71,7 +73,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--attention-kv-cache-gib", type=float, default=0.25, help="KV memory of each attention server")
     g.add_argument("--send-q-early", action=argparse.BooleanOptionalAction, default=None,
                    help="send Q first and merge the partial softmax (default: the config's default)")
-    from vllm_disagg.launch.ray import add_ray_args
+    from vllm_disagg.launch.ray.specs import add_ray_args
 
     add_ray_args(parser)  # --backend local|ray, --address, --attention, --ray-namespace
     _keep_unknown_args(parser)
@@ -113,12 +115,7 @@ def _keep_unknown_args(parser: argparse.ArgumentParser) -> None:
     parser.parse_known_args = parse_known_args
 
 
-def resolve_model(name_or_path: str) -> str:
-    if Path(name_or_path).exists():
-        return str(Path(name_or_path).resolve())
-    from vllm_disagg.models import resolve_model as resolve  # lazy: pulls may take a minute
-
-    return resolve(name_or_path)
+resolve_model = launch_model  # the name `up` used before models.launch_model
 
 
 def resolve_prefill(args: argparse.Namespace) -> None:
@@ -130,7 +127,7 @@ def resolve_prefill(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if getattr(args, "backend", "local") == "ray":
-        from vllm_disagg.launch.ray import run as run_ray
+        from vllm_disagg.launch.ray.up import run as run_ray
 
         return run_ray(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -238,3 +235,26 @@ async def _watch(cluster, stop: asyncio.Event) -> None:
                 logger.warning("instance %s exited; the router routes around it until it is restarted", name)
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(stop.wait(), timeout=1.0)
+
+
+# ------------------------------------------------------------- python -m vllm_disagg.launch.ray
+def build_ray_parser() -> argparse.ArgumentParser:
+    """`up`'s own parser (from launch/cli.py) plus the Ray flags, for `python -m vllm_disagg.launch.ray`."""
+    top = argparse.ArgumentParser(prog="python -m vllm_disagg.launch.ray")
+    sub = top.add_subparsers(dest="command")
+    parser = add_parser(sub)
+    if not any(a.dest == "backend" for a in parser._actions):
+        from vllm_disagg.launch.ray.specs import add_ray_args
+
+        add_ray_args(parser)
+    return top
+
+
+def ray_main(argv: list[str] | None = None) -> int:
+    """`python -m vllm_disagg.launch.ray`: `up` with the Ray backend."""
+    from vllm_disagg.launch.ray.up import run
+
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_ray_parser().parse_args(["up", *argv])
+    args.backend = "ray"
+    return run(args)

@@ -16,7 +16,7 @@ its replay re-sends the requests that were in flight (router/replay.py). A resta
 reconnects to its attention servers with the same token and geometry: it opens new sessions (INIT
 again), the servers keep their KV allocation and the full blocks the old worker registered, and the
 new worker's connector restores those of the replayed requests (prompt + generated ids) instead of
-prefilling them again (attention/reuse.py). That is why a model worker always gets the connector
+prefilling them again (kv/lamina/reuse.py). That is why a model worker always gets the connector
 (kv_consumer), with or without prefill instances.
 """
 
@@ -204,7 +204,7 @@ def attach_attention(specs: list[InstanceSpec], plan: AttentionPlan) -> Instance
     """Point the model worker (the decode instance, or the only mixed one without P/D) at the servers.
 
     A server holds the KV of exactly one model worker (attention/README "Limits"), so K servers serve
-    one instance. Prefill instances push their KV straight into the servers (`kv/attn_targets.py`)."""
+    one instance. Prefill instances push their KV straight into the servers (`kv/lamina/targets.py`)."""
     servers = [f"{HOST}:{s.http_port}" for s in specs if s.role == "attention"]
     if not servers:
         return None

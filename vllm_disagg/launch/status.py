@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
 def _from_ray(address: str, namespace: str, timeout_s: float) -> tuple[str | None, list[dict]]:
     import ray
 
-    from vllm_disagg.launch.ray import ROUTER_KEY, instance_endpoints
+    from vllm_disagg.router.ray_registry import ROUTER_KEY, instance_endpoints
 
     ray.init(address=address, namespace=namespace, log_to_driver=False, logging_level="ERROR")
     try:

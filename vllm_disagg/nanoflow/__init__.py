@@ -25,7 +25,7 @@ _LAZY = {
     "NanoFlowRunnerMixin": "vllm_disagg.nanoflow.runner",
     "NanoFlowPlan": "vllm_disagg.nanoflow.plan",
     "OpGraphExecutor": "vllm_disagg.nanoflow.executor",
-    "overlap": "vllm_disagg.nanoflow.overlap",
+    "overlap": "vllm_disagg.overlap",
 }
 
 

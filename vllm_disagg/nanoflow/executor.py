@@ -26,7 +26,7 @@ import threading
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
-from vllm_disagg.nanoflow import overlap
+from vllm_disagg import overlap
 from vllm_disagg.nanoflow.graph import OpKey, OpNode, Schedule
 from vllm_disagg.nanoflow.units import ExecutionUnit
 

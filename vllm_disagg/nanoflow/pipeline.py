@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from vllm_disagg.nanoflow.graph import ATTN, NET, OpKey, PipelineSpec
-from vllm_disagg.nanoflow.overlap import deferred_waits, is_network_bound
+from vllm_disagg.overlap import deferred_waits, is_network_bound
 
 # Attention reads the module-global forward context; only one attention op may hold it at a time.
 _FWD_CTX_LOCK = threading.Lock()

@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """Achieved forward throughput as a fraction of NanoFlow's optimum (Eq. 9).
 
-The analytic model is the planner's (`vllm_disagg.planner.nanoflow.optimal_throughput`); this
-module only supplies the device's measured peak dense FLOP/s (from the plan, or a short GEMM probe)
+The analytic model is the planner's (`vllm_disagg.planner.nanoflow.optimal_throughput`), passed in
+by `vllm_disagg.register()` (`set_optimum_model`); this module only supplies the device's measured peak dense FLOP/s (from the plan, or a short GEMM probe)
 and aggregates per-step timings into a periodic log line.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -31,33 +32,25 @@ def measure_peak_flops(dim: int = 1024, tokens: int = 512, reps: int = 5) -> flo
     return 2.0 * tokens * dim * dim / best
 
 
-def model_spec_from_hf(hf_config: Any, dtype_bytes: int):
-    from vllm_disagg.planner.catalog import ModelSpec
+OptimumModel = Callable[[Any, int, float, int], float]
+"""(hf_config, dtype_bytes, peak_flops, tp) -> tokens/s at the compute bound (NanoFlow Eq. 9)."""
 
-    heads = hf_config.num_attention_heads
-    return ModelSpec(
-        name=str(getattr(hf_config, "_name_or_path", "") or "model"),
-        hidden_size=hf_config.hidden_size,
-        num_layers=hf_config.num_hidden_layers,
-        num_heads=heads,
-        num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
-        intermediate_size=getattr(hf_config, "intermediate_size", 4 * hf_config.hidden_size),
-        vocab_size=getattr(hf_config, "vocab_size", 32000),
-        dtype_bytes=dtype_bytes,
-        head_dim=getattr(hf_config, "head_dim", None),
-    )
+_optimum_model: OptimumModel | None = None
+
+
+def set_optimum_model(model: OptimumModel | None) -> None:
+    """The cost model the log compares against; `vllm_disagg.register()` passes the planner's, so
+    nanoflow never imports the planner. Without one the log reports no fraction of optimal."""
+    global _optimum_model
+    _optimum_model = model
 
 
 def optimal_tokens_per_s(hf_config: Any, dtype_bytes: int, peak_flops: float, tp: int = 1) -> float | None:
-    """Eq. 9 via the planner's cost model; None when the planner is unavailable."""
-    try:
-        from vllm_disagg.planner.catalog import HardwareSpec
-        from vllm_disagg.planner.nanoflow import optimal_throughput
-    except ImportError as err:
-        logger.warning("nanoflow: planner cost model unavailable (%s); not reporting %% of optimal", err)
+    """Eq. 9 via the cost model passed in; None when there is none."""
+    if _optimum_model is None:
+        logger.warning("nanoflow: no cost model passed in; not reporting %% of optimal")
         return None
-    cpu = HardwareSpec(name="this-device", fp16_tflops=peak_flops / 1e12, mem_bw_gbs=0.0, mem_gb=0.0)
-    return optimal_throughput(model_spec_from_hf(hf_config, dtype_bytes), cpu, num_gpus=tp)
+    return _optimum_model(hf_config, dtype_bytes, peak_flops, tp)
 
 
 class ThroughputLog:

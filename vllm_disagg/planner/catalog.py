@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 from vllm_disagg import envs
 
@@ -84,6 +85,22 @@ class ModelSpec:
         mlp = 3 * d * i_sz * self.num_experts
         embed = (1 if self.tie_word_embeddings else 2) * self.vocab_size * d
         return self.num_layers * (attn + mlp + 2 * d) + embed + d  # + final norm
+
+    @classmethod
+    def from_hf(cls, hf_config: Any, dtype_bytes: int) -> ModelSpec:
+        """Build a spec from a loaded HF config object (a running engine's `model_config.hf_config`)."""
+        heads = hf_config.num_attention_heads
+        return cls(
+            name=str(getattr(hf_config, "_name_or_path", "") or "model"),
+            hidden_size=hf_config.hidden_size,
+            num_layers=hf_config.num_hidden_layers,
+            num_heads=heads,
+            num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
+            intermediate_size=getattr(hf_config, "intermediate_size", 4 * hf_config.hidden_size),
+            vocab_size=getattr(hf_config, "vocab_size", 32000),
+            dtype_bytes=dtype_bytes,
+            head_dim=getattr(hf_config, "head_dim", None),
+        )
 
     @classmethod
     def from_hf_config(cls, path: str | Path, name: str | None = None) -> ModelSpec:

@@ -8,15 +8,12 @@ Splitwise Fig. 12).
 
 from __future__ import annotations
 
-import argparse
-import functools
-import sys
-
 from vllm_disagg.planner import lamina as la
 from vllm_disagg.planner import nanoflow as nf
 from vllm_disagg.planner import report
-from vllm_disagg.planner.catalog import get_hardware, get_model
-from vllm_disagg.planner.profile import load_profile
+from vllm_disagg.planner.catalog import get_hardware
+from vllm_disagg.planner.cli_common import add_common_args, guard, profile_arg, resolve_model
+from vllm_disagg.planner.cli_splitwise import add_splitwise_parser
 
 
 def add_parser(subparsers) -> None:
@@ -25,48 +22,14 @@ def add_parser(subparsers) -> None:
     sub = plan.add_subparsers(dest="plan_command", metavar="PAPER")
     _nanoflow_parser(sub)
     _lamina_parser(sub)
-    from vllm_disagg.planner.cli_splitwise import add_splitwise_parser
-
-    add_splitwise_parser(sub, _common, guard)
+    add_splitwise_parser(sub, add_common_args, guard)
     plan.set_defaults(func=lambda args: (plan.print_help(), 2)[1])
-
-
-def guard(fn):
-    """Bad names, files or profiles end with one clear line, not a traceback."""
-    @functools.wraps(fn)
-    def run(args) -> int:
-        try:
-            return fn(args)
-        except (KeyError, ValueError, OSError) as exc:
-            msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
-            print(f"vllm-disagg plan: error: {msg}", file=sys.stderr)
-            return 2
-    return run
-
-
-def _common(p: argparse.ArgumentParser, model_default: str) -> None:
-    p.add_argument("--model", default=model_default, help="catalog model name")
-    p.add_argument("--model-config", help="HF config.json instead of a catalog model")
-    p.add_argument("--catalog", action="append", default=[],
-                   help="extra catalog JSON (also $VLLM_DISAGG_PLANNER_CATALOG)")
-    p.add_argument("--profile", help="measured profile JSON (schema in planner README)")
-    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
-    p.add_argument("--plot", help="write the figure to this PNG")
-
-
-def resolve_model(args):
-    cats = tuple(args.catalog)
-    return get_model(args.model_config, cats) if args.model_config else get_model(args.model, cats)
-
-
-def _profile(args):
-    return load_profile(args.profile) if args.profile else None
 
 
 # ------------------------------------------------------------------ nanoflow
 def _nanoflow_parser(sub) -> None:
     p = sub.add_parser("nanoflow", help="NanoFlow cost model (§3, Table 2, Eq. 1-9)")
-    _common(p, "llama-2-70b")
+    add_common_args(p, "llama-2-70b")
     p.add_argument("--gpu", default="a100-80g")
     p.add_argument("--num-gpus", type=int, default=8)
     p.add_argument("--dense-batch", type=int, default=2048)
@@ -79,7 +42,7 @@ def _nanoflow_parser(sub) -> None:
 def nanoflow_summary(args) -> dict:
     model, gpu = resolve_model(args), get_hardware(args.gpu, tuple(args.catalog))
     wl = nf.Workload(args.dense_batch, args.prompt, args.output)
-    rows = nf.op_costs(model, gpu, args.num_gpus, wl, args.tflops, _profile(args))
+    rows = nf.op_costs(model, gpu, args.num_gpus, wl, args.tflops, profile_arg(args))
     est = nf.iteration_estimate(rows, args.dense_batch)
     t_r = nf.memory_compute_ratio(model, gpu, args.num_gpus, args.prompt, args.output, args.tflops)
     opt = nf.optimal_throughput(model, gpu, args.num_gpus, args.tflops)
@@ -131,7 +94,7 @@ def run_nanoflow(args) -> int:
 # -------------------------------------------------------------------- lamina
 def _lamina_parser(sub) -> None:
     p = sub.add_parser("lamina", help="Lamina attention offloading (§2-3, Tables 1, 3, 5)")
-    _common(p, "llama3-70b")
+    add_common_args(p, "llama3-70b")
     p.add_argument("--compute-gpu", default="h100")
     p.add_argument("--memory-gpu", default="h20")
     p.add_argument("--dop", action="append", default=[],
@@ -154,7 +117,7 @@ def parse_dops(values: list[str]) -> list[tuple[int, int]]:
 def lamina_summary(args) -> dict:
     model, cats = resolve_model(args), tuple(args.catalog)
     comp, mem = get_hardware(args.compute_gpu, cats), get_hardware(args.memory_gpu, cats)
-    prof = _profile(args)
+    prof = profile_arg(args)
     rows, curves = [], {}
     for dop in parse_dops(args.dop):
         est = la.estimate_dop(model, comp, mem, dop, args.context, args.batch, args.alpha,

@@ -10,6 +10,7 @@ from pathlib import Path
 from vllm_disagg.planner import report
 from vllm_disagg.planner.calibrate import validate
 from vllm_disagg.planner.catalog import get_hardware
+from vllm_disagg.planner.cli_common import resolve_model
 from vllm_disagg.planner.profile import load_profile
 from vllm_disagg.planner.provision import (
     Design,
@@ -93,8 +94,6 @@ def _budget(args, design: Design) -> tuple[str, float] | None:
 
 
 def splitwise_summary(args) -> dict:
-    from vllm_disagg.planner.cli import resolve_model
-
     model, design = resolve_model(args), Design.named(args.design, tuple(args.catalog))
     prof = load_profile(args.profile) if args.profile else None
     evaluate = Evaluator(model, design, _options(args), prof)
@@ -130,8 +129,6 @@ def _fits(budget):
 
 def validate_summary(args) -> dict:
     """Simulate the measured 1P+1D deployment and report prediction errors."""
-    from vllm_disagg.planner.cli import resolve_model
-
     if not args.profile:
         raise SystemExit("--validate needs --profile measured.json")
     raw = json.loads(Path(args.profile).read_text())

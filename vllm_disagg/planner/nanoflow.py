@@ -209,6 +209,13 @@ def optimal_throughput(model: ModelSpec, gpu: HardwareSpec, num_gpus: int = 1,
     return num_gpus * (tflops or gpu.fp16_tflops) * 1e12 / (2 * model.compute_params)
 
 
+def optimal_tokens_per_s(hf_config, dtype_bytes: int, peak_flops: float, tp: int = 1) -> float:
+    """Eq. 9 for a running engine: its HF config, dtype and measured peak FLOP/s (the nano-batch
+    runner's throughput log compares against it; `vllm_disagg.register()` passes it there)."""
+    device = HardwareSpec(name="this-device", fp16_tflops=peak_flops / 1e12, mem_bw_gbs=0.0, mem_gb=0.0)
+    return optimal_throughput(ModelSpec.from_hf(hf_config, dtype_bytes), device, num_gpus=tp)
+
+
 def kv_offload_bandwidth(model: ModelSpec, throughput_tok_s: float) -> float:
     """Bytes/s to offload finished KV (§4.4): thr · 2·Dtype·D_model·L / R_GQA."""
     return throughput_tok_s * 2 * model.dtype_bytes * model.hidden_size * model.num_layers / (

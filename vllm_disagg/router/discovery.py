@@ -32,6 +32,8 @@ from typing import Protocol
 
 import aiohttp
 
+from vllm_disagg.router.ray_registry import instance_endpoints
+
 logger = logging.getLogger(__name__)
 
 ROLES = ("prefill", "decode", "mixed")
@@ -201,8 +203,6 @@ class RayActorSource:
         return await asyncio.to_thread(self._members_blocking)
 
     def _members_blocking(self) -> list[Member]:
-        from vllm_disagg.launch.ray import instance_endpoints
-
         return [Member(e["role"], e["url"], e.get("kv") if e["role"] == "prefill" else None)
                 for e in instance_endpoints(self.namespace, self.timeout_s)
                 if e.get("up") and e["role"] in ROLES]

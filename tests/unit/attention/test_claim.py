@@ -16,8 +16,8 @@ from retain_helpers import BS, GEOM, TOKEN, _attend, _client, _key, _step
 from vllm_disagg.attention import wire
 from vllm_disagg.attention.server import DisaggAttentionServer
 from vllm_disagg.config import RemoteAttentionSection
-from vllm_disagg.kv.attn_targets import AttnPushReceiver
 from vllm_disagg.kv.handshake import HandshakeInfo
+from vllm_disagg.kv.lamina.targets import AttnPushReceiver
 from vllm_disagg.kv.metadata import RecvSpec
 from vllm_disagg.kv.stats import DisaggKVConnectorStats
 from vllm_disagg.transport import BlockWrite, TransportOptions, get_transport

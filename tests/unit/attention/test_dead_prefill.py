@@ -19,8 +19,8 @@ import pytest
 from vllm_disagg.attention.client import DisaggAttentionClient
 from vllm_disagg.attention.server import DisaggAttentionServer
 from vllm_disagg.config import RemoteAttentionSection
-from vllm_disagg.kv.attn_targets import AttnPushReceiver
 from vllm_disagg.kv.handshake import HandshakeInfo
+from vllm_disagg.kv.lamina.targets import AttnPushReceiver
 from vllm_disagg.kv.metadata import RecvSpec
 from vllm_disagg.kv.push_receiver import RecvState
 from vllm_disagg.kv.stats import DisaggKVConnectorStats

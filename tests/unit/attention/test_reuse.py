@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from vllm_disagg.attention.block_keys import ROOT_KEY, chain_keys, model_salt
-from vllm_disagg.attention.reuse import RetainedIndex
+from vllm_disagg.kv.lamina.reuse import RetainedIndex
 
 BS = 32
 SALT = b"unit-salt"
@@ -264,8 +264,8 @@ def test_servers_that_kept_another_block_size_or_expired_keys_match_nothing(vllm
 
 
 def test_an_unreachable_server_means_no_reuse_and_the_lookup_is_retried_later(monkeypatch):
-    from vllm_disagg.attention import reuse
     from vllm_disagg.errors import DisaggError
+    from vllm_disagg.kv.lamina import reuse
 
     calls = []
 
@@ -319,9 +319,9 @@ def _run_step(client, meta):
 
 def test_the_worker_half_registers_through_step_frames_and_reports_blocks_it_could_not_restore():
     from vllm_disagg.attention.client import DisaggAttentionClient
-    from vllm_disagg.attention.reuse import DisaggReuseWorker, ReuseMeta, fetch_retained
     from vllm_disagg.attention.server import DisaggAttentionServer
     from vllm_disagg.errors import DisaggError
+    from vllm_disagg.kv.lamina.reuse import DisaggReuseWorker, ReuseMeta, fetch_retained
 
     token = "reuse-token"
     geom = dict(num_layers=2, num_heads=4, num_kv_heads=2, head_size=32, block_size=BS, dtype="float32",

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from vllm_disagg.nanoflow import overlap
+from vllm_disagg import overlap
 from vllm_disagg.nanoflow.executor import OpGraphExecutor
 from vllm_disagg.nanoflow.graph import ATTN, NET, PipelineSpec, build_graph, list_schedule
 from vllm_disagg.nanoflow.units import CpuCoreGroup, allowed_cores, make_cpu_units, make_units

@@ -6,8 +6,8 @@ the order the dense unit sends (replies come back in send order per channel)."""
 import threading
 
 from vllm_disagg.nanoflow.graph import NET, PipelineSpec, Schedule, build_graph, list_schedule
-from vllm_disagg.nanoflow.overlap import defer_wait, deferred_waits
 from vllm_disagg.nanoflow.runner import sends_in_wait_order
+from vllm_disagg.overlap import defer_wait, deferred_waits
 
 PER_TOKEN = {"kqv": 512 * 1024, "attn": 4 * 512 * 64, "o": 512 * 512, "ugd": 3 * 512 * 1536}
 

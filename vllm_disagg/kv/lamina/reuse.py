@@ -32,7 +32,7 @@ first block id) and the client places the request on the server that restored th
 
 P/D requests (a prefill instance pushes their prompt into the servers' blocks): their blocks register
 like any other once the request is scheduled after the push landed; the push's target blocks are
-CLAIMed on the servers first (`kv/attn_targets.py`), so retained data is moved out before it lands.
+CLAIMed on the servers first (`kv/lamina/targets.py`), so retained data is moved out before it lands.
 
 Limits: registrations ride on the next step's frame, so the blocks filled by the last step before
 the engine idles (or is killed) are not kept; the retained set is read once at start (and retried
@@ -42,16 +42,16 @@ server loss (recovery.py) is not registered again, which only costs a later miss
 
 from __future__ import annotations
 
-import json
 import time
-import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
 
+from vllm_disagg.attention import backend
 from vllm_disagg.attention.block_keys import KEY_SIZE, chain_keys, model_salt
+from vllm_disagg.attention.queries import fetch_retained
 from vllm_disagg.errors import DisaggError
 
 if TYPE_CHECKING:
@@ -64,7 +64,6 @@ __all__ = ["DisaggReuseScheduler", "DisaggReuseWorker", "ReuseMeta", "RetainedIn
 logger = init_logger(__name__)
 _RETRY_S = 5.0  # a failed lookup is retried at most this often ...
 _RETRY_WINDOW_S = 60.0  # ... and only this long after the first try: reuse matters right after a restart
-_HTTP_TIMEOUT_S = 5.0
 _PD_MAX_TAIL_BLOCKS = 2  # a P/D request restores instead of waiting for its push if at most this much is left
 
 
@@ -81,22 +80,6 @@ class ReuseMeta:
     reg_keys: list[bytes] = field(default_factory=list)
     reg_owners: list[int] = field(default_factory=list)
     """First block id of each entry's request (the request-wise placer's name for it)."""
-
-
-# ---------------------------------------------------------------- lookup (scheduler process)
-def fetch_retained(server: str, token: str, timeout_s: float = _HTTP_TIMEOUT_S) -> dict:
-    """`GET /kv/retained` of one server, checked: block_size, keys (16-byte), ttl_s."""
-    req = urllib.request.Request(f"http://{server}/kv/retained", headers={"Authorization": f"Bearer {token}"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-            body = json.loads(resp.read())
-        keys = {bytes.fromhex(k) for k in body["keys"]}
-        out = {"block_size": int(body["block_size"]), "keys": keys, "ttl_s": float(body.get("ttl_s", 0.0))}
-    except (OSError, ValueError, KeyError, TypeError) as err:  # HTTPError (401, 404) is an OSError
-        raise DisaggError(f"attention server {server}: GET /kv/retained: {err}") from err
-    if any(len(k) != KEY_SIZE for k in keys):
-        raise DisaggError(f"attention server {server}: /kv/retained holds keys that are not {KEY_SIZE} bytes")
-    return out
 
 
 class RetainedIndex:
@@ -356,6 +339,4 @@ class DisaggReuseWorker:
 
 
 def _runner_client() -> Any:
-    from vllm_disagg.attention import backend
-
-    return backend._CLIENT
+    return backend.current_client()

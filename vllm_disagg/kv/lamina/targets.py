@@ -14,22 +14,20 @@ What differs from `PushReceiver`:
 - Before REGISTER, the request's blocks are CLAIMed on the servers that will hold them (a synchronous
   round trip on the attention client's channels), so a server that keeps KV across a model-worker
   restart moves retained data out of them before the push overwrites it (attention/retain.py).
-- Landing is counted on the servers (`attention/kv_ingest.py`); a thread polls their
-  `GET /kv/landed` while receives are pending and sums the bytes per transfer.
+- Landing is counted on the servers (`attention/kv_ingest.py`); a thread asks them
+  (`attention.queries.landed_bytes`) while receives are pending and sums the bytes per transfer.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import select
 import threading
-import urllib.request
 from typing import Any
 
 from vllm.logger import init_logger
 
-from vllm_disagg.errors import DisaggError, PeerLostError
+from vllm_disagg.attention import backend, queries
+from vllm_disagg.errors import DisaggError
 from vllm_disagg.kv.metadata import RecvSpec
 from vllm_disagg.kv.push_receiver import PushReceiver, RecvState
 from vllm_disagg.kv.push_sender import encode_targets
@@ -49,32 +47,9 @@ def attention_settings(vllm_config: Any):
     return ra if ra is not None and ra.servers else None
 
 
-def _runner_client() -> Any:
-    """This process's `DisaggAttentionClient` (set by the remote attention backend), or None."""
-    from vllm_disagg.attention import backend
-
-    return backend._CLIENT
-
-
 def side_channel_closed(client: Any, address: str) -> bool:
-    """True when the prefill side closed `client`'s idle channel to `address` (side_channel.py).
-
-    The channel is request/reply under its lock, so with no call in flight nothing may arrive on it:
-    readable then means EOF or the peer's goodbye frame. A channel busy with a call is left alone
-    (that call sees the loss itself)."""
-    with client._lock:
-        entry = client._channels.get(address)
-    sock = getattr(getattr(entry[0], "stream", None), "sock", None) if entry else None
-    if sock is None or not entry[1].acquire(blocking=False):
-        return False
-    try:
-        poller = select.poll()  # not select(): no FD_SETSIZE limit
-        poller.register(sock, select.POLLIN | select.POLLHUP | select.POLLERR)
-        return bool(poller.poll(0))
-    except (OSError, ValueError):  # dropped by our side meanwhile: the next call reconnects
-        return False
-    finally:
-        entry[1].release()
+    """Deprecated: `SideChannelClient.closed_by_peer(address)`."""
+    return client.closed_by_peer(address)
 
 
 class AttnPushReceiver(PushReceiver):
@@ -84,7 +59,7 @@ class AttnPushReceiver(PushReceiver):
                  placer: Any = None, client: Any = None):
         self.servers, self.partition, self.http_timeout_s = list(ra.servers), ra.partition, min(ra.timeout_s, 5.0)
         self._placer = placer
-        self._client_fn = client or _runner_client
+        self._client_fn = client or backend.current_client
         self._unclaimed: set[str] = set()  # transfer ids whose blocks the servers did not confirm (CLAIM)
         self._kv_addrs: list[str] | None = None
         self._where: dict[str, int] = {}  # transfer_id -> server (request-wise)
@@ -135,9 +110,8 @@ class AttnPushReceiver(PushReceiver):
 
     def _place(self, spec: RecvSpec) -> int:
         if self._placer is None:
-            from vllm_disagg.attention import backend
-
-            self._placer = backend._CLIENT.placer if backend._CLIENT is not None else None
+            client = backend.current_client()
+            self._placer = client.placer if client is not None else None
         if self._placer is None or not spec.block_ids or spec.start_block:
             return -1  # registration fails below: D recomputes
         if len(self._where) > 4096:  # finished transfers: oldest first
@@ -160,16 +134,7 @@ class AttnPushReceiver(PushReceiver):
     def _kv_addresses(self) -> list[str]:
         """Each server's KV receiver address (asked once; a restarted server gets asked again)."""
         if self._kv_addrs is None:
-            addrs = []
-            for server in self.servers:
-                info = self._get(server, "/health")
-                if not info.get("kv_address"):
-                    raise DisaggError(f"attention server {server} accepts no prefill KV (start it with --kv-transport)")
-                if info.get("kernel") != "cpu":
-                    raise DisaggError(f"attention server {server} runs kernel {info.get('kernel')!r}; prefill "
-                                      "pushes are written in vLLM's CPU layout")
-                addrs.append(str(info["kv_address"]))
-            self._kv_addrs = addrs
+            self._kv_addrs = [queries.kv_address(server, self.http_timeout_s) for server in self.servers]
         return self._kv_addrs
 
     def _drain_notifications(self) -> None:
@@ -189,7 +154,7 @@ class AttnPushReceiver(PushReceiver):
         for D). A host that vanishes without closing its sockets is still noticed at push_timeout_s."""
         with self._lock:
             remotes = {r.spec.remote for r in self._recvs.values() if r.state is RecvState.REGISTERED}
-        lost = {a for a in remotes if side_channel_closed(self._client, a)}
+        lost = {a for a in remotes if self._client.closed_by_peer(a)}
         if not lost:
             return
         with self._lock:
@@ -224,22 +189,10 @@ class AttnPushReceiver(PushReceiver):
         totals = dict.fromkeys(tids, 0)
         for i, server in enumerate(self.servers):
             mine = [t for t in tids if self.partition == "head" or self._where.get(t) == i]
-            for start in range(0, len(mine), 128):
-                chunk = mine[start:start + 128]
-                for tid, nbytes in self._get(server, "/kv/landed?ids=" + ",".join(chunk)).items():
-                    if tid in totals and nbytes > 0:
-                        totals[tid] += int(nbytes)
+            for tid, num_bytes in queries.landed_bytes(server, mine, self.http_timeout_s).items():
+                if tid in totals:
+                    totals[tid] += num_bytes
         return totals
-
-    def _get(self, server: str, path: str) -> dict:
-        try:
-            with urllib.request.urlopen(f"http://{server}{path}", timeout=self.http_timeout_s) as resp:
-                out = json.loads(resp.read())
-        except (OSError, ValueError) as err:
-            raise PeerLostError(f"attention server {server}{path}: {err}") from err
-        if not isinstance(out, dict):
-            raise PeerLostError(f"attention server {server}{path}: expected a JSON object")
-        return out
 
     def close(self) -> None:
         self._stop.set()
