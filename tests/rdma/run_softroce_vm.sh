@@ -174,7 +174,7 @@ build_overlay() {
   rm -rf "$ov" && mkdir -p "$ov/work/vllm_disagg/transport" "$ov/work/tests/rdma"
   cp "$REPO/vllm_disagg/__init__.py" "$REPO/vllm_disagg/errors.py" "$REPO/vllm_disagg/envs.py" "$ov/work/vllm_disagg/"
   cp "$REPO"/vllm_disagg/transport/{__init__,base,wire,server,msg}.py "$ov/work/vllm_disagg/transport/"
-  cp -r "$REPO/vllm_disagg/transport/rdma" "$ov/work/vllm_disagg/transport/"
+  cp -r "$REPO/vllm_disagg/transport/rdma" "$REPO/vllm_disagg/transport/onesided" "$ov/work/vllm_disagg/transport/"
   cp "$REPO/tests/rdma/rdma_cases.py" "$ov/work/tests/rdma/"
   echo "${SOFTROCE_ARGS:-}" >"$ov/work/cases.args"  # e.g. SOFTROCE_ARGS=--bench
   find "$ov" -name __pycache__ -prune -exec rm -rf {} +

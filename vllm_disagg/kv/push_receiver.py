@@ -32,6 +32,7 @@ from vllm.logger import init_logger
 
 from vllm_disagg.errors import DisaggError, HandshakeMismatch
 from vllm_disagg.kv.handshake import (
+    HandshakeInfo,
     MsgType,
     SideMsg,
     check_compatible,
@@ -41,6 +42,8 @@ from vllm_disagg.kv.handshake import (
 )
 from vllm_disagg.kv.metadata import CancelSpec, RecvSpec
 from vllm_disagg.kv.side_channel import SideChannelClient
+from vllm_disagg.kv.stats import StatsSink
+from vllm_disagg.transport import KVReceiver, Transport
 
 __all__ = ["PushReceiver", "RecvState"]
 
@@ -75,8 +78,8 @@ class _Recv:
 class PushReceiver:
     """Owns the decode worker's KV receiver (on `data`) and side-channel client (on `control`)."""
 
-    def __init__(self, control: Any, data: Any, handshake: Any, token: str, layers: list[Any], stats: Any,
-                 failure_policy: str = "recompute"):
+    def __init__(self, control: Transport, data: Transport | None, handshake: HandshakeInfo, token: str,
+                 layers: list[Any], stats: StatsSink, failure_policy: str = "recompute"):
         self.handshake, self.token = handshake, token
         self._on_failure = ("the decode instance recomputes the prompt" if failure_policy == "recompute"
                             else "the request fails (kv_load_failure_policy=fail)")
@@ -91,9 +94,9 @@ class PushReceiver:
         self._errors: dict[str, tuple[str, bool]] = {}
         logger.info("KV push receiver listening on %s", self.address)
 
-    def _open_receiver(self, data: Any, layers: list[Any]) -> str:
+    def _open_receiver(self, data: Transport | None, layers: list[Any]) -> str:
         """This worker's KV receiver, one region per layer (`kv.lamina.targets` lands KV elsewhere)."""
-        self._receiver = data.kv_receiver(name="decode")
+        self._receiver: KVReceiver = data.kv_receiver(name="decode")
         for layer_idx, tensor in enumerate(layers):
             self._receiver.register_region(str(layer_idx), tensor)
         return self._receiver.start()

@@ -34,8 +34,10 @@ from typing import Any
 
 from vllm.logger import init_logger
 
+from vllm_disagg.config import KVTransferSection
 from vllm_disagg.errors import DisaggError, HandshakeMismatch
 from vllm_disagg.kv.handshake import (
+    HandshakeInfo,
     MsgType,
     SideMsg,
     VersionMismatch,
@@ -47,8 +49,9 @@ from vllm_disagg.kv.handshake import (
 )
 from vllm_disagg.kv.metadata import DisaggConnectorMetadata, SaveSpec
 from vllm_disagg.kv.side_channel import SideChannelServer
+from vllm_disagg.kv.stats import StatsSink
 from vllm_disagg.observe.context import TraceContext
-from vllm_disagg.transport import BlockWrite, XferState
+from vllm_disagg.transport import BlockWrite, KVPeer, Transport, XferState
 
 __all__ = ["PushSender"]
 
@@ -105,8 +108,8 @@ class _Push:
 class PushSender:
     """Owns the prefill worker's side channel (on `control`), KV sender (on `data`) and sender thread."""
 
-    def __init__(self, control: Any, data: Any, handshake: Any, token: str, layers: list[Any], cfg: Any,
-                 stats: Any):
+    def __init__(self, control: Transport, data: Transport, handshake: HandshakeInfo, token: str, layers: list[Any],
+                 cfg: KVTransferSection, stats: StatsSink):
         self.handshake, self.token, self.layers, self.cfg = handshake, token, layers, cfg
         self.block_size = handshake.block_size
         self._stats, self._stats_lock = stats
@@ -124,7 +127,7 @@ class PushSender:
         self.server = SideChannelServer(control.listen_msg(), self._on_message)
         self.address = self.server.address
         self._sender = data.kv_sender(name=self.address)
-        self._peers: dict[str, Any] = {}
+        self._peers: dict[str, KVPeer] = {}
         self.timeline: deque[dict[str, Any]] = deque(maxlen=1024)
         """Recent completed pushes with monotonic timestamps (first write issued, prefill done,
         last write landed): the evidence that layer-wise pushes overlap prefill."""
@@ -346,7 +349,7 @@ class PushSender:
             push.handles.append((handle, layer, time.monotonic(), nbytes))
         return True
 
-    def _peer(self, address: str) -> Any:
+    def _peer(self, address: str) -> KVPeer:
         peer = self._peers.get(address)
         if peer is None:
             peer = self._peers[address] = self._sender.connect(address, timeout=self.cfg.push_timeout_s)

@@ -17,6 +17,7 @@ from typing import Any
 from vllm.logger import init_logger
 
 from vllm_disagg.errors import DisaggError, PeerLostError, ProtocolError, TransportTimeout
+from vllm_disagg.transport import MsgChannel, MsgListener
 
 __all__ = ["SideChannelServer", "SideChannelClient"]
 
@@ -25,7 +26,7 @@ _IDLE_RECV_S = 60.0
 
 
 class SideChannelServer:
-    def __init__(self, listener: Any, handler: Callable[[bytes, str], bytes | None]):
+    def __init__(self, listener: MsgListener, handler: Callable[[bytes, str], bytes | None]):
         self._listener = listener
         self._handler = handler
         self._stop = threading.Event()
@@ -47,7 +48,7 @@ class SideChannelServer:
             self._channels.append(channel)
             threading.Thread(target=self._serve, args=(channel,), name="disagg-kv-side", daemon=True).start()
 
-    def _serve(self, channel: Any) -> None:
+    def _serve(self, channel: MsgChannel) -> None:
         peer = str(getattr(getattr(channel, "stream", None), "peer", None) or "a decode worker")
         while not self._stop.is_set():
             try:
@@ -67,7 +68,7 @@ class SideChannelServer:
         except ValueError:
             pass
 
-    def _answer(self, channel: Any, payload: bytes, peer: str) -> bool:
+    def _answer(self, channel: MsgChannel, payload: bytes, peer: str) -> bool:
         try:
             reply = self._handler(bytes(payload), peer)
         except ProtocolError as err:
@@ -82,7 +83,7 @@ class SideChannelServer:
         return True
 
     @staticmethod
-    def _close(channel: Any) -> None:
+    def _close(channel: MsgChannel) -> None:
         try:
             channel.close()
         except (DisaggError, OSError):

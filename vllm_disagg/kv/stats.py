@@ -16,6 +16,7 @@ vLLM ships each step's snapshot to the frontend, where `DisaggKVPromMetrics.obse
 from __future__ import annotations
 
 import copy
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,6 +91,10 @@ class DisaggKVConnectorStats(KVConnectorStats):
             "Num fallbacks": self.data["num_fallbacks"],
             "Num handshake failures": self.data["num_handshake_failures"],
         }
+
+StatsSink = tuple[DisaggKVConnectorStats, AbstractContextManager]
+"""The worker's stats and the lock that guards them (what PushSender/PushReceiver record into)."""
+
 
 class DisaggKVPromMetrics(KVConnectorPromMetrics):
     """Registers the `vllm:disagg_kv_*` metrics once per engine and records snapshots into them."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
@@ -27,6 +28,7 @@ from vllm_disagg.config import DisaggConfigError, KVTransferSection, disagg_conf
 from vllm_disagg.kv.handshake import local_handshake_info
 from vllm_disagg.kv.metadata import DisaggConnectorMetadata, DisaggWorkerMetadata
 from vllm_disagg.kv.stats import DisaggKVConnectorStats
+from vllm_disagg.transport import Transport, TransportOptions, get_transport
 
 if TYPE_CHECKING:
     import torch
@@ -50,7 +52,7 @@ def _layer_index(name: str) -> int:
 
 
 class DisaggConnectorWorker:
-    def __init__(self, vllm_config: Any, make_transport: Any = None):
+    def __init__(self, vllm_config: Any, make_transport: Callable[..., Transport] | None = None):
         self.vllm_config = vllm_config
         self.kv, self.token = kv_settings(vllm_config)
         kv_transfer = vllm_config.kv_transfer_config
@@ -177,9 +179,7 @@ class DisaggConnectorWorker:
                 side.close()
 
 
-def _default_transport(kv: KVTransferSection, token: str, kind: str, port: int) -> Any:
-    from vllm_disagg.transport import TransportOptions, get_transport
-
+def _default_transport(kv: KVTransferSection, token: str, kind: str, port: int) -> Transport:
     host = os.environ.get("VLLM_HOST_IP") or "127.0.0.1"
     options = TransportOptions(auth_token=token, host=host, port=port, num_streams=kv.num_streams,
                                timeout_s=kv.push_timeout_s)

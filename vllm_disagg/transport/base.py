@@ -347,3 +347,49 @@ class Transport(ABC):
 
     @abstractmethod
     def connect_msg(self, address: str, timeout: float | None = None) -> MsgChannel: ...
+
+    # ------------------------------------------------------------------ `vllm-disagg doctor`
+    DOCTOR_NOTE = ""
+    """What to know when it can run (same host only, not verified on hardware, ...)."""
+
+    @classmethod
+    def doctor(cls, probe: bool = False) -> str:
+        """This backend's line in `vllm-disagg doctor`: "yes (...)" or "no - <what is missing>".
+
+        `probe` also moves a few KV blocks through it inside this process."""
+        reason = cls.unavailable_reason()
+        if reason is not None:
+            return f"no - {reason}"
+        detail = cls.doctor_note()
+        if probe:
+            detail += f"; probe: {cls.doctor_probe()}"
+        return f"yes ({detail})"
+
+    @classmethod
+    def doctor_note(cls) -> str:
+        return cls.DOCTOR_NOTE
+
+    @classmethod
+    def doctor_probe(cls) -> str:
+        """Write 4 blocks to ourselves and check them; 'ok (N ms)' or the error."""
+        import torch
+
+        t0 = time.perf_counter()
+        tr = cls(TransportOptions(auth_token=os.urandom(8).hex(), timeout_s=10))
+        rx, tx = tr.kv_receiver("doctor-rx"), None
+        try:
+            cache = torch.zeros(8, 1024)
+            rx.register_region("probe", cache)
+            tx = tr.kv_sender("doctor-tx")
+            peer = tx.connect(rx.start(), timeout=10)
+            src = torch.randn(8, 1024)
+            peer.write_blocks([BlockWrite("probe", src, [0, 1, 2, 3], [4, 5, 6, 7])], "probe", 0).wait(10)
+            rx.wait_notification(timeout=10)
+            ok = torch.equal(cache[4:], src[:4])
+            return f"ok ({(time.perf_counter() - t0) * 1e3:.0f} ms)" if ok else "FAILED: data mismatch"
+        except Exception as err:  # report, don't crash the doctor
+            return f"FAILED: {type(err).__name__}: {err}"
+        finally:
+            if tx is not None:
+                tx.close()
+            rx.close()

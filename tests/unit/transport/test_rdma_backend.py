@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from vllm_disagg.errors import ProtocolError, TransportUnavailable
 from vllm_disagg.transport import TransportOptions, get_transport
-from vllm_disagg.transport.rdma import RdmaTransport, doctor_probe, probe_ibverbs, proto
+from vllm_disagg.transport.rdma import RdmaTransport, probe_ibverbs, proto
 from vllm_disagg.transport.rdma.kv import block_runs
 from vllm_disagg.transport.rdma.verbs import HostBuffer, gid_to_bytes, gid_to_str, memory_of, split_write
 
@@ -38,10 +38,13 @@ def test_selecting_rdma_without_a_device_fails_with_one_line_naming_what_is_miss
     assert RdmaTransport.unavailable_reason() == probe_ibverbs()
 
 
-def test_doctor_probe_reports_rdma_and_mscclpp_one_line_each():
-    report = doctor_probe()
-    assert set(report) == {"rdma", "mscclpp"}
-    assert all(v is None or (isinstance(v, str) and "\n" not in v) for v in report.values())
+def test_rdma_and_mscclpp_each_answer_doctor_in_one_line():
+    from vllm_disagg.transport.mscclpp import MscclppTransport
+
+    for cls in (RdmaTransport, MscclppTransport):
+        line = cls.doctor()
+        assert "\n" not in line and (line.startswith("yes (") or line.startswith("no - ")), line
+    assert RdmaTransport.doctor() == f"no - {probe_ibverbs()}" or probe_ibverbs() is None
 
 
 def test_qp_info_hello_and_region_table_round_trip():

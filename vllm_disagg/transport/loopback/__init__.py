@@ -203,6 +203,7 @@ class LoopbackListener(MsgListener):
 
 class LoopbackTransport(Transport):
     kind = TransportKind.LOOPBACK
+    DOCTOR_NOTE = "in-process only (tests, warm-up)"
 
     @classmethod
     def unavailable_reason(cls) -> str | None:

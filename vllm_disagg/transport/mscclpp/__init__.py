@@ -44,6 +44,7 @@ def probe_mscclpp() -> str | None:
 
 class MscclppTransport(Transport):
     kind = TransportKind.MSCCLPP
+    DOCTOR_NOTE = "KV push only; data path not yet verified on hardware (transport/mscclpp/README.md), try --probe"
 
     @classmethod
     def unavailable_reason(cls) -> str | None:

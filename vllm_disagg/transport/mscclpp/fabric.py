@@ -29,6 +29,7 @@ from typing import Any
 
 from vllm_disagg import envs
 from vllm_disagg.errors import PeerLostError, ProtocolError, TransportTimeout, TransportUnavailable
+from vllm_disagg.transport.onesided.memory import memory_of
 
 _HOST_HANDLE = struct.Struct("<IQQQ")  # pid, registry key, addr, nbytes
 
@@ -162,8 +163,6 @@ class HostFabric(Fabric):
         return HostLink(peer)
 
     def register(self, obj: Any) -> LocalMemory:
-        from vllm_disagg.transport.rdma.verbs import memory_of
-
         mem = memory_of(obj)
         with _HostRegistry.lock:
             key = _HostRegistry.next_key
@@ -279,8 +278,6 @@ class MscclppFabric(Fabric):  # pragma: no cover - GPU only
             raise ProtocolError(f"mscclpp connect to {peer}: {type(err).__name__}: {err}") from None
 
     def register(self, obj: Any) -> LocalMemory:
-        from vllm_disagg.transport.rdma.verbs import memory_of
-
         mem = memory_of(obj)
         if not mem.is_gpu and self.channel == "memory":
             raise ValueError("mscclpp memory channel (CudaIpc) needs CUDA tensors")

@@ -35,9 +35,10 @@ from vllm_disagg.transport.base import (
 )
 from vllm_disagg.transport.mscclpp import proto
 from vllm_disagg.transport.mscclpp.fabric import Fabric, Link, LocalMemory, RemoteMemory, Ring
-from vllm_disagg.transport.rdma.inbox import OneSidedReceiver, backoff
-from vllm_disagg.transport.rdma.proto import MAX_TID_BYTES, NOTIF_BODY, NOTIF_SLOT_BYTES, parse_notif
-from vllm_disagg.transport.rdma.runs import plan_block_write
+from vllm_disagg.transport.onesided.inbox import OneSidedReceiver, backoff
+from vllm_disagg.transport.onesided.memory import memory_of
+from vllm_disagg.transport.onesided.notif import MAX_TID_BYTES, NOTIF_BODY, NOTIF_SLOT_BYTES, parse_notif
+from vllm_disagg.transport.onesided.runs import plan_block_write
 from vllm_disagg.transport.wire import (
     T_BYE,
     SockStream,
@@ -215,8 +216,6 @@ class MscclppKVSender(KVSender):
 
     def source(self, obj: Any) -> LocalMemory:
         """Register a source tensor once (the sender's KV cache); later calls hit the cache."""
-        from vllm_disagg.transport.rdma.verbs import memory_of
-
         mem = memory_of(obj)
         key = (mem.addr, mem.nbytes)
         with self._src_lock:

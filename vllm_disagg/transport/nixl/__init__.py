@@ -8,6 +8,7 @@ TransportUnavailable naming what is missing; there is no fallback.
 
 from __future__ import annotations
 
+import os
 import threading
 
 from vllm_disagg.transport.base import KVReceiver, KVSender, MsgChannel, MsgListener, Transport, TransportKind
@@ -72,6 +73,15 @@ class NixlTransport(Transport):
     kind = TransportKind.NIXL
     _reason: str | None = None
     _probed = False
+
+    @classmethod
+    def doctor_note(cls) -> str:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            return f"nixl {version('nixl')}, UCX backend; UCX_NET_DEVICES={os.environ.get('UCX_NET_DEVICES', '<all>')}"
+        except PackageNotFoundError:
+            return "nixl"
 
     @classmethod
     def unavailable_reason(cls) -> str | None:

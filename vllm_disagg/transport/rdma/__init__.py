@@ -14,7 +14,7 @@ import os
 
 from vllm_disagg.transport.base import Transport, TransportKind, TransportOptions
 
-__all__ = ["RdmaTransport", "probe_ibverbs", "doctor_probe"]
+__all__ = ["RdmaTransport", "probe_ibverbs"]
 
 _SYSFS_IB = "/sys/class/infiniband"
 
@@ -37,13 +37,6 @@ def probe_ibverbs() -> str | None:
     except Exception as err:  # PyverbsRDMAError; its errno is often lost
         return f"pyverbs cannot list devices: {err}"
     return None
-
-
-def doctor_probe() -> dict[str, str | None]:
-    """For `vllm-disagg doctor`: rdma + GPU-direct + mscclpp availability, one line each."""
-    from vllm_disagg.transport.mscclpp import MscclppTransport
-
-    return {"rdma": probe_ibverbs(), "mscclpp": MscclppTransport.unavailable_reason()}
 
 
 class RdmaTransport(Transport):

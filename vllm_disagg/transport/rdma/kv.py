@@ -42,10 +42,10 @@ from vllm_disagg.transport.base import (
     TransportStats,
     XferHandle,
 )
+from vllm_disagg.transport.onesided.inbox import OneSidedReceiver, backoff
+from vllm_disagg.transport.onesided.runs import block_runs, plan_block_write  # noqa: F401 (re-export)
 from vllm_disagg.transport.rdma import proto
-from vllm_disagg.transport.rdma.inbox import OneSidedReceiver, backoff
 from vllm_disagg.transport.rdma.ring import CreditWord, RingReader, RingWriter
-from vllm_disagg.transport.rdma.runs import block_runs, plan_block_write  # noqa: F401 (re-export)
 from vllm_disagg.transport.rdma.verbs import (
     RECV_WR_ID,
     Device,

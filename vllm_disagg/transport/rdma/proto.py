@@ -20,6 +20,13 @@ import struct
 from dataclasses import dataclass
 
 from vllm_disagg.errors import ProtocolError
+from vllm_disagg.transport.onesided.notif import (  # noqa: F401 - part of rdma's wire format
+    MAX_TID_BYTES,
+    NOTIF_BODY,
+    NOTIF_SLOT_BYTES,
+    pack_notif,
+    parse_notif,
+)
 
 RDMA_PROTO_VERSION = 2  # 2: QpInfo carries flags (FLAG_IMM) in what was a pad byte
 FLAG_IMM = 1
@@ -29,7 +36,6 @@ KNOWN_FLAGS = FLAG_IMM
 SESSION_ID_BYTES = 16
 MAX_NAME_BYTES = 256
 MAX_REGIONS = 1 << 16
-MAX_TID_BYTES = 128
 
 # version, qpn, psn, gid(16 raw bytes), path mtu enum, flags, slots, slot_bytes, ring addr/rkey
 # (the peer writes there), credit addr/rkey (the peer returns credits there).
@@ -37,9 +43,6 @@ _QP_INFO = struct.Struct("<HII16sBBHIQIQI")
 _HELLO_HEAD = struct.Struct("<16sH")  # session id, name length
 _REGION = struct.Struct("<HIQQI")  # name_len, num_blocks, block_nbytes, addr, rkey
 
-# KV notification body: seq, layer, nbytes, tid_len; tid follows (<= MAX_TID_BYTES).
-NOTIF_BODY = struct.Struct("<QiQH")
-NOTIF_SLOT_BYTES = 256
 # Message fragment body: msg_seq, total_len, frag_offset, frag_len; data follows.
 FRAG_HEAD = struct.Struct("<QQQI")
 # Serialized message: header_len, num_payloads; then u64 lengths, header, payloads.
@@ -157,20 +160,3 @@ def parse_regions(raw: bytes, pos: int, peer: str) -> list[RemoteRegion]:
     if pos != len(raw):
         raise ProtocolError(f"rdma region table from {peer}: {len(raw) - pos} trailing bytes")
     return out
-
-
-def pack_notif(buf: memoryview, seq: int, layer: int, nbytes: int, tid: bytes) -> None:
-    NOTIF_BODY.pack_into(buf, 0, seq, layer, nbytes, len(tid))
-    buf[NOTIF_BODY.size : NOTIF_BODY.size + len(tid)] = tid
-
-
-def parse_notif(body: memoryview, want_seq: int, peer: str) -> tuple[int, int, str]:
-    """(layer, nbytes, transfer_id) of the notification in `body`, checked against `want_seq`."""
-    seq, layer, nbytes, tid_len = NOTIF_BODY.unpack_from(body)
-    if seq != want_seq or tid_len > MAX_TID_BYTES:
-        raise ProtocolError(f"rdma notification from {peer}: seq {seq} (want {want_seq}), tid_len {tid_len}")
-    try:
-        tid = bytes(body[NOTIF_BODY.size : NOTIF_BODY.size + tid_len]).decode()
-    except UnicodeDecodeError:
-        raise ProtocolError(f"rdma notification from {peer}: transfer_id is not UTF-8") from None
-    return layer, nbytes, tid

@@ -17,11 +17,11 @@ import os
 import random
 import socket
 import threading
-from dataclasses import dataclass
 from typing import Any
 
 from vllm_disagg import envs
 from vllm_disagg.errors import TransportUnavailable
+from vllm_disagg.transport.onesided.memory import HostMemory, memory_of  # noqa: F401 - re-exported
 from vllm_disagg.transport.rdma.proto import QpInfo
 
 MAX_WRITE_BYTES = 1 << 30  # split longer runs (rxe and most HCAs cap max_msg_sz at 2 GiB)
@@ -83,41 +83,6 @@ class HostBuffer:
         del self._anchor
         self._mmap.close()
         self._mmap = None
-
-
-@dataclass
-class HostMemory:
-    """Where a caller's tensor/buffer lives: address, size, leading dim, and what keeps it alive."""
-
-    addr: int
-    nbytes: int
-    num_blocks: int
-    keepalive: Any
-    is_gpu: bool = False
-
-
-def memory_of(obj: Any) -> HostMemory:
-    """Address a contiguous `[num_blocks, ...]` torch tensor or writable buffer without copying.
-
-    Torch tensors (CPU or CUDA) give `data_ptr()`; anything else goes through the buffer protocol
-    (memoryview, mmap, bytearray, numpy) and ctypes. CUDA tensors are flagged `is_gpu` and need
-    the dmabuf path (`gpu.py`)."""
-    if hasattr(obj, "data_ptr"):
-        if not obj.is_contiguous():
-            raise ValueError(f"tensor {tuple(obj.shape)} is not contiguous; pass .contiguous()")
-        if obj.dim() < 1:
-            raise ValueError("a region/source tensor must be [num_blocks, ...]")
-        nbytes = obj.numel() * obj.element_size()
-        return HostMemory(obj.data_ptr(), nbytes, int(obj.shape[0]), obj, obj.device.type == "cuda")
-    view = memoryview(obj)
-    if not view.c_contiguous:
-        raise ValueError("buffer is not C-contiguous")
-    if view.readonly:
-        raise ValueError("rdma needs a writable buffer (it is registered with the NIC)")
-    if view.ndim < 1 or view.nbytes == 0:
-        raise ValueError("a region/source buffer must be non-empty [num_blocks, ...]")
-    anchor = ctypes.c_char.from_buffer(view)
-    return HostMemory(ctypes.addressof(anchor), view.nbytes, view.shape[0], (view, anchor))
 
 
 class Device:

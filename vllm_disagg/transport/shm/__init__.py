@@ -35,8 +35,8 @@ from vllm_disagg.transport.base import (
 from vllm_disagg.transport.kv_common import PlannedWrite, joint_runs, pack_write_meta
 from vllm_disagg.transport.msg import SockMsgListener, StreamMsgChannel
 from vllm_disagg.transport.shm.ring import attach_rings, create_rings
-from vllm_disagg.transport.stream_rx import StreamKVReceiver
-from vllm_disagg.transport.stream_tx import StreamKVPeer, StreamKVSender
+from vllm_disagg.transport.stream.rx import StreamKVReceiver
+from vllm_disagg.transport.stream.tx import StreamKVPeer, StreamKVSender
 from vllm_disagg.transport.tcp import connect_msg_stream
 from vllm_disagg.transport.wire import (
     FRAME_HDR,
@@ -159,6 +159,7 @@ def _map_regions(fds_maps, infos: list[RegionInfo], peer: str) -> list[np.ndarra
 
 class ShmTransport(Transport):
     kind = TransportKind.SHM
+    DOCTOR_NOTE = "same host"
 
     @classmethod
     def unavailable_reason(cls) -> str | None:

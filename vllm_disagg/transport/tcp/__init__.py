@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from vllm_disagg.transport.base import KVReceiver, KVSender, MsgChannel, MsgListener, Transport, TransportKind
 from vllm_disagg.transport.msg import SockMsgListener, StreamMsgChannel
-from vllm_disagg.transport.stream_rx import StreamKVReceiver
-from vllm_disagg.transport.stream_tx import StreamKVSender
+from vllm_disagg.transport.stream.rx import StreamKVReceiver
+from vllm_disagg.transport.stream.tx import StreamKVSender
 from vllm_disagg.transport.wire import SockStream, client_handshake, connect_socket
 
 __all__ = ["TcpTransport", "connect_msg_stream"]
@@ -29,6 +29,7 @@ def connect_msg_stream(address: str, token: str, timeout: float) -> SockStream:
 
 class TcpTransport(Transport):
     kind = TransportKind.TCP
+    DOCTOR_NOTE = "default"
 
     @classmethod
     def unavailable_reason(cls) -> str | None:

@@ -1,0 +1,169 @@
+# SPDX-License-Identifier: Apache-2.0
+"""KV receiver over stream connections, shared by tcp (block bytes inline in the frame, landed with
+recv_into straight into the registered blocks) and shm (the sender already copied the blocks into
+our shared memory; the frame only carries ids and the notification).
+
+Per connection: authenticate -> (shm: pass region fds) -> loop { read KV_WRITE, check it against
+the region table, land the bytes, hand the chunk to the peer's sequencer }. A bad frame drops that
+connection only; the listener keeps serving.
+"""
+
+from __future__ import annotations
+
+import logging
+import select
+import threading
+from typing import Any
+
+from vllm_disagg.errors import DisaggError, PeerLostError, ProtocolError, TransportTimeout
+from vllm_disagg.transport.base import KVReceiver, RegionInfo, TransportOptions, TransportStats
+from vllm_disagg.transport.kv_common import (
+    NotificationInbox,
+    PeerSequencer,
+    Region,
+    pack_region_table,
+    parse_hello,
+    parse_write_meta,
+    region_from_tensor,
+    runs,
+)
+from vllm_disagg.transport.server import AuthServer
+from vllm_disagg.transport.wire import T_BYE, T_KV_WRITE, SockStream, read_frame, send_error
+
+logger = logging.getLogger(__name__)
+_IDLE_POLL_S = 0.5
+
+
+class StreamKVReceiver(NotificationInbox, KVReceiver):
+    inline_data = True
+    unix = False
+
+    def __init__(self, options: TransportOptions, name: str):
+        self.options = options
+        self.name = name
+        self.stats = TransportStats()
+        self._init_inbox()
+        self._regions: list[Region] = []
+        self._infos: list[RegionInfo] = []
+        self._peers: dict[bytes, PeerSequencer] = {}
+        self._server: AuthServer | None = None
+        self._closed = threading.Event()
+
+    # Setup
+
+    def register_region(self, name: str, tensor: Any) -> RegionInfo:
+        if self._server is not None:
+            raise ValueError("register_region() must be called before start()")
+        if any(r.info.name == name for r in self._regions):
+            raise ValueError(f"region {name!r} is already registered")
+        tensor = self._prepare_tensor(tensor)
+        region = region_from_tensor(name, tensor)
+        self._regions.append(region)
+        self._infos.append(region.info)
+        return region.info
+
+    def _prepare_tensor(self, tensor: Any) -> Any:
+        return tensor
+
+    def start(self) -> str:
+        if self._server is None:
+            self._server = AuthServer(
+                token=self.options.auth_token.encode(),
+                service=b"kv",
+                serve=self._serve_conn,
+                welcome_info=lambda hello: pack_region_table(self._infos),
+                stats=self.stats,
+                timeout_s=self.options.timeout_s,
+                host=self.options.host,
+                port=self.options.port,
+                unix=self.unix,
+            )
+            logger.info(
+                "KV receiver %s serving %d regions on %s", self.name, len(self._regions), self.address
+            )
+        return self.address
+
+    @property
+    def address(self) -> str:
+        if self._server is None:
+            raise RuntimeError("KV receiver not started")
+        return self._server.address
+
+    # Notifications
+
+    # Per-connection loop
+
+    def _serve_conn(self, stream: SockStream, hello: bytes) -> None:
+        clean = False
+        try:
+            session_id, stream_idx, peer_name = parse_hello(hello, stream.peer)
+            seqr = self._sequencer(session_id, peer_name)
+            self._after_welcome(stream, stream_idx)
+            while not self._closed.is_set():
+                if not self._readable(stream):
+                    continue
+                ftype, meta, payload_len = read_frame(stream)
+                if ftype == T_BYE:
+                    clean = True
+                    return
+                if ftype != T_KV_WRITE:
+                    raise ProtocolError(f"unexpected frame type {ftype} from {stream.peer} on a KV stream")
+                self._on_write(stream, seqr, meta, payload_len)
+        except ProtocolError as err:
+            self.stats.record_rejected()
+            logger.warning("KV receiver %s dropped %s: %s", self.name, stream.peer, err)
+            send_error(stream, err)
+        except (PeerLostError, TransportTimeout) as err:
+            if not self._closed.is_set():
+                logger.info("KV sender %s lost: %s", stream.peer, err)
+        except DisaggError as err:
+            logger.warning("KV receiver %s: connection %s failed: %s", self.name, stream.peer, err)
+        finally:
+            if not clean and not self._closed.is_set() and "seqr" in locals():
+                with self._lock:
+                    if seqr.name not in self._lost:
+                        self._lost.append(seqr.name)
+            stream.close()
+
+    def _sequencer(self, session_id: bytes, peer_name: str) -> PeerSequencer:
+        with self._lock:
+            seqr = self._peers.setdefault(session_id, PeerSequencer(peer_name))
+        if seqr.name != peer_name:
+            raise ProtocolError(f"session reused with a different sender name {peer_name!r}")
+        return seqr
+
+    def _after_welcome(self, stream: SockStream, stream_idx: int) -> None:
+        """Backend hook run right after authentication (shm passes region fds here)."""
+
+    def _readable(self, stream: SockStream) -> bool:
+        """Wait for the next frame in slices, so an idle sender is not an error but close() is seen."""
+        try:
+            ready, _, _ = select.select([stream.sock], [], [], _IDLE_POLL_S)
+        except (OSError, ValueError):  # closed under us by close()
+            raise PeerLostError(f"connection to {stream.peer} closed") from None
+        return bool(ready)
+
+    def _on_write(self, stream: SockStream, seqr: PeerSequencer, meta: bytearray, payload_len: int) -> None:
+        m = parse_write_meta(meta, self._infos, stream.peer)
+        block_nbytes = self._infos[m.region_idx].block_nbytes if len(m.dst_ids) else 0
+        nbytes = len(m.dst_ids) * block_nbytes
+        expected = nbytes if self.inline_data else 0
+        if payload_len != expected:
+            raise ProtocolError(
+                f"KV_WRITE from {stream.peer}: payload {payload_len} bytes, expected {expected}"
+            )
+        if self.inline_data and nbytes:
+            blocks = self._regions[m.region_idx].blocks
+            for _, first, length in runs(m.dst_ids):
+                stream.recv_into(memoryview(blocks[first : first + length]).cast("B"))
+        self.stats.record_received(nbytes)
+        for notif in seqr.chunk_done(m, nbytes):
+            self.stats.record_received(0, notifications=1)
+            self._notifs.put(notif)
+
+    def close(self) -> None:
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        if self._server is not None:
+            self._server.close()
