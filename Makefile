@@ -40,7 +40,7 @@ model: setup
 	$(VENV)/bin/vllm-disagg model pull smollm2-135m
 
 demo: model
-	$(PY) -m vllm_disagg.demo
+	$(PY) examples/demo.py
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -142,7 +142,7 @@ def start_servers(specs: dict[str, tuple[str, str, bool]]) -> dict:
     Spinning servers are pinned to SERVER_CPU (every thread; later ones inherit the mask)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from vllm_disagg.attention.launcher import start_local_server
+    from vllm_disagg.testing.attention import start_local_server
 
     def one(spec):
         kind, kernel, fast = spec

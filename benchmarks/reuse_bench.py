@@ -104,8 +104,8 @@ def _replays(llm, prompts: list[list[int]], rounds: int) -> dict:
 
 
 def run(batch: int, context: int, rounds: int) -> dict:
-    from vllm_disagg.attention.launcher import start_local_servers
     from vllm_disagg.testing import make_tiny_llama, token_prompts
+    from vllm_disagg.testing.attention import start_local_servers
 
     model_dir = str(make_tiny_llama(tempfile.mkdtemp(prefix="reuse-bench-"), weights=True, **MODEL))
     prompts = [p["prompt_token_ids"] for p in token_prompts(batch, context, vocab=MODEL["vocab_size"], seed=7)]

@@ -28,8 +28,8 @@ import torch
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")  # nixl/UCX: no NIC here, stay on loopback + shm
 
+from vllm_disagg.testing.peers import kv_receiver_child, msg_echo_child, raw_tcp_child, wait_for  # noqa: E402
 from vllm_disagg.transport import BlockWrite, TransportOptions, available_transports, get_transport  # noqa: E402
-from vllm_disagg.transport.peers import kv_receiver_child, msg_echo_child, raw_tcp_child, wait_for  # noqa: E402
 
 TOKEN = "bench-token"
 BLOCK_ELEMS = 8 * 32 * 32  # 32 KiB float32 blocks: [kv_heads=8, block_size=32, 2*head_dim=32]

@@ -94,7 +94,7 @@ def plain(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def servers():
-    from vllm_disagg.attention.launcher import start_local_servers
+    from vllm_disagg.testing.attention import start_local_servers
 
     srv = start_local_servers(2, transport="shm", kv_cache_gib=0.0625)
     yield srv  # a test may replace one (the list is updated)
@@ -109,7 +109,7 @@ def test_a_new_model_worker_restores_the_blocks_its_attention_servers_kept_and_m
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     from vllm_disagg.attention import backend
-    from vllm_disagg.attention.launcher import start_local_server
+    from vllm_disagg.testing.attention import start_local_server
 
     first, replayed, then = plain
     assert all((len(r) - 1) % BS for r in replayed)  # see PROMPTS

@@ -42,7 +42,7 @@ def plain(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def runs(tiny_model_dir, plain):
-    from vllm_disagg.attention.launcher import start_local_servers
+    from vllm_disagg.testing.attention import start_local_servers
 
     servers = start_local_servers(2, transport="shm", kv_cache_gib=0.0625)
     try:
@@ -142,7 +142,7 @@ def _decode_killing_one_server(model_dir: str, remote: dict, depth: int, kill, *
 def test_killing_an_attention_server_inside_a_nano_batched_step_loses_no_request(
     tiny_model_dir, plain, depth, partition, replace
 ):
-    from vllm_disagg.attention.launcher import start_local_server, start_local_servers
+    from vllm_disagg.testing.attention import start_local_server, start_local_servers
 
     own = start_local_servers(2, transport="shm", kv_cache_gib=0.0625)
     replacement = []

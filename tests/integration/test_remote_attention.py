@@ -62,7 +62,7 @@ def _messages(server) -> dict:
 
 @pytest.fixture(scope="module")
 def servers():
-    from vllm_disagg.attention.launcher import start_local_servers
+    from vllm_disagg.testing.attention import start_local_servers
 
     srv = start_local_servers(4, transport="shm", kv_cache_gib=0.0625)
     yield srv
@@ -129,7 +129,7 @@ def test_n2_pipelining_on_the_nano_batch_executor_matches_plain_vllm(tiny_model_
 def test_killing_an_attention_server_mid_decode_loses_no_request(tiny_model_dir, plain, partition):
     from vllm import LLM, SamplingParams
 
-    from vllm_disagg.attention.launcher import start_local_servers
+    from vllm_disagg.testing.attention import start_local_servers
 
     own = start_local_servers(2, transport="shm", kv_cache_gib=0.0625)
     remote = {"servers": [s.http for s in own], "partition": partition, "timeout_s": 10.0}

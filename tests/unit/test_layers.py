@@ -33,7 +33,7 @@ LAYERS: list[tuple[str, set[str]]] = [
 # Outside the layers: the plugin root (`register()`, above everything but the CLI that calls it,
 # imports only inside functions) and the scaffolding that tests, benchmarks and chaos share (may import anything;
 # nothing in the runtime imports it).
-TOP = {"", "demo"}
+TOP = {""}
 SCAFFOLDING = {"testing"}
 RANK = {comp: i for i, (_, comps) in enumerate(LAYERS) for comp in comps}
 

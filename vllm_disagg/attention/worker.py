@@ -71,7 +71,7 @@ class DisaggAttentionWorker(CPUWorker):
         if ra.pipeline > 2:
             raise NotImplementedError(
                 f"remote_attention.pipeline={ra.pipeline}: only n=2 (ping-pong on one replica) has a runtime; "
-                "n>2 needs batch-context migration between model replicas (see attention/schedule.py)")
+                "n>2 needs batch-context migration between model replicas (tests/unit/attention/pipeline_schedule.py models it)")
         if ra.partition == "request" and self.vllm_config.cache_config.enable_prefix_caching:
             raise ValueError("remote_attention.partition='request' needs enable_prefix_caching=False: a shared "
                              "prefix block would live on one server only; use partition='head'")

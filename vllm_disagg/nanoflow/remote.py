@@ -73,7 +73,7 @@ class NanoFlowRemoteAttentionWorker(DisaggAttentionWorker):
         if depth > 2:
             raise NotImplementedError(
                 f"remote_attention.pipeline={depth}: only n=1 and n=2 (ping-pong) have a runtime; n>2 needs "
-                "context migration across model replicas (vllm_disagg.attention.schedule has the schedule)"
+                "context migration across model replicas (tests/unit/attention/pipeline_schedule.py models the schedule)"
             )
         enable_nano_ubatching(self.vllm_config)
         mark_remote_impl_network_bound(depth >= 2)

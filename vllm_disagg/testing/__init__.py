@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """What tests, benchmarks and the chaos tool share, kept apart from the runtime (nothing under
-`vllm_disagg/` outside this package imports it): tiny seeded models, the test environment, and
-deployments started as users start them."""
+`vllm_disagg/` outside this package imports it): tiny seeded models, the test environment,
+deployments started as users start them, local attention servers (`attention.py`) and transport
+peers in child processes (`peers.py`)."""
 
 from vllm_disagg.testing.env import TEST_ENV, apply_test_env
 from vllm_disagg.testing.families import FAMILIES, Family, make_tiny_model

@@ -7,15 +7,15 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from vllm_disagg.attention.merge import merge_attn_states, partial_attention
-from vllm_disagg.attention.schedule import (
+from pipeline_schedule import (
     Op,
     check_bubble_free,
     check_conflict_free,
     replica_for,
     rotational_schedule,
 )
+
+from vllm_disagg.attention.merge import merge_attn_states, partial_attention
 
 
 def _full(q, k, v, scale):

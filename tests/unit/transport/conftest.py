@@ -39,7 +39,7 @@ def _context():
     """forkserver with torch preloaded: a real separate process that starts in ~0.1 s instead of
     re-importing torch (seconds on a busy 2-core box); the server forks before any test threads."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "numpy", "vllm_disagg.transport.peers"])
+    ctx.set_forkserver_preload(["torch", "numpy", "vllm_disagg.testing.peers"])
     return ctx
 
 

@@ -14,14 +14,14 @@ import pytest
 import torch
 
 from vllm_disagg.errors import AuthError, DisaggError, PeerLostError, ProtocolError, TransportTimeout
-from vllm_disagg.transport import BlockWrite, TransportOptions, XferState, get_transport
-from vllm_disagg.transport.peers import (
+from vllm_disagg.testing.peers import (
     kv_receiver_child,
     kv_sender_child,
     layer_data,
     msg_echo_child,
     wait_for,
 )
+from vllm_disagg.transport import BlockWrite, TransportOptions, XferState, get_transport
 from vllm_disagg.transport.wire import FRAME_HDR, T_ERROR, parse_address
 
 pytestmark = pytest.mark.timeout(120)

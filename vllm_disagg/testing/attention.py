@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Start attention servers as local subprocesses (tests, benchmarks, `vllm-disagg up`).
+"""Start attention servers as local subprocesses (tests, benchmarks).
 
 `start_local_servers(n)` starts `python -m vllm_disagg.attention.cli` n times at once (their vLLM
 imports overlap, ~14 s each here) and waits for every READY file; `LocalServer.kill()` is the fault-injection hook (SIGKILL), `stop()` the clean exit.

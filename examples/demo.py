@@ -28,7 +28,7 @@ PROMPTS = [
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m vllm_disagg.demo", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="examples/demo.py", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--mixed", action="store_true", help="one plain instance instead of 1P+1D")
