@@ -231,13 +231,13 @@ def test_a_cancel_ahead_of_the_prefill_request_frees_that_push_the_moment_it_arr
     pair = Pair(timeout=30.0)
     try:
         pair.receiver.cancel([CancelSpec("d-x", "t-early", pair.sender.address, "taken over")])
-        _until(lambda: "t-early" in pair.sender._cancelled)
+        _until(lambda: "t-early" in pair.sender.plan.cancelled)
         t0 = time.monotonic()
         pair.prefill_step([SaveSpec("p1", (1, 2), 40, 40, "t-early", True)], release=["p1"])
         assert "taken over" in pair.sender._pushes["p1"].error
         assert _until(pair.sender.finished_sending) == {"p1"}
         assert time.monotonic() - t0 < 10.0  # not its push_timeout_s (30 s); loose: the box may be loaded
-        assert "t-early" not in pair.sender._cancelled
+        assert "t-early" not in pair.sender.plan.cancelled
     finally:
         pair.close()
 
@@ -277,5 +277,5 @@ def test_register_carries_the_trace_context_to_the_prefill_side(pair):
     trace = TraceContext.from_traceparent("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01")
     spec = RecvSpec("d-t1", "t1", pair.sender.address, tuple(range(10, 17)), 0, 100, 5.0, trace=trace)
     pair.receiver.start([spec])
-    reg = _until(lambda: pair.sender._registry.get("t1"))
+    reg = _until(lambda: pair.sender.plan.registry.get("t1"))
     assert reg.trace == trace and reg.trace.to_traceparent().startswith("00-4bf92f35")

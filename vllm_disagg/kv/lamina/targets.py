@@ -29,8 +29,8 @@ from vllm.logger import init_logger
 from vllm_disagg.attention import backend, queries
 from vllm_disagg.errors import DisaggError
 from vllm_disagg.kv.metadata import RecvSpec
+from vllm_disagg.kv.push_plan import encode_targets
 from vllm_disagg.kv.push_receiver import PushReceiver, RecvState
-from vllm_disagg.kv.push_sender import encode_targets
 
 __all__ = ["AttnPushReceiver", "attention_settings"]
 

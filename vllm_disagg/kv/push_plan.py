@@ -1,0 +1,307 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The prefill side's push bookkeeping without threads or I/O: what each push may write next, when
+it is over, and why it failed. `PushSender` (push_sender.py) holds the lock, runs the side channel
+and the sender thread, and calls these methods; every method here assumes that lock is held.
+
+Lifecycle and targets of a push: see push_sender.py.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.logger import init_logger
+
+from vllm_disagg.config import KVTransferSection
+from vllm_disagg.kv.metadata import DisaggConnectorMetadata, SaveSpec
+from vllm_disagg.observe.context import TraceContext
+from vllm_disagg.transport import BlockWrite, XferState
+
+logger = init_logger(__name__)
+_CANCELLED_TTL_S = 600.0
+_MAX_CANCELLED = 4096
+
+WorkItem = tuple["Push", list[BlockWrite], int]
+"""(push, writes, layer): one write_blocks call; layer -1 for a serialized push's single write."""
+
+
+@dataclass
+class Registration:
+    address: str
+    """Decode side's name for logs (its receiver, or its first attention server)."""
+    block_ids: tuple[int, ...]
+    start_block: int
+    timeout_s: float
+    num_prompt_tokens: int
+    prompt_digest: str
+    t_arrival: float = field(default_factory=time.monotonic)
+    targets: tuple[tuple[str, int, int], ...] = ()
+    """(receiver address, num_shards, shard): where each layer's blocks (or their head slice) go."""
+    trace: TraceContext | None = None
+    """The decode request's W3C trace context (REGISTER), for the tracer."""
+
+
+@dataclass
+class Push:
+    req_id: str
+    transfer_id: str
+    num_prompt_tokens: int
+    layerwise: bool
+    block_ids: list[int]
+    ready_tokens: list[int]
+    sent_blocks: list[int]
+    deadline: float
+    prompt_digest: str = ""
+    reg: Registration | None = None
+    handles: list = field(default_factory=list)  # (XferHandle, layer, t_issue, nbytes)
+    error: str | None = None
+    done: bool = False
+    released: bool = False
+    t_first_issue: float | None = None
+    t_prefill_done: float | None = None
+    t_created: float = field(default_factory=time.monotonic)
+    t_done: float | None = None
+
+    @property
+    def pending(self) -> bool:
+        return any(h.state() is XferState.PENDING for h, *_ in self.handles)
+
+    @property
+    def over(self) -> bool:
+        return (self.done or self.error is not None) and not self.pending
+
+
+class PushPlan:
+    """Every push of one prefill worker, keyed by req_id (the decode side knows it by transfer_id)."""
+
+    def __init__(self, layers: list[Any], block_size: int, cfg: KVTransferSection):
+        self.layers, self.block_size, self.cfg = layers, block_size, cfg
+        self.pushes: dict[str, Push] = {}
+        self.by_tid: dict[str, str] = {}
+        self.registry: dict[str, Registration] = {}
+        self.rejected: dict[str, str] = {}
+        self.cancelled: dict[str, tuple[str, float]] = {}
+        """transfer id -> (why, when): CANCELs that came before their prefill request (D took the push
+        over or its request was aborted), so that push fails the moment it is created."""
+        self.step_reqs: list[SaveSpec] = []
+        self.orphans: set[str] = set()
+        self.timeline: deque[dict[str, Any]] = deque(maxlen=1024)
+        """Recent completed pushes with monotonic timestamps (first write issued, prefill done,
+        last write landed): the evidence that layer-wise pushes overlap prefill."""
+
+    # ------------------------------------------------------------ engine thread
+    def bind(self, meta: DisaggConnectorMetadata) -> None:
+        self.step_reqs = meta.save_specs
+        for spec in meta.save_specs:
+            self._apply_spec(spec)
+        for req_id in meta.preempted_req_ids:
+            self.fail(self.pushes.get(req_id), "request preempted on the prefill instance")
+        for req_id in meta.release_req_ids:
+            push = self.pushes.get(req_id)
+            if push is not None:
+                push.released = True
+            else:  # never saw it: nothing of ours reads its blocks, free them now
+                self.orphans.add(req_id)
+
+    def _apply_spec(self, spec: SaveSpec) -> None:
+        push = self.pushes.get(spec.req_id)
+        if push is None:
+            tid = spec.transfer_id or ""
+            layerwise = spec.num_prompt_tokens >= self.cfg.layerwise_threshold_tokens
+            push = Push(spec.req_id, tid, spec.num_prompt_tokens, layerwise, [], [0] * len(self.layers),
+                        [0] * len(self.layers), time.monotonic() + self.cfg.push_timeout_s, spec.prompt_digest)
+            self.pushes[spec.req_id] = push
+            self.by_tid[tid] = spec.req_id
+            if not tid:
+                self.fail(push, "request has no kv_transfer_params.transfer_id")
+            elif tid in self.rejected:
+                self.fail(push, self.rejected.pop(tid))
+            elif tid in self.cancelled:
+                self.fail(push, f"cancelled by the decode instance ({self.cancelled.pop(tid)[0]})")
+        if spec.replace_blocks:
+            push.block_ids = list(spec.new_block_ids)
+        else:
+            push.block_ids.extend(spec.new_block_ids)
+
+    def layer_saved(self, layer_idx: int) -> None:
+        for spec in self.step_reqs:
+            push = self.pushes.get(spec.req_id)
+            if push is not None:
+                push.ready_tokens[layer_idx] = max(push.ready_tokens[layer_idx], spec.num_computed_tokens)
+                if layer_idx == len(self.layers) - 1 and spec.num_computed_tokens >= push.num_prompt_tokens:
+                    push.t_prefill_done = push.t_prefill_done or time.monotonic()
+
+    def finished(self) -> set[str]:
+        over = {r for r, p in self.pushes.items() if p.released and p.over}
+        for req_id in over:
+            self.by_tid.pop(self.pushes.pop(req_id).transfer_id, None)
+        over |= self.orphans
+        self.orphans = set()
+        return over
+
+    # ------------------------------------------------------------ side channel thread
+    def register(self, tid: str, reg: Registration) -> None:
+        self.registry[tid] = reg
+
+    def reject(self, tid: str, why: str) -> None:
+        self.rejected[tid] = why
+        self.fail(self.pushes.get(self.by_tid.get(tid, "")), why)
+
+    def cancel(self, tid: str, reason: str) -> Push | None:
+        """Stop push `tid` (its blocks are freed once the request is released); a CANCEL ahead of the
+        prefill request is remembered so that push fails the moment it is created."""
+        push = self.pushes.get(self.by_tid.get(tid, "")) if tid else None
+        self.registry.pop(tid, None)
+        if push is None and tid:
+            self.cancelled[tid] = (reason[:200], time.monotonic())
+            while len(self.cancelled) > _MAX_CANCELLED:
+                del self.cancelled[next(iter(self.cancelled))]
+        self.fail(push, f"cancelled by the decode instance ({reason[:200]})")
+        return push
+
+    # ------------------------------------------------------------ sender thread
+    def busy(self) -> bool:
+        return any(p.pending for p in self.pushes.values())
+
+    def plan(self) -> list[WorkItem]:
+        """The writes whose blocks are ready and registered, marked as sent."""
+        now, work = time.monotonic(), []
+        for push in self.pushes.values():
+            if push.error or push.done:
+                continue
+            if push.reg is None:
+                push.reg = self.registry.pop(push.transfer_id, None)
+                if push.reg is None:
+                    if now > push.deadline:
+                        self.fail(push, f"no decode registration within {self.cfg.push_timeout_s}s")
+                    continue
+                push.deadline = now + max(push.reg.timeout_s, self.cfg.push_timeout_s)
+                if not self._same_prompt(push):
+                    continue
+            work.extend(self._plan_push(push))
+        self._gc_registry(now)
+        return work
+
+    def _plan_push(self, push: Push) -> list[WorkItem]:
+        reg, num_blocks = push.reg, math.ceil(push.num_prompt_tokens / self.block_size)
+        first, end = reg.start_block, min(num_blocks, reg.start_block + len(reg.block_ids))
+        spans = []
+        for layer, ready in enumerate(push.ready_tokens):
+            ready_blocks = num_blocks if ready >= push.num_prompt_tokens else ready // self.block_size
+            lo, hi = max(push.sent_blocks[layer], first), min(ready_blocks, end, len(push.block_ids))
+            spans.append((layer, lo, hi))
+        if not push.layerwise:
+            if any(hi < end for _, _, hi in spans):
+                return []
+            spans = [(layer, lo, hi) for layer, lo, hi in spans if hi > lo]
+            return [(push, [self._write(push, *s) for s in spans], -1)] if spans else []
+        return [(push, [self._write(push, *s)], s[0]) for s in spans if s[2] > s[1]]
+
+    def _same_prompt(self, push: Push) -> bool:
+        reg = push.reg
+        if reg.num_prompt_tokens != push.num_prompt_tokens:
+            self.fail(push, f"decode registered a {reg.num_prompt_tokens}-token prompt, "
+                            f"prefill has {push.num_prompt_tokens} tokens (same transfer_id, different prompts?)")
+        elif reg.prompt_digest and push.prompt_digest and reg.prompt_digest != push.prompt_digest:
+            self.fail(push, "decode and prefill prompts differ (prompt_digest); check that the router sends "
+                            "the same prompt (and chat template) to both")
+        return push.error is None
+
+    def _write(self, push: Push, layer: int, lo: int, hi: int) -> BlockWrite:
+        first = push.reg.start_block
+        push.sent_blocks[layer] = hi
+        return BlockWrite(str(layer), self.layers[layer], push.block_ids[lo:hi],
+                          push.reg.block_ids[lo - first : hi - first])
+
+    def issued(self, push: Push, handle: Any, layer: int, num_bytes: int) -> None:
+        push.t_first_issue = push.t_first_issue or time.monotonic()
+        push.handles.append((handle, layer, time.monotonic(), num_bytes))
+
+    def reap(self) -> tuple[list[Push], set[str]]:
+        """(pushes completed now, target addresses of failed writes: their connections are suspect)."""
+        now, completed, suspect = time.monotonic(), [], set()
+        for push in self.pushes.values():
+            for handle, layer, *_ in push.handles:
+                if handle.state() is XferState.FAILED and push.error is None:
+                    suspect.update(address for address, *_ in push.reg.targets)
+                    self.fail(push, f"write of layer {layer} failed: {handle.error}")
+            if push.error or push.done or push.reg is None or push.pending:
+                if push.pending and now > push.deadline and push.error is None:
+                    self.fail(push, "push still in flight at its deadline")
+                continue
+            end = min(push.reg.start_block + len(push.reg.block_ids), math.ceil(push.num_prompt_tokens / self.block_size))
+            if all(s >= end for s in push.sent_blocks):
+                self._complete(push, now)
+                completed.append(push)
+        return completed, suspect
+
+    def _complete(self, push: Push, now: float) -> None:
+        push.done = True
+        push.t_done = now
+        t0 = push.t_first_issue or now
+        self.timeline.append({
+            "transfer_id": push.transfer_id, "layerwise": push.layerwise, "num_writes": len(push.handles),
+            "t_prefill_start": push.t_created, "t_first_issue": t0, "t_prefill_done": push.t_prefill_done,
+            "t_done": now,
+        })
+        logger.debug("KV push %s done: %d writes, %.1f ms, exposed %.1f ms", push.transfer_id,
+                     len(push.handles), 1e3 * (now - t0), 1e3 * (now - (push.t_prefill_done or now)))
+
+    def fail(self, push: Push | None, reason: str) -> None:
+        if push is not None and push.error is None and not push.done:
+            push.error = reason
+            logger.warning("KV push %s (request %s) abandoned: %s", push.transfer_id, push.req_id, reason)
+
+    def _gc_registry(self, now: float) -> None:
+        for tid, reg in list(self.registry.items()):
+            if now - reg.t_arrival > max(reg.timeout_s, self.cfg.push_timeout_s):
+                del self.registry[tid]
+                logger.warning("KV push %s: registration expired, no prefill request with that id", tid)
+        if len(self.rejected) > 4096:
+            self.rejected.clear()
+        for tid, (_, t) in list(self.cancelled.items()):
+            if now - t <= _CANCELLED_TTL_S:
+                break  # insertion order is arrival order
+            del self.cancelled[tid]
+
+
+def parse_targets(body: dict, num_kv_heads: int) -> tuple[tuple[str, int, int], ...]:
+    """The registration's write targets (default: the decode worker's own receiver), checked.
+
+    Side-channel bodies are flat, so `targets` is "ADDR,NUM_SHARDS,SHARD;ADDR,NUM_SHARDS,SHARD;..."."""
+    raw = body.get("targets")
+    if raw is None:
+        return ((str(body["address"]), 1, 0),)
+    items = raw.split(";") if isinstance(raw, str) else []
+    if not 1 <= len(items) <= 64:
+        raise ValueError(f"targets: expected 1..64 'ADDR,NUM_SHARDS,SHARD' separated by ';', got {raw!r}"[:200])
+    out = []
+    for item in items:
+        address, num_shards, shard = item.rsplit(",", 2)  # ValueError when malformed: REJECT
+        num_shards, shard = int(num_shards), int(shard)
+        if not address or num_shards < 1 or num_kv_heads % num_shards or not 0 <= shard < num_shards:
+            raise ValueError(f"target {address!r}: shard {shard} of {num_shards} does not split "
+                             f"{num_kv_heads} KV heads")
+        out.append((address, num_shards, shard))
+    return tuple(out)
+
+
+def encode_targets(targets: list[tuple[str, int, int]]) -> str:
+    """`targets` for a REGISTER body (the decode side of `parse_targets`)."""
+    return ";".join(f"{address},{num_shards},{shard}" for address, num_shards, shard in targets)
+
+
+def shard_writes(writes: list[BlockWrite], num_shards: int, shard: int) -> list[BlockWrite]:
+    """KV-head slice `shard` of every block: block b of `[NB, H, ...]` viewed as NB*num_shards contiguous
+    sub-blocks, of which b*num_shards + shard is this shard's heads (zero-copy)."""
+    if num_shards == 1:
+        return writes
+    out = []
+    for w in writes:
+        src = w.src.view(w.src.shape[0] * num_shards, -1)
+        out.append(BlockWrite(w.region, src, [b * num_shards + shard for b in w.src_block_ids], w.dst_block_ids))
+    return out
