@@ -2,8 +2,8 @@
 """The attention server: its own process (not a vLLM engine) that owns one shard of the paged KV
 (all layers x its KV heads) and computes attention for it, layer by layer.
 
-Lifecycle: `start()` opens a `MsgListener` on the chosen transport and an HTTP port (`/health`,
-`/metrics`); each accepted channel is served by one thread (`wire.py` documents the
+Lifecycle: `start()` opens a `MsgListener` on the chosen transport and an HTTP port
+(`server_http.py`: `/health`, `/metrics`, `/kv/retained`, `/kv/landed`); each accepted channel is served by one thread (`wire.py` documents the
 conversation). The KV survives a client reconnect with the same geometry, so a restarted model
 worker loses nothing: the blocks the old session registered become the retained set
 (`retain.py`), listed at `GET /kv/retained` and copied into the new session's blocks by RESTORE.
@@ -20,16 +20,16 @@ import json
 import threading
 import time
 from collections import OrderedDict
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 
 import numpy as np
 import torch
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from vllm.logger import init_logger
 
 from vllm_disagg.attention import wire
 from vllm_disagg.attention.kernels import AttentionKernel, kv_bytes_per_block, make_kernel, preload
 from vllm_disagg.attention.retain import KVRetention
+from vllm_disagg.attention.server_http import ServerMetrics, handler_for
 from vllm_disagg.errors import DisaggError, ProtocolError, TransportTimeout
 from vllm_disagg.transport import TransportOptions, get_transport
 
@@ -37,49 +37,6 @@ logger = init_logger(__name__)
 _META_CACHE = 8  # steps whose metadata we keep (pipelining keeps a few in flight)
 _QKV, _Q, _KV = ("q", "k", "v"), ("q",), ("k", "v")
 _STEP_FLAGS = wire.HAS_TRACE | wire.HAS_META
-
-
-class _Metrics:
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        r = self.registry
-        self.layer_seconds = Histogram(
-            "vllm:disagg_attention_layer_seconds", "Server compute time per layer call", ["layer"],
-            registry=r, buckets=(5e-6, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 5e-2, 0.2, 1.0),
-        )
-        self.bytes_in = Counter("vllm:disagg_attention_bytes_in", "Payload bytes received", registry=r)
-        self.bytes_out = Counter("vllm:disagg_attention_bytes_out", "Payload bytes sent", registry=r)
-        self.messages = Counter("vllm:disagg_attention_messages", "Messages handled", ["type"], registry=r)
-        self.errors = Counter("vllm:disagg_attention_errors", "Frames answered with ERROR", registry=r)
-        self.queue = Gauge("vllm:disagg_attention_queue_depth", "Messages received, not yet answered",
-                           registry=r)
-        self.sessions = Gauge("vllm:disagg_attention_sessions", "Connected model workers", registry=r)
-        self.retained = Gauge("vllm:disagg_attention_retained_blocks",
-                              "Blocks kept from an earlier session, restorable by key", registry=r)
-        self.registered = Gauge("vllm:disagg_attention_registered_blocks",
-                                "Blocks the current session registered (kept if its model worker restarts)",
-                                registry=r)
-        self.retained_copy_bytes = Gauge("vllm:disagg_attention_retained_copy_bytes",
-                                         "Bytes of retained blocks moved aside by copy-on-write", registry=r)
-        self.restored = Counter("vllm:disagg_attention_restored_blocks",
-                                "Blocks restored from the retained set into a new session", registry=r)
-        self.restore_misses = Counter("vllm:disagg_attention_restore_misses",
-                                      "Blocks asked for by RESTORE whose key was not retained", registry=r)
-        self._layer_children: dict[int, object] = {}
-        self._message_children: dict[int, object] = {}
-
-    def layer(self, layer: int):
-        """The histogram child of `layer` (labels() costs a lock and a tuple per call: cache it)."""
-        child = self._layer_children.get(layer)
-        if child is None:
-            child = self._layer_children[layer] = self.layer_seconds.labels(str(layer))
-        return child
-
-    def message(self, mtype: int):
-        child = self._message_children.get(mtype)
-        if child is None:
-            child = self._message_children[mtype] = self.messages.labels(wire.TYPE_NAMES[mtype])
-        return child
 
 
 _PROCESS_KERNEL_LOCK = threading.Lock()
@@ -108,7 +65,7 @@ class DisaggAttentionServer:
         self.kernel_kind = kernel
         self.num_threads = num_threads
         self.kernel: AttentionKernel | None = None
-        self.metrics = _Metrics()
+        self.metrics = ServerMetrics()
         self.ingest = None  # prefill -> this server's KV (LL, kv_ingest.py); None: no prefill pushes here
         if kv_transport:
             from vllm_disagg.attention.kv_ingest import KVIngest
@@ -138,7 +95,7 @@ class DisaggAttentionServer:
             torch.set_num_threads(self.num_threads)
         preload(self.kernel_kind)
         self.listener = self.transport.listen_msg()
-        self.httpd = ThreadingHTTPServer(self._http_addr, _handler_for(self))
+        self.httpd = ThreadingHTTPServer(self._http_addr, handler_for(self))
         self._spawn(self.httpd.serve_forever, "attn-http")
         self._spawn(self._accept_loop, "attn-accept")
         info = self.info()
@@ -433,36 +390,3 @@ class _Timer:
 
     def __exit__(self, *exc) -> None:
         self.hist.observe(time.perf_counter() - self.t0)
-
-
-def _handler_for(server: DisaggAttentionServer):
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
-            if self.path in ("/health", "/info"):
-                body, ctype = json.dumps(server.info()).encode(), "application/json"
-            elif self.path == "/metrics":
-                body, ctype = generate_latest(server.metrics.registry), "text/plain; version=0.0.4"
-            elif self.path == "/kv/retained":
-                if not server.authorized(self.headers.get("Authorization")):
-                    self.send_error(401, "GET /kv/retained needs 'Authorization: Bearer <VLLM_DISAGG_AUTH_TOKEN>'")
-                    return
-                body, ctype = json.dumps(server.retained_info()).encode(), "application/json"
-            elif self.path.startswith("/kv/landed") and server.ingest is not None:
-                try:
-                    body, ctype = json.dumps(server.ingest.http_landed(self.path)).encode(), "application/json"
-                except ValueError as err:
-                    self.send_error(400, str(err))
-                    return
-            else:
-                self.send_error(404, "try /health or /metrics")
-                return
-            self.send_response(200)
-            self.send_header("Content-Type", ctype)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, fmt, *args) -> None:
-            logger.debug("attention http: " + fmt, *args)
-
-    return Handler
