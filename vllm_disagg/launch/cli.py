@@ -84,7 +84,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def plan_from_args(args: argparse.Namespace) -> list:
     """Instance specs of `up`; `--attention K` without `--prefill` turns the decode instance into a mixed
     one (both phases), which then becomes the model worker of the K attention servers."""
-    from vllm_disagg.launch.local import AttentionPlan, attach_attention, plan_instances
+    from vllm_disagg.launch.instances import AttentionPlan, attach_attention, plan_instances
 
     resolve_prefill(args)
     num_attention = getattr(args, "attention", 0)
@@ -138,7 +138,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _up(args: argparse.Namespace) -> int:
-    from vllm_disagg.launch.local import LaunchError, LocalCluster
+    from vllm_disagg.launch.instances import LaunchError
+    from vllm_disagg.launch.local import LocalCluster
     from vllm_disagg.router.policy import SchedulerConfig
     from vllm_disagg.router.server import Router, RouterServer
 

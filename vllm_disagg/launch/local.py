@@ -23,14 +23,11 @@ prefilling them again (kv/lamina/reuse.py). That is why a model worker always ge
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import secrets
 import signal
-import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -40,238 +37,29 @@ from pathlib import Path
 import aiohttp
 
 from vllm_disagg.envs import VLLM_DISAGG_AUTH_TOKEN
+from vllm_disagg.launch.instances import (  # noqa: F401 - re-exported: they lived here
+    _KV_ROLE,
+    CONNECTOR,
+    HOST,
+    AttentionPlan,
+    InstanceSpec,
+    LaunchError,
+    _static_port_range,
+    attach_attention,
+    attn_server_command,
+    bind_process,
+    core_slices,
+    free_ports,
+    instance_env,
+    parse_cores,
+    plan_instances,
+    serve_command,
+    vllm_serve_prefix,
+)
 from vllm_disagg.launch.reaper import start_reaper
 from vllm_disagg.router.config import RouterConfig
 
 logger = logging.getLogger(__name__)
-
-HOST = "127.0.0.1"
-# A failed or stalled push makes D recompute the prompt (pd_protocol.md step 5), never fail the request.
-CONNECTOR = {"kv_connector": "DisaggConnector", "kv_connector_module_path": "vllm_disagg.kv.connector",
-             "kv_load_failure_policy": "recompute"}
-_KV_ROLE = {"prefill": "kv_producer", "decode": "kv_consumer"}
-
-
-class LaunchError(RuntimeError):
-    """An instance did not come up; the message names it and points at its log."""
-
-
-@dataclass
-class InstanceSpec:
-    """One vLLM server of the deployment."""
-
-    role: str
-    """prefill | decode | mixed | attention (a `vllm-disagg attn-server`, not a vLLM engine)"""
-    index: int
-    http_port: int
-    kv_port: int | None
-    cores: str
-    """Value of VLLM_CPU_OMP_THREADS_BIND, e.g. "0" or "2-3"."""
-    kv_extra: dict = field(default_factory=dict)
-    """More `additional_config["disagg"]["kv"]` settings (e.g. layerwise_threshold_tokens)."""
-    env: dict = field(default_factory=dict)
-    """More environment for this instance only."""
-    args: list = field(default_factory=list)
-    """More `vllm serve` arguments for this instance only (after the shared ones)."""
-    disagg_extra: dict = field(default_factory=dict)
-    """More `additional_config["disagg"]` sections (remote_attention, nanoflow) for this instance."""
-
-    @property
-    def name(self) -> str:
-        return f"{self.role}{self.index}"
-
-    @property
-    def url(self) -> str:
-        return f"http://{HOST}:{self.http_port}"
-
-    @property
-    def kv_addr(self) -> str | None:
-        return None if self.kv_port is None else f"{HOST}:{self.kv_port}"
-
-
-def free_ports(num: int) -> list[int]:
-    """Ports free right now (held open together so they are distinct), chosen below the kernel's
-    ephemeral range: a bind(0) port is the kind a vLLM engine starting beside ours takes for its own
-    sockets before our instance binds it (seen in CI: a prefill's KV port, "Address already in use")."""
-    low, high = _static_port_range()
-    socks: list[socket.socket] = []
-    try:
-        for port in secrets.SystemRandom().sample(range(low, high), k=min(high - low, 64 * num)):
-            if len(socks) == num:
-                break
-            s = socket.socket()
-            try:
-                s.bind((HOST, port))
-            except OSError:
-                s.close()
-                continue
-            socks.append(s)
-        while len(socks) < num:  # no static range on this host: the OS's pick
-            s = socket.socket()
-            s.bind((HOST, 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-def _static_port_range() -> tuple[int, int]:
-    """[20000, start of the ephemeral range): above Ray's worker ports (10002-19999), below the
-    ports the kernel hands out for bind(0)/connect(); empty when the host's range starts lower."""
-    try:
-        ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        ephemeral_low = 32768
-    return 20000, max(20000, ephemeral_low)
-
-
-def core_slices(num_instances: int, cores_per_instance: int, cores: list[int] | None = None) -> list[str]:
-    """Round-robin slices of this process's CPUs, one per instance (wrapping when there are too few)."""
-    cpus = sorted(cores if cores is not None else os.sched_getaffinity(0))
-    out = []
-    for i in range(num_instances):
-        start = (i * cores_per_instance) % len(cpus)
-        chosen = [cpus[(start + k) % len(cpus)] for k in range(min(cores_per_instance, len(cpus)))]
-        out.append(",".join(str(c) for c in sorted(set(chosen))))
-    return out
-
-
-def plan_instances(num_prefill: int, num_decode: int, num_mixed: int, cores_per_instance: int = 1,
-                   ports: list[int] | None = None, num_attention: int = 0) -> list[InstanceSpec]:
-    """Ports and cores for every instance; with no P/D and no mixed, one plain (mixed) instance.
-
-    Attention servers come first (they must be up before their model worker starts)."""
-    if num_prefill and not num_decode:
-        raise ValueError("--prefill needs at least one --decode instance to push to")
-    if not (num_prefill or num_decode or num_mixed):
-        num_mixed = 1
-    roles = (["attention"] * num_attention + ["prefill"] * num_prefill + ["decode"] * num_decode
-             + ["mixed"] * num_mixed)
-    num_kv = num_prefill + num_decode
-    ports = ports or free_ports(len(roles) + num_kv)
-    cores = core_slices(len(roles), cores_per_instance)
-    counts = dict.fromkeys(("attention", "prefill", "decode", "mixed"), 0)
-    specs, kv_ports = [], iter(ports[len(roles):])
-    for i, role in enumerate(roles):
-        kv_port = next(kv_ports) if role in _KV_ROLE else None
-        specs.append(InstanceSpec(role, counts[role], ports[i], kv_port, cores[i]))
-        counts[role] += 1
-    return specs
-
-
-def serve_command(spec: InstanceSpec, model: str, transport: str, extra_args: list[str],
-                  served_name: str | None = None, vllm_cmd: list[str] | None = None) -> list[str]:
-    """The `vllm serve` command line of one instance (native flags; unknown args passed through)."""
-    if spec.role == "attention":
-        return attn_server_command(spec)
-    cmd = [*(vllm_cmd or vllm_serve_prefix()), model, "--host", HOST, "--port", str(spec.http_port)]
-    if served_name and "--served-model-name" not in extra_args:
-        cmd += ["--served-model-name", served_name]
-    disagg = dict(spec.disagg_extra)
-    if spec.role in _KV_ROLE:
-        cmd += ["--kv-transfer-config", json.dumps({**CONNECTOR, "kv_role": _KV_ROLE[spec.role]})]
-        disagg.update(role=spec.role, kv={"kv_port": spec.kv_port, "transport": transport, **spec.kv_extra})
-    elif "remote_attention" in disagg:  # the model worker without P/D: the connector restores retained KV
-        cmd += ["--kv-transfer-config", json.dumps({**CONNECTOR, "kv_role": "kv_consumer"})]
-    if disagg:
-        cmd += ["--additional-config", json.dumps({"disagg": disagg})]
-    if any(a.startswith("--disagg-") for a in extra_args) and "--plugin" not in extra_args:
-        cmd += ["--plugin", "disagg"]  # e.g. `up --disagg-nano-batches 2`: folded into additional_config
-    return cmd + list(extra_args) + list(spec.args)
-
-
-@dataclass
-class AttentionPlan:
-    """`up --attention K`: K attention servers serving one model-worker instance."""
-
-    num: int = 0
-    partition: str = "head"
-    """head | request (RemoteAttentionSection.partition)"""
-    pipeline: int = 1
-    """1, or 2 for ping-pong pipelining (runs on the NanoFlow nano-batch executor)"""
-    transport: str = "shm"
-    """Data path of the per-layer exchange."""
-    kv_cache_gib: float = 0.25
-    """KV memory of each attention server."""
-    send_q_early: bool | None = None
-    """None keeps the config default."""
-    kv_transport: str | None = None
-    """With prefill instances: the servers accept their KV pushes on this transport (= `up --transport`)."""
-
-
-def attach_attention(specs: list[InstanceSpec], plan: AttentionPlan) -> InstanceSpec | None:
-    """Point the model worker (the decode instance, or the only mixed one without P/D) at the servers.
-
-    A server holds the KV of exactly one model worker (attention/README "Limits"), so K servers serve
-    one instance. Prefill instances push their KV straight into the servers (`kv/lamina/targets.py`)."""
-    servers = [f"{HOST}:{s.http_port}" for s in specs if s.role == "attention"]
-    if not servers:
-        return None
-    users = [s for s in specs if s.role in ("decode", "mixed")]
-    if len(users) != 1:
-        raise ValueError("--attention K serves exactly one model worker: use one --decode (or one instance "
-                         f"without --prefill), got {[s.name for s in users]}")
-    ra = {"servers": servers, "partition": plan.partition, "pipeline": plan.pipeline, "transport": plan.transport}
-    if plan.send_q_early is not None:
-        ra["send_q_early"] = plan.send_q_early
-    users[0].disagg_extra["remote_attention"] = ra
-    if plan.pipeline > 1:  # n=2 ping-pong = the NanoFlow nano-batch executor (one overlap mechanism)
-        users[0].disagg_extra["nanoflow"] = {"nano_batches": plan.pipeline}
-    for s in specs:
-        if s.role == "attention":
-            s.args = ["--transport", plan.transport, "--kv-cache-gib", str(plan.kv_cache_gib), *s.args]
-            if plan.kv_transport and any(p.role == "prefill" for p in specs):
-                s.args += ["--kv-transport", plan.kv_transport]
-    return users[0]
-
-
-def parse_cores(cores: str) -> set[int]:
-    """"0", "2-3" or "0,2-3" (VLLM_CPU_OMP_THREADS_BIND syntax) -> {0}, {2, 3}, {0, 2, 3}."""
-    out: set[int] = set()
-    for part in cores.split(","):
-        lo, _, hi = part.partition("-")
-        out.update(range(int(lo), int(hi or lo) + 1))
-    return out
-
-
-def bind_process(pid: int, cores: str) -> None:
-    """Restrict a just-started child to `cores`; the processes and threads it starts inherit it.
-
-    Popen returns once the child has exec'd, before the new interpreter starts any thread, so the
-    whole tree ends up bound."""
-    try:
-        os.sched_setaffinity(pid, parse_cores(cores))
-    except (OSError, ValueError) as err:  # cores not allowed here, or the child already exited
-        logger.warning("cannot bind pid %d to cores %s: %s", pid, cores, err)
-
-
-def attn_server_command(spec: InstanceSpec) -> list[str]:
-    """`vllm-disagg attn-server` of one attention server; it exits with the launcher (--parent-pid)."""
-    threads = len(spec.cores.split(","))
-    return [sys.executable, "-m", "vllm_disagg.attention.cli", "--host", HOST, "--http-port", str(spec.http_port),
-            "--threads", str(threads), "--parent-pid", str(os.getpid()), *spec.args]
-
-
-def vllm_serve_prefix() -> list[str]:
-    """`<venv>/bin/vllm serve` when the CLI works; else vLLM's api_server module (no CLI shim needed)."""
-    exe = Path(sys.executable).with_name("vllm")
-    if exe.exists():
-        return [str(exe), "serve"]
-    return [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry"]
-
-
-def instance_env(spec: InstanceSpec, kv_cache_gib: int | None, base: dict[str, str] | None = None) -> dict[str, str]:
-    """None for `kv_cache_gib` leaves the KV size to vLLM's own `--kv-cache-memory-bytes`."""
-    env = dict(os.environ if base is None else base)
-    env.update(VLLM_CPU_OMP_THREADS_BIND=spec.cores, VLLM_HOST_IP=HOST, VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
-    if kv_cache_gib is None:
-        env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override --kv-cache-memory-bytes
-    else:
-        env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
-    env.update(spec.env)
-    return env
-
 
 @dataclass(frozen=True)
 class RestartPolicy:

@@ -21,7 +21,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from vllm_disagg.launch.local import core_slices
+from vllm_disagg.launch.instances import core_slices
 from vllm_disagg.launch.ray.specs import POOLS, ActorSpec, server_command
 from vllm_disagg.launch.reaper import start_reaper
 from vllm_disagg.router.discovery import host_port

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from vllm_disagg.envs import VLLM_DISAGG_AUTH_TOKEN
+from vllm_disagg.launch.instances import CONNECTOR
 from vllm_disagg.router.ray_registry import ACTOR_PREFIX, NAMESPACE
 
 POOLS = ("prefill", "decode", "mixed", "attention")
@@ -131,8 +132,6 @@ def server_command(spec: ActorSpec, host: str, http_port: int, kv_port: int | No
                 "--disagg-transport", spec.transport]
     if spec.attention_servers and spec.role in ("decode", "mixed"):
         if spec.role == "mixed":  # the model worker without P/D: the connector restores retained KV
-            from vllm_disagg.launch.local import CONNECTOR
-
             cmd += ["--plugin", "disagg",
                     "--kv-transfer-config", json.dumps({**CONNECTOR, "kv_role": "kv_consumer"})]
         ra = spec.remote_attention or {"transport": "tcp"}

@@ -53,13 +53,13 @@ class RdmaTransport(Transport):
         Device.get()  # open the device now: a bad port/GID fails at start-up, not mid-request
 
     def kv_receiver(self, name: str = "receiver"):
-        from vllm_disagg.transport.rdma.kv import RdmaKVReceiver
+        from vllm_disagg.transport.rdma.kv_rx import RdmaKVReceiver
 
         return RdmaKVReceiver(self.options, name)
 
     def kv_sender(self, name: str = "sender", completion: str | None = None):
         """`completion`: "seqword" or "imm" (RDMA_WRITE_WITH_IMM); default $VLLM_DISAGG_RDMA_COMPLETION."""
-        from vllm_disagg.transport.rdma.kv import RdmaKVSender
+        from vllm_disagg.transport.rdma.kv_tx import RdmaKVSender
 
         return RdmaKVSender(self.options, name, completion)
 
