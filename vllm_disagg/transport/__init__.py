@@ -12,44 +12,11 @@ from __future__ import annotations
 import importlib
 
 from vllm_disagg.errors import TransportUnavailable
-from vllm_disagg.transport.base import (
-    BlockWrite,
-    KVPeer,
-    KVReceiver,
-    KVSender,
-    Message,
-    MsgChannel,
-    MsgListener,
-    Notification,
-    RegionInfo,
-    Transport,
-    TransportKind,
-    TransportOptions,
-    TransportStats,
-    XferHandle,
-    XferState,
-)
+from vllm_disagg.transport import base
+from vllm_disagg.transport.base import *  # noqa: F403 - the contract is this package's API
+from vllm_disagg.transport.base import Transport, TransportKind, TransportOptions
 
-__all__ = [
-    "BlockWrite",
-    "KVPeer",
-    "KVReceiver",
-    "KVSender",
-    "Message",
-    "MsgChannel",
-    "MsgListener",
-    "Notification",
-    "RegionInfo",
-    "Transport",
-    "TransportKind",
-    "TransportOptions",
-    "TransportStats",
-    "XferHandle",
-    "XferState",
-    "available_transports",
-    "get_transport",
-    "transport_class",
-]
+__all__ = [*base.__all__, "available_transports", "get_transport", "transport_class"]
 
 # kind -> "module:Class"; the module is imported only when the kind is selected.
 _BACKENDS = {

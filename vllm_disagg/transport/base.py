@@ -331,19 +331,24 @@ class Transport(ABC):
     def __init__(self, options: TransportOptions):
         self.options = options
 
+    receiver_cls: type[KVReceiver]
+    sender_cls: type[KVSender]
+    listener_cls: type[MsgListener]
+    """A backend names its role classes (built from the options), or overrides the factory."""
+
     @classmethod
-    @abstractmethod
     def unavailable_reason(cls) -> str | None:
         """None when the backend can run here, else one line saying what is missing."""
+        return None
 
-    @abstractmethod
-    def kv_receiver(self, name: str = "receiver") -> KVReceiver: ...
+    def kv_receiver(self, name: str = "receiver") -> KVReceiver:
+        return self.receiver_cls(self.options, name)
 
-    @abstractmethod
-    def kv_sender(self, name: str = "sender") -> KVSender: ...
+    def kv_sender(self, name: str = "sender") -> KVSender:
+        return self.sender_cls(self.options, name)
 
-    @abstractmethod
-    def listen_msg(self) -> MsgListener: ...
+    def listen_msg(self) -> MsgListener:
+        return self.listener_cls(self.options)
 
     @abstractmethod
     def connect_msg(self, address: str, timeout: float | None = None) -> MsgChannel: ...

@@ -204,19 +204,9 @@ class LoopbackListener(MsgListener):
 class LoopbackTransport(Transport):
     kind = TransportKind.LOOPBACK
     DOCTOR_NOTE = "in-process only (tests, warm-up)"
-
-    @classmethod
-    def unavailable_reason(cls) -> str | None:
-        return None
-
-    def kv_receiver(self, name: str = "receiver") -> KVReceiver:
-        return LoopbackKVReceiver(self.options, name)
-
-    def kv_sender(self, name: str = "sender") -> KVSender:
-        return LoopbackKVSender(self.options, name)
-
-    def listen_msg(self) -> MsgListener:
-        return LoopbackListener(self.options)
+    receiver_cls = LoopbackKVReceiver
+    sender_cls = LoopbackKVSender
+    listener_cls = LoopbackListener
 
     def connect_msg(self, address: str, timeout: float | None = None) -> MsgChannel:
         listener = _lookup(address, self.options.auth_token)

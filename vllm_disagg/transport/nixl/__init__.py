@@ -1,9 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
 """`nixl` backend: NIXL 1.5.1 over UCX (DRAM here, VRAM on GPUs; the PyPI wheel carries UCX with
-verbs, so the same code drives RDMA NICs). KV push = one-sided WRITE + notification (`kv.py`);
+verbs, so the same code drives RDMA NICs). KV push = one-sided WRITE + notification (`kv_rx.py`, `kv_tx.py`);
 messages = WRITE into peer slots + notifications (`msg.py`); both use an authenticated TCP control
 channel for metadata exchange and liveness. Selecting it where nixl does not import raises
 TransportUnavailable naming what is missing; there is no fallback.
+
+KV push (`kv_rx.py`, `kv_tx.py`): the sender's hello on the control channel (service "nixl-kv") is
+its NIXL agent name; the receiver's welcome carries the region table, base addresses and its agent
+metadata, and only authenticated agent names are accepted as notification sources. The socket
+stays open: EOF means the peer is gone.
 """
 
 from __future__ import annotations

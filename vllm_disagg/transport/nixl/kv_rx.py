@@ -1,13 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""KV push over NIXL: one-sided WRITEs into the receiver's registered KV tensors + a NIXL notif.
-
-Control: an authenticated TCP channel (`server.AuthServer`, service "nixl-kv"). The sender's hello
-is its NIXL agent name; the receiver's welcome carries the region table, base addresses and its
-agent metadata. Only authenticated agent names are accepted as notification sources. The socket
-stays open: EOF means the peer is gone. Data: `initialize_xfer("WRITE", ...)` with one descriptor
-per run of consecutive blocks, notif = (seq, layer, nbytes, transfer_id). Several transfers may
-be in flight; the receiver's `PeerSequencer` restores issue order.
-"""
+"""The receiving half of the NIXL KV push: regions registered with the local agent, an
+authenticated control listener whose welcome carries the region table and agent metadata, and the
+notifications of authenticated agents only, put back in issue order by `PeerSequencer`.
+The protocol: nixl/__init__.py."""
 
 from __future__ import annotations
 

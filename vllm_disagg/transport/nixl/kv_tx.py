@@ -1,13 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""KV push over NIXL: one-sided WRITEs into the receiver's registered KV tensors + a NIXL notif.
-
-Control: an authenticated TCP channel (`server.AuthServer`, service "nixl-kv"). The sender's hello
-is its NIXL agent name; the receiver's welcome carries the region table, base addresses and its
-agent metadata. Only authenticated agent names are accepted as notification sources. The socket
-stays open: EOF means the peer is gone. Data: `initialize_xfer("WRITE", ...)` with one descriptor
-per run of consecutive blocks, notif = (seq, layer, nbytes, transfer_id). Several transfers may
-be in flight; the receiver's `PeerSequencer` restores issue order.
-"""
+"""The sending half of the NIXL KV push: one control connection per receiver (hello = our agent
+name), one WRITE xfer per `write_blocks` call with a descriptor per run of consecutive blocks and
+notif (seq, layer, nbytes, transfer_id); several may be in flight. The protocol: nixl/__init__.py."""
 
 from __future__ import annotations
 

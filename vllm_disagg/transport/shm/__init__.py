@@ -24,8 +24,6 @@ import numpy as np
 
 from vllm_disagg.errors import PeerLostError, ProtocolError, TransportTimeout
 from vllm_disagg.transport.base import (
-    KVReceiver,
-    KVSender,
     MsgChannel,
     MsgListener,
     RegionInfo,
@@ -160,6 +158,8 @@ def _map_regions(fds_maps, infos: list[RegionInfo], peer: str) -> list[np.ndarra
 class ShmTransport(Transport):
     kind = TransportKind.SHM
     DOCTOR_NOTE = "same host"
+    receiver_cls = ShmKVReceiver
+    sender_cls = ShmKVSender
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
@@ -174,12 +174,6 @@ class ShmTransport(Transport):
             if not ok
         ]
         return f"needs Linux with Python >= 3.10: missing {', '.join(missing)}" if missing else None
-
-    def kv_receiver(self, name: str = "receiver") -> KVReceiver:
-        return ShmKVReceiver(self.options, name)
-
-    def kv_sender(self, name: str = "sender") -> KVSender:
-        return ShmKVSender(self.options, name)
 
     def listen_msg(self) -> MsgListener:
         opts = self.options

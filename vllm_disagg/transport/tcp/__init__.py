@@ -7,7 +7,7 @@ blocks) and from the socket into the destination blocks with recv_into; nothing 
 
 from __future__ import annotations
 
-from vllm_disagg.transport.base import KVReceiver, KVSender, MsgChannel, MsgListener, Transport, TransportKind
+from vllm_disagg.transport.base import MsgChannel, Transport, TransportKind
 from vllm_disagg.transport.msg import SockMsgListener, StreamMsgChannel
 from vllm_disagg.transport.stream.rx import StreamKVReceiver
 from vllm_disagg.transport.stream.tx import StreamKVSender
@@ -30,19 +30,9 @@ def connect_msg_stream(address: str, token: str, timeout: float) -> SockStream:
 class TcpTransport(Transport):
     kind = TransportKind.TCP
     DOCTOR_NOTE = "default"
-
-    @classmethod
-    def unavailable_reason(cls) -> str | None:
-        return None
-
-    def kv_receiver(self, name: str = "receiver") -> KVReceiver:
-        return StreamKVReceiver(self.options, name)
-
-    def kv_sender(self, name: str = "sender") -> KVSender:
-        return StreamKVSender(self.options, name)
-
-    def listen_msg(self) -> MsgListener:
-        return SockMsgListener(self.options)
+    receiver_cls = StreamKVReceiver
+    sender_cls = StreamKVSender
+    listener_cls = SockMsgListener
 
     def connect_msg(self, address: str, timeout: float | None = None) -> MsgChannel:
         timeout = self.options.timeout_s if timeout is None else timeout
