@@ -8,9 +8,12 @@ values fail with a message that names the key (or the CLI flag) and the fix.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+logger = logging.getLogger(__name__)
 
 Role = Literal["prefill", "decode", "attention", "mixed"]
 TransportKind = Literal["tcp", "shm", "nixl", "rdma", "mscclpp"]
@@ -18,6 +21,29 @@ TransportKind = Literal["tcp", "shm", "nixl", "rdma", "mscclpp"]
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+DEPRECATED_KEYS = {"nanoflow": {"nano_batches": "num_nano_batches"}}
+"""section -> {old key: new key}: renamed settings, still accepted (with a warning, once)."""
+_warned: set[str] = set()
+
+
+def rename_deprecated(data: Any, renamed: dict[str, str], section: str) -> Any:
+    """Accept each old key of `renamed` under its new name, warning once per process."""
+    if not isinstance(data, dict) or not renamed.keys() & data.keys():
+        return data
+    data = dict(data)
+    for old, new in renamed.items():
+        if old not in data:
+            continue
+        if new in data:
+            raise ValueError(f"give {new!r} only ({old!r} is its deprecated name)")
+        if f"{section}.{old}" not in _warned:
+            _warned.add(f"{section}.{old}")
+            logger.warning('vllm-disagg: additional_config["disagg"]["%s"]["%s"] is deprecated; use "%s"',
+                           section, old, new)
+        data[new] = data.pop(old)
+    return data
 
 
 def _check_host_port(value: str) -> str:
@@ -75,17 +101,27 @@ class RemoteAttentionSection(_Section):
 class NanoFlowSection(_Section):
     """NanoFlow: nano-batch execution inside one instance."""
 
-    nano_batches: int | Literal["auto"] = 2
-    """Number of nano-batches per step, or "auto" to load the tuned plan."""
+    num_nano_batches: int | Literal["auto"] = 2
+    """Number of nano-batches per step, or "auto" to load the tuned plan (was `nano_batches`)."""
     plan: str | None = None
     """Path of a plan JSON written by `vllm-disagg tune`."""
 
-    @field_validator("nano_batches")
+    @model_validator(mode="before")
+    @classmethod
+    def _deprecated_keys(cls, data: Any) -> Any:
+        return rename_deprecated(data, DEPRECATED_KEYS["nanoflow"], "nanoflow")
+
+    @field_validator("num_nano_batches")
     @classmethod
     def _positive(cls, v: int | str) -> int | str:
         if isinstance(v, int) and not 1 <= v <= 64:
             raise ValueError(f"expected 1..64 or 'auto', got {v}")
         return v
+
+    @property
+    def nano_batches(self) -> int | str:
+        """Deprecated name of `num_nano_batches`."""
+        return self.num_nano_batches
 
 
 class DisaggConfig(_Section):
@@ -151,6 +187,12 @@ def parse_disagg_config(raw: Any, names: dict[str, str] | None = None) -> Disagg
         return raw
     if not isinstance(raw, dict):
         raise DisaggConfigError(f'additional_config["disagg"] must be a JSON object, got {type(raw).__name__}')
+    names = dict(names or {})
+    for section, renamed in DEPRECATED_KEYS.items():  # errors name the key as it was written
+        given = raw.get(section)
+        for old, new in renamed.items():
+            if isinstance(given, dict) and old in given and new not in given:
+                names.setdefault(f"{section}.{new}", f'additional_config["disagg"].{section}.{old}')
     try:
         return DisaggConfig.model_validate(raw)
     except ValidationError as err:

@@ -41,3 +41,15 @@ def test_nano_batches_accepts_auto_or_a_small_positive_integer():
 def test_a_non_dict_config_is_rejected_clearly():
     with pytest.raises(DisaggConfigError, match="must be a JSON object"):
         parse_disagg_config(["prefill"])
+
+
+def test_a_renamed_key_still_works_under_its_old_name_and_errors_name_it_as_written(caplog):
+    from vllm_disagg.config import DisaggConfigError, parse_disagg_config
+
+    old = parse_disagg_config({"nanoflow": {"nano_batches": 4}})
+    assert old == parse_disagg_config({"nanoflow": {"num_nano_batches": 4}})
+    assert old.nanoflow.nano_batches == 4  # the deprecated attribute name reads the new field
+    with pytest.raises(DisaggConfigError, match=r"nanoflow\.nano_batches"):
+        parse_disagg_config({"nanoflow": {"nano_batches": 0}})
+    with pytest.raises(DisaggConfigError, match="deprecated name"):
+        parse_disagg_config({"nanoflow": {"nano_batches": 2, "num_nano_batches": 2}})

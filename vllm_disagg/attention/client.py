@@ -121,9 +121,9 @@ class ServerConn:
             self._sent_metas[meta.meta_id] = None
             while len(self._sent_metas) > _META_CACHE:
                 self._sent_metas.popitem(last=False)
-        st = step or (meta.step if meta else None)
+        step_meta = step or (meta.step if meta else None)
         h = wire.Header(mtype, seq, flags, layer, meta.meta_id if meta else 0, num_tokens,
-                        st.num_reqs if st else 0, st.block_table.shape[1] if st else 0, scale)
+                        step_meta.num_reqs if step_meta else 0, step_meta.block_table.shape[1] if step_meta else 0, scale)
         try:
             self.channel.send(h.pack(), [wire.byte_view(t) if isinstance(t, torch.Tensor) else t for t in tensors],
                               timeout=self.timeout_s)

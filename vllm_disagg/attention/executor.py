@@ -38,11 +38,11 @@ class DisaggAttentionExecutor(MultiprocExecutor):
 
     def _init_executor(self) -> None:
         cfg = disagg_config_from_vllm(self.vllm_config)
-        ra = cfg.remote_attention if cfg else None
-        if ra is not None and ra.servers:
-            missing = wait_healthy(ra.servers, ra.timeout_s)
+        remote_attention = cfg.remote_attention if cfg else None
+        if remote_attention is not None and remote_attention.servers:
+            missing = wait_healthy(remote_attention.servers, remote_attention.timeout_s)
             if missing:
-                raise RuntimeError(f"attention servers not reachable after {ra.timeout_s}s: {missing}; "
+                raise RuntimeError(f"attention servers not reachable after {remote_attention.timeout_s}s: {missing}; "
                                    "start them with `vllm-disagg attn-server`")
         super()._init_executor()
 

@@ -98,8 +98,8 @@ class KVIngest:
 
     def _gc(self, now: float) -> None:
         with self._lock:
-            for tid in [t for t, (_, seen) in self._landed.items() if now - seen > _FORGET_AFTER_S]:
-                del self._landed[tid]
+            for transfer_id in [t for t, (_, seen) in self._landed.items() if now - seen > _FORGET_AFTER_S]:
+                del self._landed[transfer_id]
 
     def landed(self, ids: list[str], forget: bool = False) -> dict[str, int]:
         with self._lock:

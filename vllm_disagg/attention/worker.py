@@ -37,21 +37,21 @@ register()  # the worker process imports this module before it builds the model
 
 def client_from_config(vllm_config) -> DisaggAttentionClient | None:
     cfg = disagg_config_from_vllm(vllm_config)
-    ra = cfg.remote_attention if cfg else None
-    if ra is None or not ra.servers:
+    remote_attention = cfg.remote_attention if cfg else None
+    if remote_attention is None or not remote_attention.servers:
         return None
-    client = DisaggAttentionClient(ra.servers, transport=ra.transport, partition=ra.partition,
-                                   send_q_early=ra.send_q_early, timeout_s=ra.timeout_s, auth_token=cfg.auth_token,
-                                   spin_us=ra.spin_us)
-    client.replacement_wait_s = ra.replacement_wait_s  # read by recovery.reconnect
+    client = DisaggAttentionClient(remote_attention.servers, transport=remote_attention.transport, partition=remote_attention.partition,
+                                   send_q_early=remote_attention.send_q_early, timeout_s=remote_attention.timeout_s, auth_token=cfg.auth_token,
+                                   spin_us=remote_attention.spin_us)
+    client.replacement_wait_s = remote_attention.replacement_wait_s  # read by recovery.reconnect
     return client
 
 
 def connect_client(client: DisaggAttentionClient, vllm_config) -> int:
-    mc, pc = vllm_config.model_config, vllm_config.parallel_config
+    mc, parallel_config = vllm_config.model_config, vllm_config.parallel_config
     return client.connect(
-        num_layers=mc.get_num_layers(pc), num_heads=mc.get_num_attention_heads(pc),
-        num_kv_heads=mc.get_num_kv_heads(pc), head_size=mc.get_head_size(),
+        num_layers=mc.get_num_layers(parallel_config), num_heads=mc.get_num_attention_heads(parallel_config),
+        num_kv_heads=mc.get_num_kv_heads(parallel_config), head_size=mc.get_head_size(),
         block_size=vllm_config.cache_config.block_size, dtype=str(mc.dtype).removeprefix("torch."),
         max_num_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
     )
@@ -67,18 +67,18 @@ class DisaggAttentionWorker(CPUWorker):
         if client is None:
             return
         require("remote attention", *REQUIRED_PATCHES)
-        ra = disagg_config_from_vllm(self.vllm_config).remote_attention
-        if ra.pipeline > 2:
+        remote_attention = disagg_config_from_vllm(self.vllm_config).remote_attention
+        if remote_attention.pipeline > 2:
             raise NotImplementedError(
-                f"remote_attention.pipeline={ra.pipeline}: only n=2 (ping-pong on one replica) has a runtime; "
+                f"remote_attention.pipeline={remote_attention.pipeline}: only n=2 (ping-pong on one replica) has a runtime; "
                 "n>2 needs batch-context migration between model replicas (tests/unit/attention/pipeline_schedule.py models it)")
-        if ra.partition == "request" and self.vllm_config.cache_config.enable_prefix_caching:
+        if remote_attention.partition == "request" and self.vllm_config.cache_config.enable_prefix_caching:
             raise ValueError("remote_attention.partition='request' needs enable_prefix_caching=False: a shared "
                              "prefix block would live on one server only; use partition='head'")
-        if ra.pipeline == 2 and not getattr(self, "nanoflow_stats", None):
+        if remote_attention.pipeline == 2 and not getattr(self, "nanoflow_stats", None):
             raise ValueError("remote_attention.pipeline=2 runs on the nano-batch executor: use worker_cls "
                              "'vllm_disagg.nanoflow.remote.NanoFlowRemoteAttentionWorker' with "
-                             '"nanoflow": {"nano_batches": 2}')
+                             '"nanoflow": {"num_nano_batches": 2}')
         connect_client(client, self.vllm_config)
         backend.set_client(client)
         swap_runner_class(self.model_runner, DisaggAttentionRunner)

@@ -9,6 +9,7 @@ share one path, `vllm_disagg.wiring.wire_engine_args` (patch P3).
 from __future__ import annotations
 
 import argparse
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +29,7 @@ from vllm_disagg.wiring import (  # noqa: F401 - re-exported: the wiring lived h
 )
 
 PLUGIN_NAME = "disagg"
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,8 @@ class Flag:
     choices: tuple[str, ...] | None = None
     kind: str = "str"
     """str | int | float | list (comma separated or repeated)."""
+    deprecated: tuple[str, ...] = ()
+    """Old spellings of the flag, still accepted with a warning."""
 
 
 FLAGS = [
@@ -56,7 +60,8 @@ FLAGS = [
     Flag("--disagg-attention-partition", "remote_attention.partition", "How KV is split across attention workers.",
          ("head", "request")),
     Flag("--disagg-pipeline", "remote_attention.pipeline", "Batches in flight with remote attention.", kind="int"),
-    Flag("--disagg-nano-batches", "nanoflow.nano_batches", "Nano-batches per step, or 'auto' for the tuned plan."),
+    Flag("--disagg-num-nano-batches", "nanoflow.num_nano_batches", "Nano-batches per step, or 'auto' for the tuned plan.",
+         deprecated=("--disagg-nano-batches",)),
     Flag("--disagg-nano-plan", "nanoflow.plan", "Plan JSON written by `vllm-disagg tune`."),
 ]
 FLAG_NAMES = {f.key: f.flag for f in FLAGS}
@@ -72,24 +77,48 @@ def add_disagg_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--plugin", action="append", default=None, metavar="NAME",
                        help="Enable a serving plugin by name; 'disagg' adds disaggregated serving.")
     for flag in FLAGS:
-        action = "append" if flag.kind == "list" else "store"
-        group.add_argument(flag.flag, dest=_dest(flag), action=action, default=None,
+        action = _warn_deprecated(flag, "append" if flag.kind == "list" else "store")
+        group.add_argument(flag.flag, *flag.deprecated, dest=_dest(flag), action=action, default=None,
                            choices=flag.choices, help=flag.help)
 
 
-def _convert(flag: Flag, value: Any) -> Any:
+def _warn_deprecated(flag: Flag, action: str):
+    """argparse's store/append, warning (once) when a deprecated spelling of `flag` is used."""
+    if not flag.deprecated:
+        return action
+    base = argparse._AppendAction if action == "append" else argparse._StoreAction
+
+    class Deprecated(base):
+        def __call__(self, parser, namespace, values, option_string=None):
+            if option_string in flag.deprecated:
+                logger.warning("vllm-disagg: %s is deprecated; use %s", option_string, flag.flag)
+                vars(namespace).setdefault(_SPELLED, {})[flag.key] = option_string
+            super().__call__(parser, namespace, values, option_string)
+
+    return Deprecated
+
+
+_SPELLED = "_disagg_deprecated_spellings"  # key -> the deprecated flag the user typed
+
+
+def _spelling(args: argparse.Namespace, flag: Flag) -> str:
+    """The flag as the user typed it (a deprecated spelling, or the flag)."""
+    return getattr(args, _SPELLED, {}).get(flag.key, flag.flag)
+
+
+def _convert(flag: Flag, value: Any, name: str) -> Any:
     if flag.kind == "list":
         return [item for v in value for item in str(v).split(",") if item]
     if flag.kind in ("int", "float"):
         try:
             return int(value) if flag.kind == "int" else float(value)
         except ValueError:
-            raise DisaggConfigError(f"{flag.flag}: expected a number, got {value!r}") from None
-    if flag.key == "nanoflow.nano_batches" and value != "auto":
+            raise DisaggConfigError(f"{name}: expected a number, got {value!r}") from None
+    if flag.key == "nanoflow.num_nano_batches" and value != "auto":
         try:
             return int(value)
         except ValueError:
-            raise DisaggConfigError(f"{flag.flag}: expected an integer or 'auto', got {value!r}") from None
+            raise DisaggConfigError(f"{name}: expected an integer or 'auto', got {value!r}") from None
     return value
 
 
@@ -109,12 +138,12 @@ def flags_to_config(args: argparse.Namespace, base: dict | None = None) -> Disag
     given = [f for f in FLAGS if getattr(args, _dest(f), None) is not None]
     if not plugins:
         if given:
-            raise DisaggConfigError(f"{given[0].flag} needs --plugin {PLUGIN_NAME}")
+            raise DisaggConfigError(f"{_spelling(args, given[0])} needs --plugin {PLUGIN_NAME}")
         return None
     raw: dict = dict(base or {})
     for flag in given:
-        _set_dotted(raw, flag.key, _convert(flag, getattr(args, _dest(flag))))
-    return parse_disagg_config(raw, FLAG_NAMES)
+        _set_dotted(raw, flag.key, _convert(flag, getattr(args, _dest(flag)), _spelling(args, flag)))
+    return parse_disagg_config(raw, {f.key: _spelling(args, f) for f in FLAGS})
 
 
 def merge_flags_into_namespace(args: argparse.Namespace) -> None:

@@ -147,9 +147,9 @@ def _reuse_scheduler(vllm_config: VllmConfig, token: str | None, kv_cache_manage
     """A Lamina model worker's `DisaggReuseScheduler` (kv/lamina/reuse.py), else None."""
     from vllm_disagg.kv.lamina.targets import attention_settings
 
-    ra = attention_settings(vllm_config)
-    if ra is None or not token:
+    remote_attention = attention_settings(vllm_config)
+    if remote_attention is None or not token:
         return None
     from vllm_disagg.kv.lamina.reuse import DisaggReuseScheduler
 
-    return DisaggReuseScheduler.from_config(vllm_config, ra, token, kv_cache_manager)
+    return DisaggReuseScheduler.from_config(vllm_config, remote_attention, token, kv_cache_manager)

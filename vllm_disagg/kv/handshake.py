@@ -190,13 +190,13 @@ def legacy_reject(data: bytes | memoryview, err: VersionMismatch) -> bytes | Non
     if err.peer_version != 1:
         return None
     data = bytes(data)
-    tid = ""
+    transfer_id = ""
     try:
         _, _, _, body_len, _ = _HEADER_V1.unpack_from(data)
-        tid = str(json.loads(data[_HEADER_V1.size : _HEADER_V1.size + body_len]).get("transfer_id", ""))
+        transfer_id = str(json.loads(data[_HEADER_V1.size : _HEADER_V1.size + body_len]).get("transfer_id", ""))
     except (struct.error, ValueError, AttributeError, RecursionError):
         pass
-    body = json.dumps({"transfer_id": tid[:128], "field": "protocol_version", "message": str(err)}).encode()
+    body = json.dumps({"transfer_id": transfer_id[:128], "field": "protocol_version", "message": str(err)}).encode()
     return _HEADER_V1.pack(_MAGIC, 1, int(MsgType.REJECT), len(body), 0) + body
 
 

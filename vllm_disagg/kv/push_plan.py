@@ -110,18 +110,18 @@ class PushPlan:
     def _apply_spec(self, spec: SaveSpec) -> None:
         push = self.pushes.get(spec.req_id)
         if push is None:
-            tid = spec.transfer_id or ""
+            transfer_id = spec.transfer_id or ""
             layerwise = spec.num_prompt_tokens >= self.cfg.layerwise_threshold_tokens
-            push = Push(spec.req_id, tid, spec.num_prompt_tokens, layerwise, [], [0] * len(self.layers),
+            push = Push(spec.req_id, transfer_id, spec.num_prompt_tokens, layerwise, [], [0] * len(self.layers),
                         [0] * len(self.layers), time.monotonic() + self.cfg.push_timeout_s, spec.prompt_digest)
             self.pushes[spec.req_id] = push
-            self.by_tid[tid] = spec.req_id
-            if not tid:
+            self.by_tid[transfer_id] = spec.req_id
+            if not transfer_id:
                 self.fail(push, "request has no kv_transfer_params.transfer_id")
-            elif tid in self.rejected:
-                self.fail(push, self.rejected.pop(tid))
-            elif tid in self.cancelled:
-                self.fail(push, f"cancelled by the decode instance ({self.cancelled.pop(tid)[0]})")
+            elif transfer_id in self.rejected:
+                self.fail(push, self.rejected.pop(transfer_id))
+            elif transfer_id in self.cancelled:
+                self.fail(push, f"cancelled by the decode instance ({self.cancelled.pop(transfer_id)[0]})")
         if spec.replace_blocks:
             push.block_ids = list(spec.new_block_ids)
         else:
@@ -144,20 +144,20 @@ class PushPlan:
         return over
 
     # ------------------------------------------------------------ side channel thread
-    def register(self, tid: str, reg: Registration) -> None:
-        self.registry[tid] = reg
+    def register(self, transfer_id: str, reg: Registration) -> None:
+        self.registry[transfer_id] = reg
 
-    def reject(self, tid: str, why: str) -> None:
-        self.rejected[tid] = why
-        self.fail(self.pushes.get(self.by_tid.get(tid, "")), why)
+    def reject(self, transfer_id: str, why: str) -> None:
+        self.rejected[transfer_id] = why
+        self.fail(self.pushes.get(self.by_tid.get(transfer_id, "")), why)
 
-    def cancel(self, tid: str, reason: str) -> Push | None:
-        """Stop push `tid` (its blocks are freed once the request is released); a CANCEL ahead of the
+    def cancel(self, transfer_id: str, reason: str) -> Push | None:
+        """Stop push `transfer_id` (its blocks are freed once the request is released); a CANCEL ahead of the
         prefill request is remembered so that push fails the moment it is created."""
-        push = self.pushes.get(self.by_tid.get(tid, "")) if tid else None
-        self.registry.pop(tid, None)
-        if push is None and tid:
-            self.cancelled[tid] = (reason[:200], time.monotonic())
+        push = self.pushes.get(self.by_tid.get(transfer_id, "")) if transfer_id else None
+        self.registry.pop(transfer_id, None)
+        if push is None and transfer_id:
+            self.cancelled[transfer_id] = (reason[:200], time.monotonic())
             while len(self.cancelled) > _MAX_CANCELLED:
                 del self.cancelled[next(iter(self.cancelled))]
         self.fail(push, f"cancelled by the decode instance ({reason[:200]})")
@@ -257,16 +257,16 @@ class PushPlan:
             logger.warning("KV push %s (request %s) abandoned: %s", push.transfer_id, push.req_id, reason)
 
     def _gc_registry(self, now: float) -> None:
-        for tid, reg in list(self.registry.items()):
+        for transfer_id, reg in list(self.registry.items()):
             if now - reg.t_arrival > max(reg.timeout_s, self.cfg.push_timeout_s):
-                del self.registry[tid]
-                logger.warning("KV push %s: registration expired, no prefill request with that id", tid)
+                del self.registry[transfer_id]
+                logger.warning("KV push %s: registration expired, no prefill request with that id", transfer_id)
         if len(self.rejected) > 4096:
             self.rejected.clear()
-        for tid, (_, t) in list(self.cancelled.items()):
+        for transfer_id, (_, t) in list(self.cancelled.items()):
             if now - t <= _CANCELLED_TTL_S:
                 break  # insertion order is arrival order
-            del self.cancelled[tid]
+            del self.cancelled[transfer_id]
 
 
 def parse_targets(body: dict, num_kv_heads: int) -> tuple[tuple[str, int, int], ...]:

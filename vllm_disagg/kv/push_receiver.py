@@ -200,9 +200,9 @@ class PushReceiver:
             logger.warning("KV push %s (request %s): nothing complete after %.1fs; cancelling",
                            recv.spec.transfer_id, recv.spec.req_id, recv.spec.push_timeout_s)
             self._pool.submit(self._cancel, recv)
-        for tid, t in list(self._late.items()):
+        for transfer_id, t in list(self._late.items()):
             if now - t > 600:
-                del self._late[tid]
+                del self._late[transfer_id]
 
     # ------------------------------------------------------------ registration threads
     def _register(self, recv: _Recv) -> None:
@@ -258,16 +258,16 @@ class PushReceiver:
         with self._lock:
             self._set_failed(recv, reason)
 
-    def _send_cancel(self, remote: str, tid: str, reason: str) -> bool:
+    def _send_cancel(self, remote: str, transfer_id: str, reason: str) -> bool:
         try:
             reply = decode_msg(self._client.call(
-                remote, encode_msg(SideMsg(MsgType.CANCEL, {"transfer_id": tid, "reason": reason[:200]})),
+                remote, encode_msg(SideMsg(MsgType.CANCEL, {"transfer_id": transfer_id, "reason": reason[:200]})),
                 timeout=_CANCEL_TIMEOUT_S), remote)
             if reply.type is MsgType.CANCEL_ACK:
                 return True
-            logger.info("KV push %s: prefill answered CANCEL with %s", tid, reply.type.name)
+            logger.info("KV push %s: prefill answered CANCEL with %s", transfer_id, reply.type.name)
         except (DisaggError, OSError) as err:
-            logger.info("KV push %s: cancel not acknowledged (%s); treating the prefill side as gone", tid, err)
+            logger.info("KV push %s: cancel not acknowledged (%s); treating the prefill side as gone", transfer_id, err)
         return False
 
     def _set_failed(self, recv: _Recv, reason: str) -> None:

@@ -143,9 +143,9 @@ class PushSender:
         return None
 
     def _on_register(self, msg: SideMsg, peer: str) -> SideMsg:
-        tid = msg.transfer_id
+        transfer_id = msg.transfer_id
         try:
-            check_compatible(self.handshake, msg.body, self.token, tid, peer)
+            check_compatible(self.handshake, msg.body, self.token, transfer_id, peer)
             reg = Registration(str(msg.body["address"]), msg.block_ids, int(msg.body["start_block"]),
                                float(msg.body.get("push_timeout_s") or self.cfg.push_timeout_s),
                                int(msg.body["num_prompt_tokens"]), str(msg.body.get("prompt_digest") or ""),
@@ -153,22 +153,22 @@ class PushSender:
         except HandshakeMismatch as err:
             why = (f"KV handshake mismatch on {err.field!r}: prefill {self.address} has {err.local!r}, "
                    f"decode {msg.body.get('address', peer)} has {err.remote!r}")
-            logger.error("KV push %s refused: %s", tid, why)
+            logger.error("KV push %s refused: %s", transfer_id, why)
             self._record(lambda s: s.record_handshake_failure())
             with self._cond:
-                self.plan.reject(tid, why)
-            return SideMsg(MsgType.REJECT, {"transfer_id": tid, "field": err.field, "message": why})
+                self.plan.reject(transfer_id, why)
+            return SideMsg(MsgType.REJECT, {"transfer_id": transfer_id, "field": err.field, "message": why})
         except (KeyError, TypeError, ValueError) as err:
-            return SideMsg(MsgType.REJECT, {"transfer_id": tid, "field": "register", "message": repr(err)})
+            return SideMsg(MsgType.REJECT, {"transfer_id": transfer_id, "field": "register", "message": repr(err)})
         with self._cond:
-            self.plan.register(tid, reg)
+            self.plan.register(transfer_id, reg)
             self._cond.notify()
-        logger.debug("KV push %s: decode registered %d blocks from %s", tid, len(reg.block_ids), peer)
-        return SideMsg(MsgType.ACCEPT, handshake_body(self.handshake, self.token, tid))
+        logger.debug("KV push %s: decode registered %d blocks from %s", transfer_id, len(reg.block_ids), peer)
+        return SideMsg(MsgType.ACCEPT, handshake_body(self.handshake, self.token, transfer_id))
 
-    def _on_cancel(self, tid: str, reason: str) -> None:
+    def _on_cancel(self, transfer_id: str, reason: str) -> None:
         with self._cond:
-            push = self.plan.cancel(tid, reason)
+            push = self.plan.cancel(transfer_id, reason)
             self._cond.notify()
         if push is not None:
             self._wait_quiet([push.req_id])

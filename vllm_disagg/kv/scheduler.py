@@ -68,9 +68,9 @@ class RemotePrefillParams:
 
     @classmethod
     def parse(cls, params: dict[str, Any], default_timeout_s: float) -> RemotePrefillParams:
-        tid, host, port = params.get("transfer_id"), params.get("remote_host"), params.get("remote_port")
-        if not isinstance(tid, str) or not tid:
-            raise ValueError(f"kv_transfer_params.transfer_id must be a non-empty string, got {tid!r}")
+        transfer_id, host, port = params.get("transfer_id"), params.get("remote_host"), params.get("remote_port")
+        if not isinstance(transfer_id, str) or not transfer_id:
+            raise ValueError(f"kv_transfer_params.transfer_id must be a non-empty string, got {transfer_id!r}")
         if not isinstance(host, str) or not host:
             raise ValueError(f"kv_transfer_params.remote_host must be a host name, got {host!r}")
         if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
@@ -78,7 +78,7 @@ class RemotePrefillParams:
         timeout = params.get("push_timeout_s") or default_timeout_s
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
             raise ValueError(f"kv_transfer_params.push_timeout_s must be a positive number, got {timeout!r}")
-        return cls(tid, f"{host}:{port}", float(timeout))
+        return cls(transfer_id, f"{host}:{port}", float(timeout))
 
 
 def request_trace(request: Request) -> TraceContext | None:

@@ -183,12 +183,12 @@ def attach_attention(specs: list[InstanceSpec], plan: AttentionPlan) -> Instance
     if len(users) != 1:
         raise ValueError("--attention K serves exactly one model worker: use one --decode (or one instance "
                          f"without --prefill), got {[s.name for s in users]}")
-    ra = {"servers": servers, "partition": plan.partition, "pipeline": plan.pipeline, "transport": plan.transport}
+    remote_attention = {"servers": servers, "partition": plan.partition, "pipeline": plan.pipeline, "transport": plan.transport}
     if plan.send_q_early is not None:
-        ra["send_q_early"] = plan.send_q_early
-    users[0].disagg_extra["remote_attention"] = ra
+        remote_attention["send_q_early"] = plan.send_q_early
+    users[0].disagg_extra["remote_attention"] = remote_attention
     if plan.pipeline > 1:  # n=2 ping-pong = the NanoFlow nano-batch executor (one overlap mechanism)
-        users[0].disagg_extra["nanoflow"] = {"nano_batches": plan.pipeline}
+        users[0].disagg_extra["nanoflow"] = {"num_nano_batches": plan.pipeline}
     for s in specs:
         if s.role == "attention":
             s.args = ["--transport", plan.transport, "--kv-cache-gib", str(plan.kv_cache_gib), *s.args]

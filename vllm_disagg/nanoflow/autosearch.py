@@ -41,8 +41,8 @@ SEARCH_LAYERS = 4
 @dataclass
 class Candidate:
     dense_batch: int
-    n_attn: int
-    n_dense: int
+    num_attn_batches: int
+    num_dense_batches: int
     shares: dict[str, int]
     inline: bool
     step_s: float
@@ -54,7 +54,7 @@ class Candidate:
 
 
 def tokens_of(node: OpNode, spec: PipelineSpec, dense_batch: int) -> int:
-    n = spec.n_attn if node.name in ("kqv", "attn") else spec.n_dense
+    n = spec.num_attn_batches if node.name in ("kqv", "attn") else spec.num_dense_batches
     return max(1, dense_batch // n)
 
 
@@ -162,16 +162,16 @@ def search(
     layers = min(num_layers, SEARCH_LAYERS)
     scale = num_layers / layers
     cands = []
-    for dense_batch, (n_attn, n_dense) in itertools.product(dense_batches, combos or nano_combos()):
-        if n_attn > dense_batch:
+    for dense_batch, (num_attn_batches, num_dense_batches) in itertools.product(dense_batches, combos or nano_combos()):
+        if num_attn_batches > dense_batch:
             continue
         for inline in (True, False):
             cand = _candidate(
                 cost,
                 layers,
                 dense_batch,
-                n_attn,
-                n_dense,
+                num_attn_batches,
+                num_dense_batches,
                 budget,
                 tensor_parallel,
                 attention_remote,
@@ -186,23 +186,23 @@ def search(
         raise ValueError(
             f"no candidate: dense batches {list(dense_batches)} smaller than every nano-batch count"
         )
-    best = min(cands, key=lambda c: (-c.tokens_per_s, c.n_attn, c.n_dense, not c.inline))
+    best = min(cands, key=lambda c: (-c.tokens_per_s, c.num_attn_batches, c.num_dense_batches, not c.inline))
     return SearchResult(best=best, candidates=cands, seconds=time.perf_counter() - t0)
 
 
 def _candidate(
-    cost, layers, dense_batch, n_attn, n_dense, budget, tp, remote, inline, serial=()
+    cost, layers, dense_batch, num_attn_batches, num_dense_batches, budget, tp, remote, inline, serial=()
 ) -> Candidate:
     if inline:
-        spec = PipelineSpec(layers, n_attn, n_dense, tp, attn_unit=DENSE, net_unit=DENSE)
+        spec = PipelineSpec(layers, num_attn_batches, num_dense_batches, tp, attn_unit=DENSE, net_unit=DENSE)
         shares = {DENSE: budget}
         sched = evaluate(spec, dense_batch, shares, cost)
     else:
         attn_unit = NET if remote else ATTN
-        spec = PipelineSpec(layers, n_attn, n_dense, tp, attn_unit=attn_unit)
+        spec = PipelineSpec(layers, num_attn_batches, num_dense_batches, tp, attn_unit=attn_unit)
         budgeted = [DENSE] if remote else [DENSE, ATTN]
         fixed = {NET: 0} if (tp or remote) else {}
         if len(budgeted) > budget:
-            return Candidate(dense_batch, n_attn, n_dense, {}, False, float("inf"))
+            return Candidate(dense_batch, num_attn_batches, num_dense_batches, {}, False, float("inf"))
         shares, sched = greedy_shares(spec, dense_batch, cost, budget, budgeted, fixed, serial)
-    return Candidate(dense_batch, n_attn, n_dense, shares, inline, sched.makespan, critical_path(sched))
+    return Candidate(dense_batch, num_attn_batches, num_dense_batches, shares, inline, sched.makespan, critical_path(sched))

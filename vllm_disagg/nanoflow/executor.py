@@ -54,10 +54,10 @@ class _Prepared:
     schedule (the runner caches schedules per pipeline shape), so a step allocates nothing but
     its completion events."""
 
-    def __init__(self, nodes: Sequence[OpNode], schedule: Schedule, n_batches: dict[str, int]) -> None:
+    def __init__(self, nodes: Sequence[OpNode], schedule: Schedule, num_batches: dict[str, int]) -> None:
         self.schedule = schedule  # keeps id(schedule) unique while cached
         self.nodes = {n.key: n for n in nodes}
-        counts = dict(n_batches)
+        counts = dict(num_batches)
         for n in nodes:
             counts[n.name] = max(counts.get(n.name, 0), n.nb + 1)
         self.info = {
@@ -179,9 +179,9 @@ class OpGraphExecutor:
         nodes: Sequence[OpNode],
         schedule: Schedule,
         fns: dict[OpKey, OpFn],
-        n_batches: dict[str, int] | None = None,
+        num_batches: dict[str, int] | None = None,
     ) -> None:
-        prep = self._prepare(nodes, schedule, n_batches)
+        prep = self._prepare(nodes, schedule, num_batches)
         if self.inline:
             self._run_inline(prep, fns)
         else:
@@ -189,10 +189,10 @@ class OpGraphExecutor:
         overlap.drain_network()
 
     def _prepare(
-        self, nodes: Sequence[OpNode], schedule: Schedule, n_batches: dict[str, int] | None
+        self, nodes: Sequence[OpNode], schedule: Schedule, num_batches: dict[str, int] | None
     ) -> _Prepared:
-        if n_batches:
-            return _Prepared(nodes, schedule, n_batches)
+        if num_batches:
+            return _Prepared(nodes, schedule, num_batches)
         prep = self._prepared.get(id(schedule))
         if prep is None or prep.schedule is not schedule or len(prep.nodes) != len(nodes):
             if len(self._prepared) >= MAX_PREPARED:

@@ -33,24 +33,24 @@ class PipelineSpec:
     """Shape of one step's pipeline: what the graph is built from."""
 
     num_layers: int
-    n_attn: int
-    n_dense: int
+    num_attn_batches: int
+    num_dense_batches: int
     tensor_parallel: bool = False
     attn_unit: str = ATTN
     net_unit: str = NET
 
     def __post_init__(self) -> None:
-        if self.num_layers < 1 or self.n_attn < 1 or self.n_dense < 1:
+        if self.num_layers < 1 or self.num_attn_batches < 1 or self.num_dense_batches < 1:
             raise ValueError(f"layers and nano-batch counts must be >= 1, got {self}")
-        if self.n_attn % self.n_dense:
+        if self.num_attn_batches % self.num_dense_batches:
             raise ValueError(
-                f"n_attn ({self.n_attn}) must be a multiple of n_dense ({self.n_dense}): "
+                f"num_attn_batches ({self.num_attn_batches}) must be a multiple of num_dense_batches ({self.num_dense_batches}): "
                 "coarse nano-batches are unions of fine ones"
             )
 
     @property
     def ratio(self) -> int:
-        return self.n_attn // self.n_dense
+        return self.num_attn_batches // self.num_dense_batches
 
 
 @dataclass(frozen=True)
@@ -78,14 +78,14 @@ def _layer_nodes(spec: PipelineSpec, layer: int) -> list[OpNode]:
     k, tp = spec.ratio, spec.tensor_parallel
     prev_out = "ar_d" if tp else "ugd"
     nodes = []
-    for a in range(spec.n_attn):
+    for a in range(spec.num_attn_batches):
         deps = ((prev_out, layer - 1, a // k),) if layer else ()
         nodes.append(OpNode("kqv", layer, a, DENSE, deps))
-    for a in range(spec.n_attn):
+    for a in range(spec.num_attn_batches):
         # a prefill split across slices reads KV that the previous slice wrote
         deps = (("kqv", layer, a),) + ((("attn", layer, a - 1),) if a else ())
         nodes.append(OpNode("attn", layer, a, spec.attn_unit, deps))
-    for b in range(spec.n_dense):
+    for b in range(spec.num_dense_batches):
         nodes.append(OpNode("o", layer, b, DENSE, tuple(("attn", layer, a) for a in range(b * k, b * k + k))))
         o_out = ("o", layer, b)
         if tp:

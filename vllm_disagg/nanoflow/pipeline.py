@@ -173,11 +173,11 @@ class LlamaPipeline:
             return None
         return cls(model, inner)
 
-    def spec(self, n_attn: int, n_dense: int) -> PipelineSpec:
+    def spec(self, num_attn_batches: int, num_dense_batches: int) -> PipelineSpec:
         return PipelineSpec(
             num_layers=len(self.layers),
-            n_attn=n_attn,
-            n_dense=n_dense,
+            num_attn_batches=num_attn_batches,
+            num_dense_batches=num_dense_batches,
             tensor_parallel=self.tp_size > 1,
             attn_unit=NET if self.network_bound else ATTN,
         )
@@ -202,99 +202,99 @@ class LlamaPipeline:
         if inputs_embeds is None:
             inputs_embeds = self.inner.embed_input_ids(input_ids)
         hidden = inputs_embeds.contiguous()
-        st = StepState(
+        step_state = StepState(
             positions=positions, fine=fine, coarse=coarse, contexts=contexts, ratio=len(fine) // len(coarse)
         )
         for b, rows in enumerate(coarse):
-            st.hidden[b] = hidden[rows]
+            step_state.hidden[b] = hidden[rows]
             if self.first_is_embedding:
-                st.residual[b] = hidden[rows]  # layer 0: residual = embedding, norm without add
-        return st
+                step_state.residual[b] = hidden[rows]  # layer 0: residual = embedding, norm without add
+        return step_state
 
-    def finish(self, st: StepState) -> torch.Tensor:
-        n = len(st.coarse)
-        hidden = torch.cat([st.hidden[b] for b in range(n)], dim=0) if n > 1 else st.hidden[0]
-        residual = torch.cat([st.residual[b] for b in range(n)], dim=0) if n > 1 else st.residual[0]
+    def finish(self, step_state: StepState) -> torch.Tensor:
+        n = len(step_state.coarse)
+        hidden = torch.cat([step_state.hidden[b] for b in range(n)], dim=0) if n > 1 else step_state.hidden[0]
+        residual = torch.cat([step_state.residual[b] for b in range(n)], dim=0) if n > 1 else step_state.residual[0]
         out, _ = self.inner.norm(hidden, residual)
         return out
 
     def op_fns(
-        self, st: StepState, spec: PipelineSpec, split_network_attention: bool = False
+        self, step_state: StepState, spec: PipelineSpec, split_network_attention: bool = False
     ) -> dict[OpKey, Callable[[], None]]:
         """`split_network_attention`: KQV sends network-bound attention, "attn" only waits (module
         docstring); the caller guarantees waits run in send order."""
-        st.split_attn = split_network_attention and self.network_bound
+        step_state.split_attn = split_network_attention and self.network_bound
         fns: dict[OpKey, Callable[[], None]] = {}
         for li in range(spec.num_layers):
-            for a in range(spec.n_attn):
-                fns[("kqv", li, a)] = _bind(self._kqv, st, li, a)
-                fns[("attn", li, a)] = _bind(self._attn, st, li, a)
-            for b in range(spec.n_dense):
-                fns[("o", li, b)] = _bind(self._o, st, li, b)
-                fns[("ugd", li, b)] = _bind(self._ugd, st, li, b)
+            for a in range(spec.num_attn_batches):
+                fns[("kqv", li, a)] = _bind(self._kqv, step_state, li, a)
+                fns[("attn", li, a)] = _bind(self._attn, step_state, li, a)
+            for b in range(spec.num_dense_batches):
+                fns[("o", li, b)] = _bind(self._o, step_state, li, b)
+                fns[("ugd", li, b)] = _bind(self._ugd, step_state, li, b)
                 if spec.tensor_parallel:
-                    fns[("ar_o", li, b)] = _bind(self._ar, st, "o", li, b)
-                    fns[("ar_d", li, b)] = _bind(self._ar, st, "d", li, b)
+                    fns[("ar_o", li, b)] = _bind(self._ar, step_state, "o", li, b)
+                    fns[("ar_d", li, b)] = _bind(self._ar, step_state, "d", li, b)
         return fns
 
-    def _kqv(self, st: StepState, li: int, a: int) -> None:
-        ops, b, rows = self.ops[li], a // st.ratio, st.local_rows(a)
-        h, r = st.hidden[b][rows], st.residual[b][rows]
+    def _kqv(self, step_state: StepState, li: int, a: int) -> None:
+        ops, b, rows = self.ops[li], a // step_state.ratio, step_state.local_rows(a)
+        h, r = step_state.hidden[b][rows], step_state.residual[b][rows]
         if li == 0 and self.first_is_embedding:
             x = ops.input_norm(h)
         else:
             x, r = ops.input_norm(h, r)
-        st.fine_residual[(li, a)] = r
+        step_state.fine_residual[(li, a)] = r
         qkv, _ = ops.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = ops.rotary_emb(st.positions[st.fine[a]], q, k)
-        if st.split_attn:
-            self._send_attn(st, li, a, q, k, v)
+        q, k = ops.rotary_emb(step_state.positions[step_state.fine[a]], q, k)
+        if step_state.split_attn:
+            self._send_attn(step_state, li, a, q, k, v)
         else:
-            st.qkv[(li, a)] = (q, k, v)
+            step_state.qkv[(li, a)] = (q, k, v)
 
-    def _send_attn(self, st: StepState, li: int, a: int, q, k, v) -> None:
+    def _send_attn(self, step_state: StepState, li: int, a: int, q, k, v) -> None:
         """Issue the request now (the layer returns its output unfilled); `_attn` waits for it."""
-        with _FWD_CTX_LOCK, self._override_ctx(st.contexts[a]), deferred_waits() as waits:
+        with _FWD_CTX_LOCK, self._override_ctx(step_state.contexts[a]), deferred_waits() as waits:
             out = self.ops[li].attn(q, k, v)
-        st.inflight[(li, a)] = (out.reshape(q.shape[0], -1), waits)
+        step_state.inflight[(li, a)] = (out.reshape(q.shape[0], -1), waits)
 
-    def _attn(self, st: StepState, li: int, a: int) -> None:
-        sent = st.inflight.pop((li, a), None)
+    def _attn(self, step_state: StepState, li: int, a: int) -> None:
+        sent = step_state.inflight.pop((li, a), None)
         if sent is not None:
             out, waits = sent
             for wait in waits:  # fills `out` in place
                 wait()
-            st.attn_out[(li, a)] = out
+            step_state.attn_out[(li, a)] = out
             return
-        q, k, v = st.qkv.pop((li, a))
-        with _FWD_CTX_LOCK, self._override_ctx(st.contexts[a]):
+        q, k, v = step_state.qkv.pop((li, a))
+        with _FWD_CTX_LOCK, self._override_ctx(step_state.contexts[a]):
             out = self.ops[li].attn(q, k, v)
-        st.attn_out[(li, a)] = out.reshape(q.shape[0], -1)
+        step_state.attn_out[(li, a)] = out.reshape(q.shape[0], -1)
 
-    def _o(self, st: StepState, li: int, b: int) -> None:
-        attn_out = st.gather(st.attn_out, li, b)
-        st.partial[("o", li, b)] = _local_linear(self.ops[li].o_proj, attn_out)
+    def _o(self, step_state: StepState, li: int, b: int) -> None:
+        attn_out = step_state.gather(step_state.attn_out, li, b)
+        step_state.partial[("o", li, b)] = _local_linear(self.ops[li].o_proj, attn_out)
 
-    def _ar(self, st: StepState, which: str, li: int, b: int) -> None:
+    def _ar(self, step_state: StepState, which: str, li: int, b: int) -> None:
         key = (which, li, b)
-        reduced = _all_reduce(st.partial.pop(key))
+        reduced = _all_reduce(step_state.partial.pop(key))
         if which == "d":
-            st.hidden[b] = reduced
+            step_state.hidden[b] = reduced
         else:
-            st.partial[key] = reduced
+            step_state.partial[key] = reduced
 
-    def _ugd(self, st: StepState, li: int, b: int) -> None:
+    def _ugd(self, step_state: StepState, li: int, b: int) -> None:
         ops = self.ops[li]
-        residual = st.gather(st.fine_residual, li, b)
-        x, st.residual[b] = ops.post_norm(st.partial.pop(("o", li, b)), residual)
+        residual = step_state.gather(step_state.fine_residual, li, b)
+        x, step_state.residual[b] = ops.post_norm(step_state.partial.pop(("o", li, b)), residual)
         gate_up, _ = ops.gate_up_proj(x)
         act = self._fused_act(ops.act_fn, gate_up, ops.down_proj)
         down = _local_linear(ops.down_proj, act)
         if self.tp_size > 1:
-            st.partial[("d", li, b)] = down
+            step_state.partial[("d", li, b)] = down
         else:
-            st.hidden[b] = down
+            step_state.hidden[b] = down
 
 
 def _bind(fn: Callable, *args: Any) -> Callable[[], None]:

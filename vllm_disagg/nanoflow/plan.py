@@ -125,12 +125,12 @@ def apply_discrete_batching(engine_args: Any, cfg: Any) -> int | None:
     `max_num_batched_tokens` is only set when the user left it unset, and an explicit larger
     `max_num_seqs` raises the budget to it (vLLM needs budget >= max_num_seqs). Returns the budget
     set, or None (nanoflow off, no plan, no dense size in the plan, or the user chose)."""
-    nf = getattr(cfg, "nanoflow", None)
-    if nf is None or engine_args.max_num_batched_tokens is not None:
+    nanoflow = getattr(cfg, "nanoflow", None)
+    if nanoflow is None or engine_args.max_num_batched_tokens is not None:
         return None
-    if nf.plan is None and nf.nano_batches != "auto":
+    if nanoflow.plan is None and nanoflow.num_nano_batches != "auto":
         return None  # an explicit count without a plan: nothing was profiled
-    plan = resolve_plan(nf.nano_batches, nf.plan, str(engine_args.model))
+    plan = resolve_plan(nanoflow.num_nano_batches, nanoflow.plan, str(engine_args.model))
     size = plan.dense_batch_size
     if not size:
         return None

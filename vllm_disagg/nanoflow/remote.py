@@ -38,9 +38,9 @@ def pipeline_depth(vllm_config) -> int:
     from vllm_disagg.config import disagg_config_from_vllm
 
     cfg = disagg_config_from_vllm(vllm_config)
-    ra = cfg.remote_attention if cfg is not None else None
+    remote_attention = cfg.remote_attention if cfg is not None else None
     # this worker exists to overlap: ping-pong unless the config asks for depth 1 explicitly
-    return ra.pipeline if ra is not None and "pipeline" in ra.model_fields_set else 2
+    return remote_attention.pipeline if remote_attention is not None and "pipeline" in remote_attention.model_fields_set else 2
 
 
 class RemoteRecoveryMixin:

@@ -48,8 +48,8 @@ def nanoflow_plan_of(vllm_config: Any) -> NanoFlowPlan | None:
     cfg = disagg_config_from_vllm(vllm_config)
     if cfg is None or cfg.nanoflow is None:
         return None
-    nf = cfg.nanoflow
-    return resolve_plan(nf.nano_batches, nf.plan, vllm_config.model_config.model)
+    nanoflow = cfg.nanoflow
+    return resolve_plan(nanoflow.num_nano_batches, nanoflow.plan, vllm_config.model_config.model)
 
 
 def enable_nano_ubatching(vllm_config: Any) -> int:
@@ -58,15 +58,15 @@ def enable_nano_ubatching(vllm_config: Any) -> int:
     plan = nanoflow_plan_of(vllm_config)
     if plan is None or plan.nano_batches.attn < 2:
         return 0
-    pc = vllm_config.parallel_config
-    if pc.data_parallel_size > 1 or pc.enable_dbo or pc.pipeline_parallel_size > 1:
+    parallel_config = vllm_config.parallel_config
+    if parallel_config.data_parallel_size > 1 or parallel_config.enable_dbo or parallel_config.pipeline_parallel_size > 1:
         raise ValueError(
             "nanoflow: nano-batching does not combine with data/pipeline parallelism or DBO "
-            f"(dp={pc.data_parallel_size}, pp={pc.pipeline_parallel_size}, dbo={pc.enable_dbo}); "
+            f"(dp={parallel_config.data_parallel_size}, pp={parallel_config.pipeline_parallel_size}, dbo={parallel_config.enable_dbo}); "
             'remove additional_config["disagg"]["nanoflow"] or those flags'
         )
     require("nano-batching", *REQUIRED_PATCHES)
-    set_worker_ubatching(pc, plan.nano_batches.attn)
+    set_worker_ubatching(parallel_config, plan.nano_batches.attn)
     return plan.nano_batches.attn
 
 
@@ -299,15 +299,15 @@ class NanoFlowRunnerMixin:
     def _run_pipeline(self, fine, contexts, input_ids, positions, inputs_embeds) -> torch.Tensor:
         spec = self.nano_spec()
         k = spec.ratio
-        coarse = [slice(fine[b * k].start, fine[b * k + k - 1].stop) for b in range(spec.n_dense)]
+        coarse = [slice(fine[b * k].start, fine[b * k + k - 1].stop) for b in range(spec.num_dense_batches)]
         pipe = self.nano_pipeline
-        st = pipe.begin(input_ids, positions, inputs_embeds, fine, coarse, contexts)
+        step_state = pipe.begin(input_ids, positions, inputs_embeds, fine, coarse, contexts)
         nodes, schedule = self._nano_schedule(spec, int(fine[-1].stop))
         split = self._nano_split_attention(spec, schedule)
-        fns = pipe.op_fns(st, spec, split_network_attention=split)
+        fns = pipe.op_fns(step_state, spec, split_network_attention=split)
         self.nano_stats["split_attention_steps"] += int(split and pipe.network_bound)
         self.nano_executor.run(nodes, schedule, fns)
-        return pipe.finish(st)
+        return pipe.finish(step_state)
 
     def _nano_schedule(self, spec, num_tokens: int):
         """Schedules depend only on the pipeline shape; cached per spec."""
@@ -316,10 +316,10 @@ class NanoFlowRunnerMixin:
         if spec not in self._nano_schedules:
             nodes = build_graph(spec)
             costs = self.nano_plan.op_cost_s
-            n_of = {"kqv": spec.n_attn, "attn": spec.n_attn}
+            num_batches_of = {"kqv": spec.num_attn_batches, "attn": spec.num_attn_batches}
 
             def cost(node) -> float:
-                tokens = max(1, num_tokens // n_of.get(node.name, spec.n_dense))
+                tokens = max(1, num_tokens // num_batches_of.get(node.name, spec.num_dense_batches))
                 if node.name in costs and costs[node.name]:
                     return _interp(costs[node.name], tokens)
                 if node.name == "attn" and spec.attn_unit == NET:
@@ -352,7 +352,7 @@ def sends_in_wait_order(schedule, spec) -> bool:
     wait in the order the KQV unit sends."""
     kqv = [key[1:] for key in schedule.order.get(DENSE, []) if key[0] == "kqv"]
     attn = [key[1:] for key in schedule.order.get(spec.attn_unit, []) if key[0] == "attn"]
-    return kqv == attn and len(attn) == spec.num_layers * spec.n_attn
+    return kqv == attn and len(attn) == spec.num_layers * spec.num_attn_batches
 
 
 def _interp(table: dict[str, float], tokens: int) -> float:

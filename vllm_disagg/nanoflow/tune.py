@@ -3,9 +3,9 @@
 
     vllm-disagg tune --model DIR [--out plan.json] [--max-tokens 512] [--tp 2] [--remote-rpc-us 80]
 
-The plan goes to `--out`, or to the default location that `nano_batches: "auto"` loads
+The plan goes to `--out`, or to the default location that `num_nano_batches: "auto"` loads
 (`$VLLM_DISAGG_CACHE/nanoflow/<model>.json`). Use it with
-`additional_config={"disagg": {"nanoflow": {"nano_batches": "auto", "plan": PATH}}}`, and set
+`additional_config={"disagg": {"nanoflow": {"num_nano_batches": "auto", "plan": PATH}}}`, and set
 `--max-num-batched-tokens` to the printed dense batch size (discrete batching).
 """
 
@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("tune", help="profile ops and search a NanoFlow nano-batch plan")
     p.add_argument("--model", required=True, help="model directory (or config.json) to profile")
-    p.add_argument("--out", help="plan path (default: where nano_batches=auto looks)")
+    p.add_argument("--out", help="plan path (default: where num_nano_batches=auto looks)")
     p.add_argument("--max-tokens", type=int, default=512, help="largest dense batch to consider")
     p.add_argument("--context-len", type=int, default=256, help="KV tokens per request for decode attention")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (adds all-reduce ops)")
@@ -108,7 +108,7 @@ def plan_from(result: SearchResult, prof: OpProfile, fast: list[int], args, seco
         for op, s in at_share.items()
     }
     return NanoFlowPlan(
-        nano_batches=NanoBatchCounts(attn=best.n_attn, dense=best.n_dense),
+        nano_batches=NanoBatchCounts(attn=best.num_attn_batches, dense=best.num_dense_batches),
         units={} if best.inline else shares,
         threaded=not best.inline,
         dense_batch_size=best.dense_batch,
@@ -126,8 +126,8 @@ def plan_from(result: SearchResult, prof: OpProfile, fast: list[int], args, seco
             "top": [
                 {
                     "dense_batch": c.dense_batch,
-                    "n_attn": c.n_attn,
-                    "n_dense": c.n_dense,
+                    "n_attn": c.num_attn_batches,
+                    "n_dense": c.num_dense_batches,
                     "inline": c.inline,
                     "shares": c.shares,
                     "tokens_per_s": round(c.tokens_per_s, 1),

@@ -8,9 +8,7 @@ Splitwise Fig. 12).
 
 from __future__ import annotations
 
-from vllm_disagg.planner import lamina as la
-from vllm_disagg.planner import nanoflow as nf
-from vllm_disagg.planner import report
+from vllm_disagg.planner import lamina, nanoflow, report
 from vllm_disagg.planner.catalog import get_hardware
 from vllm_disagg.planner.cli_common import add_common_args, guard, profile_arg, resolve_model
 from vllm_disagg.planner.cli_splitwise import add_splitwise_parser
@@ -41,11 +39,11 @@ def _nanoflow_parser(sub) -> None:
 
 def nanoflow_summary(args) -> dict:
     model, gpu = resolve_model(args), get_hardware(args.gpu, tuple(args.catalog))
-    wl = nf.Workload(args.dense_batch, args.prompt, args.output)
-    rows = nf.op_costs(model, gpu, args.num_gpus, wl, args.tflops, profile_arg(args))
-    est = nf.iteration_estimate(rows, args.dense_batch)
-    t_r = nf.memory_compute_ratio(model, gpu, args.num_gpus, args.prompt, args.output, args.tflops)
-    opt = nf.optimal_throughput(model, gpu, args.num_gpus, args.tflops)
+    wl = nanoflow.Workload(args.dense_batch, args.prompt, args.output)
+    rows = nanoflow.op_costs(model, gpu, args.num_gpus, wl, args.tflops, profile_arg(args))
+    est = nanoflow.iteration_estimate(rows, args.dense_batch)
+    t_r = nanoflow.memory_compute_ratio(model, gpu, args.num_gpus, args.prompt, args.output, args.tflops)
+    opt = nanoflow.optimal_throughput(model, gpu, args.num_gpus, args.tflops)
     return {
         "model": model.name, "gpu": gpu.name, "num_gpus": args.num_gpus,
         "workload": {"dense_batch": wl.dense_batch, "prompt": wl.prompt_len,
@@ -53,13 +51,13 @@ def nanoflow_summary(args) -> dict:
         "ops": [r.to_dict() for r in rows],
         "totals_ms": {"t_compute": est.t_compute_ms, "t_mem": est.t_mem_ms,
                       "t_net": est.t_net_ms, "sequential": est.sequential_ms},
-        "bound": est.bound, "t_r": t_r, "verdict_eq8": nf.verdict(t_r),
-        "max_requests_eq5": nf.max_requests(model, gpu, args.num_gpus, args.prompt, args.output),
+        "bound": est.bound, "t_r": t_r, "verdict_eq8": nanoflow.verdict(t_r),
+        "max_requests_eq5": nanoflow.max_requests(model, gpu, args.num_gpus, args.prompt, args.output),
         "optimal_throughput_tok_s": opt, "optimal_per_gpu_tok_s": opt / args.num_gpus,
         "overlapped_throughput_tok_s": est.throughput_overlapped,
         "sequential_throughput_tok_s": est.throughput_sequential,
-        "kv_offload_gib_s": nf.kv_offload_bandwidth(model, opt) / 2 ** 30,
-        "nano_batches": nf.nano_batch_plan(args.dense_batch, args.num_gpus),
+        "kv_offload_gib_s": nanoflow.kv_offload_bandwidth(model, opt) / 2 ** 30,
+        "nano_batches": nanoflow.nano_batch_plan(args.dense_batch, args.num_gpus),
     }
 
 
@@ -120,12 +118,12 @@ def lamina_summary(args) -> dict:
     prof = profile_arg(args)
     rows, curves = [], {}
     for dop in parse_dops(args.dop):
-        est = la.estimate_dop(model, comp, mem, dop, args.context, args.batch, args.alpha,
+        est = lamina.estimate_dop(model, comp, mem, dop, args.context, args.batch, args.alpha,
                               profile=prof)
-        n_base = la.baseline_devices(comp, est.cost_per_hour)
-        base = la.estimate_baseline(model, comp, n_base, args.context, args.batch)
+        num_baseline_devices = lamina.baseline_devices(comp, est.cost_per_hour)
+        base = lamina.estimate_baseline(model, comp, num_baseline_devices, args.context, args.batch)
         xs = list(range(1, args.batch + 1))
-        ys = [la.min_bandwidth(model, comp, mem, dop, b, args.context, args.alpha,
+        ys = [lamina.min_bandwidth(model, comp, mem, dop, b, args.context, args.alpha,
                                profile=prof).per_compute_device / 1e9 for b in xs]
         curves[est.label] = (xs, ys)
         rows.append({**est.to_dict(), "max_bw_up_to_batch_gbs": max(ys),
@@ -133,9 +131,9 @@ def lamina_summary(args) -> dict:
                      "speedup_vs_baseline": est.throughput_tok_s / base.throughput_tok_s})
     return {"model": model.name, "compute": comp.name, "memory": mem.name,
             "context": args.context, "batch": args.batch, "alpha": args.alpha,
-            "kv_bytes_per_token": la.kv_bytes_per_token(model),
-            "bytes_per_request_iteration": la.bytes_per_request_iteration(model),
-            "requests_per_memory_device": la.requests_per_device(model, mem, args.context),
+            "kv_bytes_per_token": lamina.kv_bytes_per_token(model),
+            "bytes_per_request_iteration": lamina.bytes_per_request_iteration(model),
+            "requests_per_memory_device": lamina.requests_per_device(model, mem, args.context),
             "best_dop": max((r for r in rows if r["fits"]), key=lambda r: r["tok_per_dollar"],
                             default={}).get("label"),
             "dops": rows, "_curves": curves}

@@ -99,8 +99,8 @@ def splitwise_summary(args) -> dict:
     evaluate = Evaluator(model, design, _options(args), prof)
     traces = trace_source(args)
     if args.simulate:
-        n_p, n_t = (int(x) for x in args.simulate.split(","))
-        c = evaluate(n_p, n_t, traces(args.target_rps), args.target_rps)
+        num_prompt, num_token = (int(x) for x in args.simulate.split(","))
+        c = evaluate(num_prompt, num_token, traces(args.target_rps), args.target_rps)
         return {"design": design.name, "model": model.name, "simulated": c.to_dict()}
     budget = _budget(args, design)
     if args.objective == "throughput":

@@ -102,8 +102,8 @@ class SimMachine:
         if not chunks and not decodes:
             return None
         ctx = sum(r.num_context_tokens for r in decodes)
-        n_prompt = sum(m for _, m in chunks)
-        ms = self.perf.mixed_ms(n_prompt, len(decodes), ctx, [m for _, m in chunks],
+        num_prompt_tokens = sum(m for _, m in chunks)
+        ms = self.perf.mixed_ms(num_prompt_tokens, len(decodes), ctx, [m for _, m in chunks],
                                 [r.num_prefilled for r, _ in chunks])
         done = []
         for req, m in chunks:
@@ -113,7 +113,7 @@ class SimMachine:
         if chunks and decodes:
             self.num_mixed_iterations += 1
         self.num_iterations += 1
-        return Batch(done, decodes, ms / 1e3, n_prompt)
+        return Batch(done, decodes, ms / 1e3, num_prompt_tokens)
 
     def _admit_decodes(self) -> None:
         while self.decode_waiting:

@@ -82,18 +82,18 @@ class Design:
     def is_baseline(self) -> bool:
         return self.token is None
 
-    def groups(self, n_p: int, n_t: int) -> list[MachineGroup]:
+    def groups(self, num_prompt: int, num_token: int) -> list[MachineGroup]:
         if self.is_baseline:
-            return [MachineGroup(self.prompt, Pool.MIXED, n_p)]
-        return [MachineGroup(self.prompt, Pool.PREFILL, n_p),
-                MachineGroup(self.token, Pool.DECODE, n_t)]
+            return [MachineGroup(self.prompt, Pool.MIXED, num_prompt)]
+        return [MachineGroup(self.prompt, Pool.PREFILL, num_prompt),
+                MachineGroup(self.token, Pool.DECODE, num_token)]
 
-    def cost(self, n_p: int, n_t: int) -> float:
-        return n_p * self.prompt.price_per_hour + (n_t * self.token.price_per_hour
+    def cost(self, num_prompt: int, num_token: int) -> float:
+        return num_prompt * self.prompt.price_per_hour + (num_token * self.token.price_per_hour
                                                    if self.token else 0.0)
 
-    def power(self, n_p: int, n_t: int) -> float:
-        return n_p * self.prompt.power_w + (n_t * self.token.power_w if self.token else 0.0)
+    def power(self, num_prompt: int, num_token: int) -> float:
+        return num_prompt * self.prompt.power_w + (num_token * self.token.power_w if self.token else 0.0)
 
 
 @dataclass
@@ -110,19 +110,19 @@ class Evaluator:
         ref = get_hardware(REFERENCE_MACHINE)
         self.reference = build_perf_model(self.model, ref, self.profile)
 
-    def __call__(self, n_p: int, n_t: int, trace: list[TraceRequest], rps: float) -> Candidate:
-        key = (n_p, n_t, rps)
+    def __call__(self, num_prompt: int, num_token: int, trace: list[TraceRequest], rps: float) -> Candidate:
+        key = (num_prompt, num_token, rps)
         if key not in self.cache:
-            self.cache[key] = self._run(n_p, n_t, trace, rps)
+            self.cache[key] = self._run(num_prompt, num_token, trace, rps)
         return self.cache[key]
 
-    def _run(self, n_p: int, n_t: int, trace: list[TraceRequest], rps: float) -> Candidate:
+    def _run(self, num_prompt: int, num_token: int, trace: list[TraceRequest], rps: float) -> Candidate:
         opts = self.options
         if opts.max_sim_s is None and trace:
             opts = replace(opts, max_sim_s=4 * trace[-1].arrival_s + 60)
-        result = simulate(self.model, self.design.groups(n_p, n_t), trace, opts, self.profile)
+        result = simulate(self.model, self.design.groups(num_prompt, num_token), trace, opts, self.profile)
         rep = slo_report(result.requests, self.reference)
-        return Candidate(n_p, n_t, self.design.cost(n_p, n_t), self.design.power(n_p, n_t),
+        return Candidate(num_prompt, num_token, self.design.cost(num_prompt, num_token), self.design.power(num_prompt, num_token),
                          rep.ok, rep.violations, rps, rep.to_dict())
 
 
@@ -167,23 +167,23 @@ def _frontier(evaluate: Evaluator, trace, rps: float, max_p: int, max_t: int,
     stop once even one prompt machine would cost more than the best found."""
     frontier: list[Candidate] = []
     hi_p = max_p
-    for n_t in range(1, max_t + 1):
-        if frontier and key(_bare(evaluate, 1, n_t)) >= min(key(c) for c in frontier):
+    for num_token in range(1, max_t + 1):
+        if frontier and key(_bare(evaluate, 1, num_token)) >= min(key(c) for c in frontier):
             break
-        if not evaluate(hi_p, n_t, trace, rps).ok:
+        if not evaluate(hi_p, num_token, trace, rps).ok:
             continue
         lo, hi = 1, hi_p
         while lo < hi:
             mid = (lo + hi) // 2
-            lo, hi = (lo, mid) if evaluate(mid, n_t, trace, rps).ok else (mid + 1, hi)
-        frontier.append(evaluate(lo, n_t, trace, rps))
+            lo, hi = (lo, mid) if evaluate(mid, num_token, trace, rps).ok else (mid + 1, hi)
+        frontier.append(evaluate(lo, num_token, trace, rps))
         hi_p = lo
     return frontier
 
 
-def _bare(evaluate: Evaluator, n_p: int, n_t: int) -> Candidate:
+def _bare(evaluate: Evaluator, num_prompt: int, num_token: int) -> Candidate:
     d = evaluate.design
-    return Candidate(n_p, n_t, d.cost(n_p, n_t), d.power(n_p, n_t))
+    return Candidate(num_prompt, num_token, d.cost(num_prompt, num_token), d.power(num_prompt, num_token))
 
 
 def _baseline_min(evaluate: Evaluator, trace, rps: float, max_n: int) -> list[Candidate]:
@@ -198,13 +198,13 @@ def _baseline_min(evaluate: Evaluator, trace, rps: float, max_n: int) -> list[Ca
     return [found] if found else []
 
 
-def max_rps(evaluate: Evaluator, trace_fn: TraceFn, n_p: int, n_t: int,
+def max_rps(evaluate: Evaluator, trace_fn: TraceFn, num_prompt: int, num_token: int,
             lo: float, hi: float, iters: int = 6) -> Candidate | None:
     """Highest request rate meeting all SLOs on a fixed cluster (bisection)."""
     best = None
     for _ in range(iters):
         mid = (lo + hi) / 2
-        c = evaluate(n_p, n_t, trace_fn(mid), round(mid, 3))
+        c = evaluate(num_prompt, num_token, trace_fn(mid), round(mid, 3))
         if c.ok:
             best, lo = c, mid
         else:
@@ -224,12 +224,12 @@ def search_throughput(evaluate: Evaluator, trace_fn: TraceFn, budget_kind: str,
         splits = [(math.floor(budget_value / unit(design.prompt) + 1e-9), 0)]
     else:
         splits = []
-        for n_p in range(1, int(budget_value / unit(design.prompt)) + 1, step):
-            n_t = math.floor((budget_value - n_p * unit(design.prompt)) / unit(design.token) + 1e-9)
-            if n_t >= 1:
-                splits.append((n_p, n_t))
-    for n_p, n_t in splits:
-        c = max_rps(evaluate, trace_fn, n_p, n_t, *rps_range)
+        for num_prompt in range(1, int(budget_value / unit(design.prompt)) + 1, step):
+            num_token = math.floor((budget_value - num_prompt * unit(design.prompt)) / unit(design.token) + 1e-9)
+            if num_token >= 1:
+                splits.append((num_prompt, num_token))
+    for num_prompt, num_token in splits:
+        c = max_rps(evaluate, trace_fn, num_prompt, num_token, *rps_range)
         if c is not None:
             rows.append(c)
     best = max(rows, key=lambda c: c.rps, default=None)

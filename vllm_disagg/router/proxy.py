@@ -207,10 +207,10 @@ class Proxy:
                 self.metrics.fallbacks.labels(route.reason).inc()
             return None, bodies.plain_body(body)
         pre = route.prefill
-        tid = bodies.new_transfer_id()
+        transfer_id = bodies.new_transfer_id()
         chat = endpoint == "chat/completions"
-        p_task = asyncio.create_task(self._prefill(route, bodies.prefill_body(body, tid, chat), endpoint))
-        return p_task, bodies.decode_body(body, tid, pre.kv_host, pre.kv_port, self.config.push_timeout_s)
+        p_task = asyncio.create_task(self._prefill(route, bodies.prefill_body(body, transfer_id, chat), endpoint))
+        return p_task, bodies.decode_body(body, transfer_id, pre.kv_host, pre.kv_port, self.config.push_timeout_s)
 
     async def end_prefill(self, p_task: asyncio.Task | None, ok: bool) -> None:
         if p_task is None or p_task.done():

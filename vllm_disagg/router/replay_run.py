@@ -101,9 +101,9 @@ class ReplayRun:
 
     # ----------------------------------------------------------- routing
     def _estimates(self) -> tuple[int, int]:
-        st = self.stitch
-        if st is not None and st.prompt_ids is not None and st.generated:
-            return len(st.prompt_ids) + len(st.generated), max(1, st.remaining() or 1)
+        stitch = self.stitch
+        if stitch is not None and stitch.prompt_ids is not None and stitch.generated:
+            return len(stitch.prompt_ids) + len(stitch.generated), max(1, stitch.remaining() or 1)
         return (bodies.estimate_prompt_tokens(self.body, self.chat),
                 bodies.expected_output_tokens(self.body, self.chat))
 

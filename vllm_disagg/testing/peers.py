@@ -58,12 +58,12 @@ def _run_writes(peer, seed: int, plan: list[tuple], forever: bool = False) -> li
     sources = {}
     while True:
         handles = []
-        for region, layer, nsrc, elems, src_ids, dst_ids, tid in plan:
+        for region, layer, nsrc, elems, src_ids, dst_ids, transfer_id in plan:
             key = (layer, nsrc, elems)
             if key not in sources:
                 sources[key] = layer_data(seed, layer, nsrc, elems)
             handles.append(
-                peer.write_blocks([BlockWrite(region, sources[key], src_ids, dst_ids)], tid, layer)
+                peer.write_blocks([BlockWrite(region, sources[key], src_ids, dst_ids)], transfer_id, layer)
             )
         states = []
         for h in handles:

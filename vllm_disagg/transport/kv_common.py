@@ -101,33 +101,33 @@ class WriteMeta:
     dst_ids: np.ndarray
 
 
-def pack_write_meta(seq, chunk_idx, num_chunks, layer, region_idx, tid: bytes, dst_ids: np.ndarray) -> bytes:
-    head = KV_WRITE_META.pack(seq, chunk_idx, num_chunks, layer, region_idx, len(dst_ids), len(tid))
-    return head + tid + dst_ids.astype("<u4", copy=False).tobytes()
+def pack_write_meta(seq, chunk_idx, num_chunks, layer, region_idx, transfer_id_bytes: bytes, dst_ids: np.ndarray) -> bytes:
+    head = KV_WRITE_META.pack(seq, chunk_idx, num_chunks, layer, region_idx, len(dst_ids), len(transfer_id_bytes))
+    return head + transfer_id_bytes + dst_ids.astype("<u4", copy=False).tobytes()
 
 
 def parse_write_meta(meta: bytes | bytearray, regions: list[RegionInfo], peer: str) -> WriteMeta:
     """Decode and bound-check a KV_WRITE meta against the registered regions."""
     if len(meta) < KV_WRITE_META.size:
         raise ProtocolError(f"KV_WRITE from {peer}: meta too short ({len(meta)} bytes)")
-    seq, chunk_idx, num_chunks, layer, region_idx, num_blocks, tid_len = KV_WRITE_META.unpack_from(meta)
-    if tid_len > MAX_TID_BYTES or len(meta) != KV_WRITE_META.size + tid_len + 4 * num_blocks:
+    seq, chunk_idx, num_chunks, layer, region_idx, num_blocks, transfer_id_len = KV_WRITE_META.unpack_from(meta)
+    if transfer_id_len > MAX_TID_BYTES or len(meta) != KV_WRITE_META.size + transfer_id_len + 4 * num_blocks:
         raise ProtocolError(f"KV_WRITE from {peer}: meta length {len(meta)} inconsistent with its counts")
     if not 0 <= chunk_idx < num_chunks:
         raise ProtocolError(f"KV_WRITE from {peer}: chunk {chunk_idx} of {num_chunks}")
     if num_blocks and region_idx >= len(regions):
         raise ProtocolError(f"KV_WRITE from {peer}: region index {region_idx} of {len(regions)}")
     try:
-        tid = bytes(meta[KV_WRITE_META.size : KV_WRITE_META.size + tid_len]).decode()
+        transfer_id = bytes(meta[KV_WRITE_META.size : KV_WRITE_META.size + transfer_id_len]).decode()
     except UnicodeDecodeError:
         raise ProtocolError(f"KV_WRITE from {peer}: transfer_id is not UTF-8") from None
-    ids = np.frombuffer(bytes(meta), dtype="<u4", count=num_blocks, offset=KV_WRITE_META.size + tid_len)
+    ids = np.frombuffer(bytes(meta), dtype="<u4", count=num_blocks, offset=KV_WRITE_META.size + transfer_id_len)
     if num_blocks and int(ids.max()) >= regions[region_idx].num_blocks:
         raise ProtocolError(
             f"KV_WRITE from {peer}: block id {int(ids.max())} out of range for region "
             f"{regions[region_idx].name!r} ({regions[region_idx].num_blocks} blocks)"
         )
-    return WriteMeta(seq, chunk_idx, num_chunks, layer, region_idx, tid, ids)
+    return WriteMeta(seq, chunk_idx, num_chunks, layer, region_idx, transfer_id, ids)
 
 
 def runs(ids: np.ndarray) -> list[tuple[int, int, int]]:
@@ -206,7 +206,7 @@ class PeerSequencer:
     def __init__(self, name: str):
         self.name = name
         self.next_seq = 0
-        self._pending: dict[int, list] = {}  # seq -> [num_chunks, seen chunk set, tid, layer, nbytes]
+        self._pending: dict[int, list] = {}  # seq -> [num_chunks, seen chunk set, transfer_id, layer, nbytes]
         self._lock = threading.Lock()
 
     def chunk_done(self, m: WriteMeta, nbytes: int) -> list[Notification]:

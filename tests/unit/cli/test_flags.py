@@ -83,3 +83,11 @@ def test_a_vllm_serve_model_worker_gets_the_connector_that_restores_its_servers_
     args.kv_transfer_config = mine = KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_both")
     merge_flags_into_namespace(args)
     assert args.kv_transfer_config is mine
+
+
+def test_a_deprecated_flag_spelling_still_works_and_errors_name_it_as_typed():
+    cfg = flags_to_config(parse(["--plugin", "disagg", "--disagg-nano-batches", "4"]))
+    assert cfg.nanoflow.num_nano_batches == 4
+    assert flags_to_config(parse(["--plugin", "disagg", "--disagg-num-nano-batches", "4"])) == cfg
+    with pytest.raises(DisaggConfigError, match="--disagg-nano-batches: expected an integer"):
+        flags_to_config(parse(["--plugin", "disagg", "--disagg-nano-batches", "x"]))

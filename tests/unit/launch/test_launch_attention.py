@@ -54,7 +54,7 @@ def test_attention_servers_run_attn_server_with_shared_settings_and_exit_with_th
 def test_pipeline_two_adds_the_nano_batch_executor_and_send_q_early_can_be_turned_off():
     specs = _plan("--prefill", "0", "--attention", "1", "--pipeline", "2", "--no-send-q-early")
     disagg = _disagg(serve_command(specs[-1], "/m", "tcp", []))
-    assert disagg["nanoflow"] == {"nano_batches": 2}
+    assert disagg["nanoflow"] == {"num_nano_batches": 2}
     assert disagg["remote_attention"]["pipeline"] == 2 and disagg["remote_attention"]["send_q_early"] is False
     from vllm_disagg.cli.flags import NANOFLOW_REMOTE_ATTN_WORKER, worker_cls_for
 

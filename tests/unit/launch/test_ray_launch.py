@@ -103,7 +103,7 @@ def test_prefill_pushes_into_the_attention_workers_as_on_the_local_backend(monke
     assert (disagg["role"], disagg["kv"]["transport"], disagg["kv"]["kv_port"]) == ("decode", transport, 9200)
     assert (ra["servers"], ra["partition"], ra["pipeline"], ra["transport"]) == (
         decode.attention_servers, "request", 2, "tcp")
-    assert disagg["nanoflow"]["nano_batches"] == 2
+    assert disagg["nanoflow"]["num_nano_batches"] == 2
     assert "replacement_wait_s" not in decode.remote_attention  # request-wise: the survivors go on at once
     head = plan_actor_specs(up_args("--prefill", "1", "--decode", "1", "--attention", "2"), "/m")[-1]
     assert head.remote_attention["replacement_wait_s"] >= 120  # head-wise: wait for Ray's restart

@@ -24,18 +24,18 @@ def synthetic_cost(op: str, tokens: int, share: int) -> float:
 
 def brute_force(layers, dense_batch, budget, combos):
     best = None
-    for n_attn, n_dense in combos:
-        inline = PipelineSpec(layers, n_attn, n_dense, attn_unit=DENSE)
+    for num_attn_batches, num_dense_batches in combos:
+        inline = PipelineSpec(layers, num_attn_batches, num_dense_batches, attn_unit=DENSE)
         t = evaluate(inline, dense_batch, {DENSE: budget}, synthetic_cost).makespan
         if best is None or t < best[0] - 1e-12:
-            best = (t, n_attn, n_dense, {DENSE: budget})
-        spec = PipelineSpec(layers, n_attn, n_dense, attn_unit=ATTN)
+            best = (t, num_attn_batches, num_dense_batches, {DENSE: budget})
+        spec = PipelineSpec(layers, num_attn_batches, num_dense_batches, attn_unit=ATTN)
         for d, a in itertools.product(range(1, budget), repeat=2):
             if d + a > budget:
                 continue
             t = evaluate(spec, dense_batch, {DENSE: d, ATTN: a}, synthetic_cost).makespan
             if best is None or t < best[0] - 1e-12:
-                best = (t, n_attn, n_dense, {DENSE: d, ATTN: a})
+                best = (t, num_attn_batches, num_dense_batches, {DENSE: d, ATTN: a})
     return best
 
 
@@ -60,13 +60,13 @@ def test_greedy_critical_path_allocation_finds_the_brute_force_optimum(budget, c
 def test_the_search_over_nano_batch_counts_picks_the_known_optimum():
     combos = [(1, 1), (2, 1), (2, 2), (4, 2), (4, 4), (8, 4), (8, 8)]
     result = search(synthetic_cost, 3, [64], budget=6, combos=combos)
-    t, n_attn, n_dense, shares = brute_force(3, 64, 6, combos)
+    t, num_attn_batches, num_dense_batches, shares = brute_force(3, 64, 6, combos)
     best = result.best
     assert not best.inline
     assert best.step_s == pytest.approx(t)
-    assert (best.n_attn, best.n_dense) == (n_attn, n_dense)
+    assert (best.num_attn_batches, best.num_dense_batches) == (num_attn_batches, num_dense_batches)
     assert best.shares == shares
-    assert 1 < n_attn < 8  # the launch cost makes the optimum interior: a real trade-off
+    assert 1 < num_attn_batches < 8  # the launch cost makes the optimum interior: a real trade-off
 
 
 def test_inline_wins_when_nothing_can_overlap():

@@ -28,7 +28,7 @@ def _check_valid(nodes, sched):
 
 
 def test_coarse_ops_wait_for_every_fine_attention_op_they_cover():
-    nodes = {n.key: n for n in build_graph(PipelineSpec(2, n_attn=4, n_dense=2))}
+    nodes = {n.key: n for n in build_graph(PipelineSpec(2, num_attn_batches=4, num_dense_batches=2))}
     assert set(nodes[("o", 0, 1)].deps) == {("attn", 0, 2), ("attn", 0, 3)}
     assert nodes[("kqv", 1, 3)].deps == (("ugd", 0, 1),)
     assert ("attn", 0, 0) in nodes[("attn", 0, 1)].deps
@@ -43,7 +43,7 @@ def test_tensor_parallel_adds_all_reduce_ops_on_the_network_unit():
 
 def test_attention_count_must_refine_the_dense_count():
     with pytest.raises(ValueError, match="multiple"):
-        PipelineSpec(1, n_attn=3, n_dense=2)
+        PipelineSpec(1, num_attn_batches=3, num_dense_batches=2)
 
 
 def test_the_schedule_respects_dependencies_and_runs_one_op_at_a_time_per_unit():

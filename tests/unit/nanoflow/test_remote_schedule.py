@@ -17,7 +17,7 @@ def _schedule(attn_unit: str):
         nano_pipeline=SimpleNamespace(relative_cost=lambda name, tokens: float(PER_TOKEN[name] * tokens)),
         nano_executor=SimpleNamespace(exclusive_units=frozenset({"dense"})),
     )
-    spec = PipelineSpec(num_layers=3, n_attn=2, n_dense=2, attn_unit=attn_unit)
+    spec = PipelineSpec(num_layers=3, num_attn_batches=2, num_dense_batches=2, attn_unit=attn_unit)
     _, schedule = NanoFlowRunnerMixin._nano_schedule(runner, spec, 32)
     return [f"{name}{layer}.{nb}" for name, layer, nb in schedule.order["dense"]]
 

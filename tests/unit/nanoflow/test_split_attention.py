@@ -37,8 +37,8 @@ def test_nested_collectors_restore_the_outer_one_and_other_threads_are_not_affec
     assert len(inner) == 1 and len(outer) == 1 and seen == [False]
 
 
-def _remote_schedule(n_attn: int, n_dense: int, layers: int = 4):
-    spec = PipelineSpec(num_layers=layers, n_attn=n_attn, n_dense=n_dense, attn_unit=NET)
+def _remote_schedule(num_attn_batches: int, num_dense_batches: int, layers: int = 4):
+    spec = PipelineSpec(num_layers=layers, num_attn_batches=num_attn_batches, num_dense_batches=num_dense_batches, attn_unit=NET)
     nodes = build_graph(spec)
 
     def cost(node):  # the runner's default for remote attention: as long as a dense layer
@@ -50,9 +50,9 @@ def _remote_schedule(n_attn: int, n_dense: int, layers: int = 4):
 
 
 def test_the_ping_pong_schedule_waits_in_the_order_kqv_sends():
-    for n_attn, n_dense in ((2, 2), (2, 1), (4, 2)):
-        spec, schedule = _remote_schedule(n_attn, n_dense)
-        assert sends_in_wait_order(schedule, spec), (n_attn, n_dense)
+    for num_attn_batches, num_dense_batches in ((2, 2), (2, 1), (4, 2)):
+        spec, schedule = _remote_schedule(num_attn_batches, num_dense_batches)
+        assert sends_in_wait_order(schedule, spec), (num_attn_batches, num_dense_batches)
 
 
 def test_a_schedule_that_waits_out_of_send_order_is_not_split():

@@ -187,10 +187,10 @@ class DisaggReuseScheduler:
         """Tokens this scheduler asked the servers to restore instead of computing (failed ones included)."""
 
     @classmethod
-    def from_config(cls, vllm_config: Any, ra: Any, token: str,
+    def from_config(cls, vllm_config: Any, remote_attention: Any, token: str,
                     kv_cache_manager: Callable[[], KVCacheManager | None]) -> DisaggReuseScheduler:
         block_size = vllm_config.cache_config.block_size
-        index = RetainedIndex(ra.servers, token, block_size, partition=ra.partition)
+        index = RetainedIndex(remote_attention.servers, token, block_size, partition=remote_attention.partition)
         lookup = vllm_config.kv_transfer_config.kv_load_failure_policy == "recompute"
         if lookup:
             index.refresh()

@@ -43,8 +43,8 @@ def attention_settings(vllm_config: Any):
     from vllm_disagg.config import disagg_config_from_vllm
 
     cfg = disagg_config_from_vllm(vllm_config)
-    ra = cfg.remote_attention if cfg else None
-    return ra if ra is not None and ra.servers else None
+    remote_attention = cfg.remote_attention if cfg else None
+    return remote_attention if remote_attention is not None and remote_attention.servers else None
 
 
 def side_channel_closed(client: Any, address: str) -> bool:
@@ -53,11 +53,11 @@ def side_channel_closed(client: Any, address: str) -> bool:
 
 
 class AttnPushReceiver(PushReceiver):
-    """PushReceiver whose KV lands on the attention servers `ra.servers` (head- or request-wise)."""
+    """PushReceiver whose KV lands on the attention servers `remote_attention.servers` (head- or request-wise)."""
 
-    def __init__(self, control: Any, handshake: Any, token: str, stats: Any, failure_policy: str, ra: Any,
+    def __init__(self, control: Any, handshake: Any, token: str, stats: Any, failure_policy: str, remote_attention: Any,
                  placer: Any = None, client: Any = None):
-        self.servers, self.partition, self.http_timeout_s = list(ra.servers), ra.partition, min(ra.timeout_s, 5.0)
+        self.servers, self.partition, self.http_timeout_s = list(remote_attention.servers), remote_attention.partition, min(remote_attention.timeout_s, 5.0)
         self._placer = placer
         self._client_fn = client or backend.current_client
         self._unclaimed: set[str] = set()  # transfer ids whose blocks the servers did not confirm (CLAIM)
@@ -115,8 +115,8 @@ class AttnPushReceiver(PushReceiver):
         if self._placer is None or not spec.block_ids or spec.start_block:
             return -1  # registration fails below: D recomputes
         if len(self._where) > 4096:  # finished transfers: oldest first
-            for tid in list(self._where)[:2048]:
-                del self._where[tid]
+            for transfer_id in list(self._where)[:2048]:
+                del self._where[transfer_id]
         return self._placer.place(spec.block_ids[0], spec.num_prompt_tokens)
 
     def _register_fields(self, spec: RecvSpec) -> dict:
@@ -141,8 +141,8 @@ class AttnPushReceiver(PushReceiver):
         with self._totals_lock:
             totals = dict(self._totals)
         with self._lock:
-            for tid, landed in totals.items():
-                recv = self._by_tid.get(tid)
+            for transfer_id, landed in totals.items():
+                recv = self._by_tid.get(transfer_id)
                 if recv is not None and recv.state in (RecvState.REGISTERING, RecvState.REGISTERED):
                     recv.landed_bytes = landed
                     if landed >= recv.expected_bytes:
@@ -184,14 +184,14 @@ class AttnPushReceiver(PushReceiver):
             with self._totals_lock:
                 self._totals = totals
 
-    def _landed(self, tids: list[str]) -> dict[str, int]:
+    def _landed(self, transfer_ids: list[str]) -> dict[str, int]:
         """Bytes landed per transfer, summed over the servers that receive it."""
-        totals = dict.fromkeys(tids, 0)
+        totals = dict.fromkeys(transfer_ids, 0)
         for i, server in enumerate(self.servers):
-            mine = [t for t in tids if self.partition == "head" or self._where.get(t) == i]
-            for tid, num_bytes in queries.landed_bytes(server, mine, self.http_timeout_s).items():
-                if tid in totals:
-                    totals[tid] += num_bytes
+            mine = [t for t in transfer_ids if self.partition == "head" or self._where.get(t) == i]
+            for transfer_id, num_bytes in queries.landed_bytes(server, mine, self.http_timeout_s).items():
+                if transfer_id in totals:
+                    totals[transfer_id] += num_bytes
         return totals
 
     def close(self) -> None:

@@ -106,13 +106,13 @@ same fixed port) before giving up; one survivor alone would not hold the schedul
 def remote_attention_settings(args: argparse.Namespace) -> dict:
     """The model worker's remote_attention settings from `up`'s flags (local: launch.local.attach_attention).
     The per-layer exchange is tcp here: Ray places the servers on other nodes."""
-    ra = {"transport": "tcp", "partition": getattr(args, "attention_partition", "head"),
+    remote_attention = {"transport": "tcp", "partition": getattr(args, "attention_partition", "head"),
           "pipeline": getattr(args, "pipeline", 1)}
-    if ra["partition"] == "head":  # request-wise goes on at once with the survivors
-        ra["replacement_wait_s"] = REPLACEMENT_WAIT_S
+    if remote_attention["partition"] == "head":  # request-wise goes on at once with the survivors
+        remote_attention["replacement_wait_s"] = REPLACEMENT_WAIT_S
     if getattr(args, "send_q_early", None) is not None:
-        ra["send_q_early"] = args.send_q_early
-    return ra
+        remote_attention["send_q_early"] = args.send_q_early
+    return remote_attention
 
 
 def server_command(spec: ActorSpec, host: str, http_port: int, kv_port: int | None) -> list[str]:
@@ -134,10 +134,10 @@ def server_command(spec: ActorSpec, host: str, http_port: int, kv_port: int | No
         if spec.role == "mixed":  # the model worker without P/D: the connector restores retained KV
             cmd += ["--plugin", "disagg",
                     "--kv-transfer-config", json.dumps({**CONNECTOR, "kv_role": "kv_consumer"})]
-        ra = spec.remote_attention or {"transport": "tcp"}
-        disagg = {"remote_attention": ra}
-        if ra.get("pipeline", 1) > 1:  # n=2 ping-pong = the NanoFlow nano-batch executor
-            disagg["nanoflow"] = {"nano_batches": ra["pipeline"]}
+        remote_attention = spec.remote_attention or {"transport": "tcp"}
+        disagg = {"remote_attention": remote_attention}
+        if remote_attention.get("pipeline", 1) > 1:  # n=2 ping-pong = the NanoFlow nano-batch executor
+            disagg["nanoflow"] = {"num_nano_batches": remote_attention["pipeline"]}
         cmd += ["--disagg-attention-servers", ",".join(spec.attention_servers),
                 "--additional-config", json.dumps({"disagg": disagg})]
     return cmd + list(spec.vllm_args)

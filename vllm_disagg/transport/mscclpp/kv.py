@@ -63,8 +63,8 @@ def seqword_offset(slots: int, slot_bytes: int, seq: int) -> int:
     return slots * slot_bytes + (seq % slots) * SEQWORD_BYTES
 
 
-def pack_notif_body(seq: int, layer: int, nbytes: int, tid: bytes) -> bytes:
-    return NOTIF_BODY.pack(seq, layer, nbytes, len(tid)) + tid
+def pack_notif_body(seq: int, layer: int, nbytes: int, transfer_id_bytes: bytes) -> bytes:
+    return NOTIF_BODY.pack(seq, layer, nbytes, len(transfer_id_bytes)) + transfer_id_bytes
 
 
 @dataclass
@@ -166,8 +166,8 @@ class MscclppKVReceiver(OneSidedReceiver):
             if peer.ring.read_u64(seqword_offset(slots, sb, seq)) != seq + 1:
                 break
             body = memoryview(peer.ring.read((seq % slots) * sb, sb))
-            layer, nbytes, tid = parse_notif(body, seq, peer.name)
-            self._ready.append(Notification(peer.name, tid, layer, seq, nbytes))
+            layer, nbytes, transfer_id = parse_notif(body, seq, peer.name)
+            self._ready.append(Notification(peer.name, transfer_id, layer, seq, nbytes))
             self.stats.record_received(nbytes, 1)
             peer.next_seq += 1
             n += 1
@@ -243,15 +243,15 @@ class MscclppKVPeer(KVPeer):
         self._closed = False
 
     def write_blocks(self, writes: list[BlockWrite], transfer_id: str, layer: int = -1) -> XferHandle:
-        tid = transfer_id.encode()
-        if len(tid) > MAX_TID_BYTES:
+        transfer_id_bytes = transfer_id.encode()
+        if len(transfer_id_bytes) > MAX_TID_BYTES:
             raise ValueError(f"transfer_id must be <= {MAX_TID_BYTES} bytes UTF-8")
         if self._closed:
             raise ValueError("write_blocks on a closed mscclpp peer")
         ops, nbytes = self._plan(writes)
         handle = XferHandle(nbytes, self._sender.stats)
         seq, self._seq = self._seq, self._seq + 1
-        body = pack_notif_body(seq, layer, nbytes, tid)
+        body = pack_notif_body(seq, layer, nbytes, transfer_id_bytes)
         self._pool.submit(self._run, seq, ops, body, handle, time.monotonic() + self._timeout, writes)
         return handle
 

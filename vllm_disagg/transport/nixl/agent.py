@@ -139,15 +139,15 @@ def parse_regions(raw: bytes, peer: str) -> tuple[list[RegionInfo], list[tuple[i
     return infos, addrs, metadata
 
 
-def pack_notif(seq: int, layer: int, nbytes: int, tid: bytes) -> bytes:
-    return _NOTIF.pack(seq, layer, nbytes, len(tid)) + tid
+def pack_notif(seq: int, layer: int, nbytes: int, transfer_id_bytes: bytes) -> bytes:
+    return _NOTIF.pack(seq, layer, nbytes, len(transfer_id_bytes)) + transfer_id_bytes
 
 
 def parse_notif(raw: bytes, peer: str) -> tuple[int, int, int, str]:
     if len(raw) < _NOTIF.size:
         raise ProtocolError(f"short nixl notification from {peer}")
-    seq, layer, nbytes, tid_len = _NOTIF.unpack_from(raw)
-    if tid_len > MAX_TID_BYTES or len(raw) != _NOTIF.size + tid_len:
+    seq, layer, nbytes, transfer_id_len = _NOTIF.unpack_from(raw)
+    if transfer_id_len > MAX_TID_BYTES or len(raw) != _NOTIF.size + transfer_id_len:
         raise ProtocolError(f"malformed nixl notification from {peer}")
     try:
         return seq, layer, nbytes, raw[_NOTIF.size :].decode()

@@ -136,8 +136,8 @@ class NixlKVReceiver(NotificationInbox, KVReceiver):
         try:
             if seqr is None:
                 raise ProtocolError(f"notification from unauthenticated nixl agent {agent_name!r}")
-            seq, layer, nbytes, tid = parse_notif(raw, agent_name)
-            ready = seqr.chunk_done(WriteMeta(seq, 0, 1, layer, 0, tid, None), nbytes)
+            seq, layer, nbytes, transfer_id = parse_notif(raw, agent_name)
+            ready = seqr.chunk_done(WriteMeta(seq, 0, 1, layer, 0, transfer_id, None), nbytes)
         except ProtocolError as err:
             self.stats.record_rejected()
             logger.warning("KV receiver %s rejected a notification: %s", self.name, err)

@@ -59,8 +59,8 @@ class NixlKVPeer(KVPeer):
         self._closed = False
 
     def write_blocks(self, writes: Sequence[BlockWrite], transfer_id: str, layer: int = -1) -> XferHandle:
-        tid = transfer_id.encode()
-        if len(tid) > MAX_TID_BYTES:
+        transfer_id_bytes = transfer_id.encode()
+        if len(transfer_id_bytes) > MAX_TID_BYTES:
             raise ValueError(f"transfer_id longer than {MAX_TID_BYTES} bytes")
         plans = [self._plan(w) for w in writes]
         nbytes = sum(p[-1] for p in plans)
@@ -72,7 +72,7 @@ class NixlKVPeer(KVPeer):
             return handle
         with self._sender._lock:
             seq, self._seq = self._seq, self._seq + 1
-            self._sender._jobs.put((self, handle, plans, pack_notif(seq, layer, nbytes, tid)))
+            self._sender._jobs.put((self, handle, plans, pack_notif(seq, layer, nbytes, transfer_id_bytes)))
         return handle
 
     def _plan(self, w: BlockWrite) -> tuple:

@@ -14,18 +14,18 @@ NOTIF_BODY = struct.Struct("<QiQH")
 NOTIF_SLOT_BYTES = 256
 
 
-def pack_notif(buf: memoryview, seq: int, layer: int, nbytes: int, tid: bytes) -> None:
-    NOTIF_BODY.pack_into(buf, 0, seq, layer, nbytes, len(tid))
-    buf[NOTIF_BODY.size : NOTIF_BODY.size + len(tid)] = tid
+def pack_notif(buf: memoryview, seq: int, layer: int, nbytes: int, transfer_id_bytes: bytes) -> None:
+    NOTIF_BODY.pack_into(buf, 0, seq, layer, nbytes, len(transfer_id_bytes))
+    buf[NOTIF_BODY.size : NOTIF_BODY.size + len(transfer_id_bytes)] = transfer_id_bytes
 
 
 def parse_notif(body: memoryview, want_seq: int, peer: str) -> tuple[int, int, str]:
     """(layer, nbytes, transfer_id) of the notification in `body`, checked against `want_seq`."""
-    seq, layer, nbytes, tid_len = NOTIF_BODY.unpack_from(body)
-    if seq != want_seq or tid_len > MAX_TID_BYTES:
-        raise ProtocolError(f"rdma notification from {peer}: seq {seq} (want {want_seq}), tid_len {tid_len}")
+    seq, layer, nbytes, transfer_id_len = NOTIF_BODY.unpack_from(body)
+    if seq != want_seq or transfer_id_len > MAX_TID_BYTES:
+        raise ProtocolError(f"rdma notification from {peer}: seq {seq} (want {want_seq}), tid_len {transfer_id_len}")
     try:
-        tid = bytes(body[NOTIF_BODY.size : NOTIF_BODY.size + tid_len]).decode()
+        transfer_id = bytes(body[NOTIF_BODY.size : NOTIF_BODY.size + transfer_id_len]).decode()
     except UnicodeDecodeError:
         raise ProtocolError(f"rdma notification from {peer}: transfer_id is not UTF-8") from None
-    return layer, nbytes, tid
+    return layer, nbytes, transfer_id

@@ -135,8 +135,8 @@ class RdmaKVReceiver(OneSidedReceiver):
         """Move the peer's ready ring slots into `_ready` (caller holds the lock)."""
         n = 0
         while not peer.dead and (body := peer.reader.peek()) is not None:
-            layer, nbytes, tid = proto.parse_notif(body, peer.reader.next_seq, peer.name)
-            self._ready.append(Notification(peer.name, tid, layer, peer.reader.next_seq, nbytes))
+            layer, nbytes, transfer_id = proto.parse_notif(body, peer.reader.next_seq, peer.name)
+            self._ready.append(Notification(peer.name, transfer_id, layer, peer.reader.next_seq, nbytes))
             peer.reader.consume()
             self.stats.record_received(nbytes, 1)
             n += 1

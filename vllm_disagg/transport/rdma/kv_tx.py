@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 @dataclass
 class _Job:
     seq: int
-    tid: bytes
+    transfer_id_bytes: bytes
     layer: int
     nbytes: int
     writes: list[tuple[int, int, int, int, int]]
@@ -139,8 +139,8 @@ class RdmaKVPeer(KVPeer):
 
     # ---- caller side -------------------------------------------------------------------------
     def write_blocks(self, writes: list[BlockWrite], transfer_id: str, layer: int = -1) -> XferHandle:
-        tid = transfer_id.encode()
-        if len(tid) > proto.MAX_TID_BYTES:
+        transfer_id_bytes = transfer_id.encode()
+        if len(transfer_id_bytes) > proto.MAX_TID_BYTES:
             raise ValueError(f"transfer_id must be <= {proto.MAX_TID_BYTES} bytes UTF-8")
         if self._closing:
             raise ValueError("write_blocks on a closed rdma peer")
@@ -150,7 +150,7 @@ class RdmaKVPeer(KVPeer):
             if self._error is not None:
                 handle._finish(type(self._error)(f"peer {self.address} is broken: {self._error}"))
                 return handle
-            job = _Job(self._seq, tid, layer, nbytes, wrs, handle, time.monotonic() + self._timeout, keep)
+            job = _Job(self._seq, transfer_id_bytes, layer, nbytes, wrs, handle, time.monotonic() + self._timeout, keep)
             self._seq += 1
             self._queue.append(job)
             self._cond.notify()
@@ -217,9 +217,9 @@ class RdmaKVPeer(KVPeer):
         if room < remaining + 2 or not self._writer.has_room():
             return False
         body, imm = self._writer.body(), self._sender.completion == "imm"
-        proto.pack_notif(body, job.seq, job.layer, job.nbytes, job.tid)
+        proto.pack_notif(body, job.seq, job.layer, job.nbytes, job.transfer_id_bytes)
         ring_seq = self._writer.next_seq
-        tail = self._writer.writes(proto.NOTIF_BODY.size + len(job.tid), seqword=not imm)
+        tail = self._writer.writes(proto.NOTIF_BODY.size + len(job.transfer_id_bytes), seqword=not imm)
         chain = job.writes[job.posted :] + tail
         self._ep.post_writes(chain, (job.seq << 1) | 1, imm=ring_seq if imm else None)
         self._posted((job.seq << 1) | 1, len(chain))

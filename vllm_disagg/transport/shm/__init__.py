@@ -90,13 +90,13 @@ class ShmKVPeer(StreamKVPeer):
         super().__init__(address, streams, infos, options, stats)
 
     def _send_chunk(
-        self, stream: SockStream, seq, chunk_idx, num_chunks, layer, tid, c: PlannedWrite
+        self, stream: SockStream, seq, chunk_idx, num_chunks, layer, transfer_id_bytes, c: PlannedWrite
     ) -> None:
         if len(c.src_ids):
             dst = self._dst[c.region_idx]
             for s, d, n in joint_runs(c.src_ids, c.dst_ids):
                 np.copyto(dst[d : d + n], c.src[s : s + n])
-        meta = pack_write_meta(seq, chunk_idx, num_chunks, layer, c.region_idx, tid, c.dst_ids)
+        meta = pack_write_meta(seq, chunk_idx, num_chunks, layer, c.region_idx, transfer_id_bytes, c.dst_ids)
         stream.send_parts([pack_frame(T_KV_WRITE, meta, 0)])
 
 

@@ -89,8 +89,8 @@ class StreamKVPeer(KVPeer):
             t.start()
 
     def write_blocks(self, writes: Sequence[BlockWrite], transfer_id: str, layer: int = -1) -> XferHandle:
-        tid = transfer_id.encode()
-        if len(tid) > MAX_TID_BYTES:
+        transfer_id_bytes = transfer_id.encode()
+        if len(transfer_id_bytes) > MAX_TID_BYTES:
             raise ValueError(f"transfer_id longer than {MAX_TID_BYTES} bytes")
         plans = plan_writes(list(writes), self._index)
         chunks = split_chunks(plans, self.options.chunk_bytes) or [_empty_chunk()]
@@ -105,7 +105,7 @@ class StreamKVPeer(KVPeer):
             seq, self._seq = self._seq, self._seq + 1
             op = _Op(handle, len(chunks))
             for i, chunk in enumerate(chunks):
-                self._queues[self._rr % len(self._queues)].put((op, seq, i, len(chunks), layer, tid, chunk))
+                self._queues[self._rr % len(self._queues)].put((op, seq, i, len(chunks), layer, transfer_id_bytes, chunk))
                 self._rr += 1
         return handle
 
@@ -126,10 +126,10 @@ class StreamKVPeer(KVPeer):
                 op.handle._finish(err)
 
     def _send_chunk(
-        self, stream: SockStream, seq, chunk_idx, num_chunks, layer, tid, c: PlannedWrite
+        self, stream: SockStream, seq, chunk_idx, num_chunks, layer, transfer_id_bytes, c: PlannedWrite
     ) -> None:
         """tcp: frame + block bytes straight from the source tensor's memory."""
-        meta = pack_write_meta(seq, chunk_idx, num_chunks, layer, c.region_idx, tid, c.dst_ids)
+        meta = pack_write_meta(seq, chunk_idx, num_chunks, layer, c.region_idx, transfer_id_bytes, c.dst_ids)
         nbytes = len(c.src_ids) * c.src.shape[1]
         parts = [pack_frame(T_KV_WRITE, meta, nbytes)]
         parts += [c.src[first : first + n] for _, first, n in runs(c.src_ids)]
