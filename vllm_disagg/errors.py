@@ -1,8 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The plugin's error hierarchy for wire, peer and protocol failures.
-
-Config mistakes stay `ValueError` (see `config.DisaggConfigError`). Everything that goes wrong
-between processes is a `DisaggError`, so callers can catch the family or one specific case:
+"""Wire, peer and protocol failures are a `DisaggError` (config mistakes stay `ValueError`,
+`config.DisaggConfigError`), so callers catch the family or one case:
 
     DisaggError
     ├── ProtocolError        a frame broke the wire rules (magic, version, type, sizes, ids)
@@ -11,7 +9,6 @@ between processes is a `DisaggError`, so callers can catch the family or one spe
     ├── PeerLostError        the peer closed, crashed or reset the connection
     ├── TransportTimeout     a bounded wait expired (also a `TimeoutError`)
     └── TransportUnavailable a backend cannot run on this machine (what is missing, one line)
-
 Messages say what was received, what was expected, and name the peer when known.
 """
 

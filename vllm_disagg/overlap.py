@@ -7,11 +7,9 @@
 - `submit_network(fn)` runs network side work (e.g. a KV push) on a FIFO side thread; the executor
   drains these futures before the step returns.
 - `current_nano_batch()` tells code which nano-batch/op it is running for (thread-local).
-- `deferred_waits()` / `defer_wait(fn)`: split a network-bound op into its send and its wait. The
-  pipeline issues a nano-batch's request right after its KQV (dense unit) inside
-  `deferred_waits()`; the op registers its blocking wait with `defer_wait` instead of running it,
-  and the "net" unit later only runs those waits. So the next nano-batch's request is already
-  queued at the server while the previous one computes (no server idle between them).
+- `deferred_waits()` / `defer_wait(fn)`: split a network-bound op into its send (right after the
+  KQV, on the dense unit) and its wait (later, on the "net" unit), so the next nano-batch's request
+  is already queued at the server while the previous one computes (no server idle between them).
 """
 
 from __future__ import annotations

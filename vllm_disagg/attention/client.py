@@ -7,18 +7,7 @@ Lifecycle: `connect(geometry)` finds each server through its `/health` (data add
 `PendingAttention.wait(output)` collects the answers and writes vLLM's output tensor. Several
 submissions may be in flight (pipelining); replies come back in order per channel.
 
-Send-Q-early (decode-only steps, server `supports_lse`): QPREV(q) then KV(k, v) go out; the
-server answers attention over the previous tokens with its LSE and only then writes k/v, while
-this side computes the new token's own term; `merge_attn_states` combines them exactly.
-
-KV retention (`retain.py`): `queue_registrations(block_ids, keys, owner_first_block)` queues
-(block, key) pairs that ride on the next step-metadata frame to each server that holds the block;
-`restore(pairs, timeout_s)` asks every server to copy retained blocks into new block ids (on the
-channel, so before the step's layer frames) and returns the block ids that could not be restored.
-`claim(block_ids, timeout_s)` tells the servers a prefill push is about to write those blocks
-(synchronous: the push is registered with the prefill side only after every server answered).
-
-A dead or silent server raises `AttentionServerLost` (never a hang: every recv has a timeout).
+More: README.md, "client.py".
 """
 
 from __future__ import annotations

@@ -1,17 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """How one step's attention is split across N attention servers.
 
-* Head-wise (Lamina's default): server s owns KV heads [s*Hkv/N, (s+1)*Hkv/N) and the query
-  heads that read them (GQA groups are contiguous in vLLM: query head h reads KV head h // G).
-  N must divide the number of KV heads (then it divides the query heads too). Every server sees
-  every token; its output is a head slice of vLLM's output.
-* Request-wise: each request lives on one server, chosen when it starts (query_len == seq_len)
-  as the server with the least KV among the requests of the current step. A request is
-  identified by the first block of its block-table row: stable for its lifetime (no prefix
-  caching; with prefix caching two requests could share a first block, so that is not supported
-  request-wise), and a preempted request that starts over is placed again.
-
-Block ids are the scheduler's own on every server (capacity = the smallest server's).
+More: README.md, "partition.py".
 """
 
 from __future__ import annotations

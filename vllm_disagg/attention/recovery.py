@@ -3,27 +3,9 @@
 
 Lamina keeps all request state on the attention workers; when one dies, its KV is rebuilt "from
 the prompt text and the generated tokens". Here the model worker does it in place, inside the
-step that hit the failure (`DisaggAttentionRunner._model_forward`):
+step that hit the failure (`DisaggAttentionRunner._model_forward`); the steps are in README.md.
 
-1. `reconnect`: wait up to `remote_attention.replacement_wait_s` for every configured server to
-   answer `/health` (a replacement started at the same address counts). Continue with the servers that answer: any
-   set for request-wise, a set whose size divides the KV heads for head-wise; else fail the step.
-   Re-INIT re-shards the heads over the new set.
-2. `rebuild_kv`: for each request in the persistent batch, run the model once over its first
-   `num_computed_tokens` tokens (prompt + generated so far) with its own block table; the remote
-   backend writes that KV into the servers. Then the interrupted step is run again (rewriting
-   the KV of layers that had already succeeded is idempotent).
-
-`forward_with_recovery` wraps the runner's `_model_forward` at its OUTERMOST level, so a nano-batched
-step (n=2 ping-pong or n=1 on the NanoFlow executor, `vllm_disagg.nanoflow.remote`) recovers the same
-way: the executor re-raises the unit thread's `AttentionServerLost` on the caller's thread after
-every unit stopped (no op left running, its threads idle for the next step); the rebuild runs the
-model unsplit on the caller's thread, and the retry re-splits the step from its untouched inputs.
-
-Requests therefore survive with no client-visible error. Limits: the servers left must hold the
-scheduler's number of blocks (leave headroom for a loss, or start a replacement at the lost address
-within `remote_attention.replacement_wait_s`, default 5 s); a step gives up after `MAX_ATTEMPTS`
-losses in a row (the engine then reports the error; nothing hangs).
+More: README.md, "recovery.py".
 """
 
 from __future__ import annotations

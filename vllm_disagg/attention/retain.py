@@ -5,22 +5,7 @@ model-worker restart (plain code: no vLLM, no wire).
 A block key is 16 opaque bytes the model worker's connector computes from the token ids
 (`block_keys.chain_keys`); the server only maps keys to blocks.
 
-Lifecycle, per server:
-1. Session N registers `(block, key)` pairs (piggybacked on step metadata, `register`). A
-   registered block is full, so vLLM writes it again only after freeing and reallocating it: any
-   write into it (`before_write`, from the step's slot mapping) drops its registration.
-2. A new client INITs with the same geometry (`new_session`): session N's registrations become
-   the RETAINED set {key -> block}, each for `ttl_s`; older retained entries that are still intact
-   stay (with their own expiry).
-3. Session N+1 writes into a block that still holds a retained entry's data: copy-on-write first
-   moves that block's data (all layers) to a side store and points the entry there
-   (`before_write`). The side store is bounded (`max_copy_bytes`); past it the entry is dropped
-   (a later miss, never wrong data).
-4. `restore(block_ids, keys)` copies retained data into the new session's blocks and registers
-   them; keys that are missing or expired come back as failed block ids (the caller recomputes).
-
-Thread-safety: one lock; callers that copy cache data (`before_write`, `restore`) also hold the
-server's kernel lock, so no attention call reads a block while it is being copied.
+More: README.md, "retain.py".
 """
 
 from __future__ import annotations

@@ -5,38 +5,7 @@ Carried as `MsgChannel` messages (`vllm_disagg.transport`): a fixed struct heade
 payloads (zero-copy on send). Nothing is pickled; the only structured payload is the JSON of the
 INIT handshake. Every received frame is checked (magic, version, type, sizes) before use.
 
-Conversation (FIFO per channel; the server answers in order):
-  INIT(json geometry)                   -> INIT_OK(json {num_blocks, supports_lse, ...}) | ERROR
-                                           (flag RESUME: the same worker reconnects, keep its
-                                           registrations; else a same-geometry INIT retains them)
-  ATTN(q, k, v [, meta])                -> OUT(out)               write k/v, run the kernel
-  QPREV(q [, meta]) then KV(k, v)       -> OUT_LSE(out, lse)      send-Q-early: attention over the
-                                           previous tokens is answered first, k/v land after it
-  PING                                  -> PONG
-  RESTORE(block_ids, keys)              -> RESTORE_OK(failed block ids)   copy retained KV into
-                                           the new session's blocks (`retain.py`), server-local
-  CLAIM(block_ids)                      -> CLAIM_OK               a prefill instance is about to push
-                                           into these blocks (`kv_ingest.py`, which cannot see
-                                           where a push writes): drop their registrations and move
-                                           retained data out of them first; the decode worker
-                                           registers the push with the prefill side only after this
-Any bad frame -> ERROR(utf-8 text); the server keeps serving.
-
-`meta` = (query_start_loc int32[R+1], seq_lens int32[R], block_table int32[R, C],
-slot_mapping int64[T]) travels with the first frame of a step (flag HAS_META) and is cached
-by the server under `meta_id` for the other layers of that step. A frame with HAS_META may also
-carry block registrations (flag HAS_REG: two more payloads, int32 block ids [n] and uint8 keys
-[n, 16]), applied before that step's KV writes. INIT and step-metadata frames may carry the
-request's W3C trace context (flag HAS_TRACE: one more payload, 25 bytes, always last;
-`vllm_disagg.observe.context.TraceContext`). An older peer's frames are refused with a line naming
-both versions.
-
-Protocol versions:
-  1: initial.
-  2: HAS_REG registrations on step-meta frames; RESTORE / RESTORE_OK; INIT flag RESUME.
-  3: CLAIM / CLAIM_OK (HAS_REG allowed, applied first), so servers that take prefill pushes retain.
-  4: HAS_TRACE (W3C trace context on INIT and step-metadata frames); message types are `MsgType`;
-     the INIT geometry may carry `kv_cache_dtype` and per-layer attributes (issue 19, helper matrix).
+More: README.md, "wire.py".
 """
 
 from __future__ import annotations

@@ -7,13 +7,7 @@ scheduler's number of blocks is what the servers hold, not local RAM) and swaps 
 `DisaggAttentionRunner`, which binds zero-byte placeholders (`meta` device) instead of allocating
 the cache and never zeroes blocks locally.
 
-If a server dies mid-step, the runner rebuilds: it reconnects (a restarted or replacement server
-at the same address), then recomputes the KV of every running request from its prompt and the
-tokens generated so far (one prefill pass per request, written to the new server through the same
-backend) and retries the step. See `recovery.py`.
-
-Use: `LLM(..., worker_cls="vllm_disagg.attention.worker.DisaggAttentionWorker",
-additional_config={"disagg": {"remote_attention": {"servers": ["127.0.0.1:PORT"]}}})`.
+More: README.md, "worker.py".
 """
 
 from __future__ import annotations

@@ -9,17 +9,7 @@ stop a push (its push timed out, the request was aborted, or D took it over from
 servers' retained KV) and answers CANCEL_ACK once none of its writes are still in flight; a CANCEL
 that arrives before the prefill request is remembered, so that push never starts.
 
-Wire format (one transport message per frame, no pickle):
-    header  = struct "!4sHHIIB": magic b"DGKV", PROTOCOL_VERSION, msg type, json length,
-              number of block ids, trace-context length (0 or 25; REGISTER only)
-    body    = UTF-8 JSON object (strings, ints, floats only)
-    payload = block ids as little-endian int32, then the binary W3C trace context
-              (`vllm_disagg.observe.context.TraceContext`)
-An older peer is answered with a REJECT in its own version's layout naming both versions.
-
-PROTOCOL_VERSION history:
-    1: initial (REGISTER / ACCEPT / REJECT / CANCEL / CANCEL_ACK).
-    2: trace context on REGISTER; CANCEL before REGISTER (takeover, abort) with a `reason`.
+More: README.md, "handshake.py".
 """
 
 from __future__ import annotations

@@ -2,21 +2,9 @@
 """What the scheduler half tells the worker half each step (in-process, never on the network).
 
 `DisaggConnectorMetadata` is built once per engine step by `DisaggConnectorScheduler` and bound to
-the worker before the forward pass:
+the worker before the forward pass (fields: README.md).
 
-* `recv_specs` (decode side): requests whose blocks were just allocated and must be registered with
-  the prefill instance named in their `kv_transfer_params`.
-* `save_specs` (prefill side): for every `do_remote_decode` request still in prefill this step, the
-  blocks it owns and how many prompt tokens will have KV once this step's forward is done.
-* `release_req_ids` (prefill side): requests whose `request_finished` returned delay_free=True;
-  the worker reports them in `finished_sending` once their push is over (done, failed or timed out).
-* `preempted_req_ids` (prefill side): pushes to abandon before their blocks are rewritten.
-* `cancel_specs` (decode side): pushes to CANCEL on their prefill side (the request was aborted
-  while it waited, or its KV is restored from the attention servers instead), so P frees at once.
-* `reuse` (Lamina model worker): retained blocks to restore and full blocks to register on the
-  attention servers (`vllm_disagg/kv/lamina/reuse.py`).
-
-`DisaggWorkerMetadata` goes the other way (worker -> scheduler): failure reasons of decode requests.
+More: README.md, "metadata.py".
 """
 
 from __future__ import annotations

@@ -1,22 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """Decode side of the KV push (runs in the decode worker): registration and landing.
 
-Lifecycle of one receive (`_Recv`, keyed by transfer_id):
+Lifecycle of one receive (`_Recv`, keyed by transfer_id): README.md.
 
-    registering  a RecvSpec arrived in the step metadata; a pool thread sends REGISTER (handshake
-                 fields + this worker's receiver address + local block ids) to the prefill side
-    registered   ACCEPT came back and the prefill side's handshake fields match ours too
-    landing      the transport notifies each write once its bytes are in our KV blocks; we count
-                 bytes until every block of every layer has landed -> done (finished_recving)
-    failed       REJECT (handshake mismatch, error names the field), prefill unreachable or lost,
-                 or push_timeout_s passed (then CANCEL first, so no late write can land in blocks
-                 the scheduler will reuse) -> finished_recving + failed_recving; the scheduler's
-                 kv_load_failure_policy recomputes the prompt locally ("recompute") or fails it
-    cancelled    the request was aborted while it waited (client gone, router cut it): CANCEL, so
-                 the prefill side frees its blocks now, then failed as above (vLLM frees ours)
-
-A request D restores from the attention servers instead (`reuse.takes_over_push`) never registers:
-`cancel` sends its prefill side a CANCEL all the same, so P drops that push at once.
+More: README.md, "push_receiver.py".
 """
 
 from __future__ import annotations

@@ -1,28 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """Prefill side of the KV push (runs in the prefill worker): side channel + sender thread.
 
-Lifecycle of one push (`_Push`, keyed by req_id; the decode side knows it by transfer_id):
+Lifecycle of one push (`Push`, keyed by req_id; the decode side knows it by transfer_id): README.md.
 
-    created    first SaveSpec seen (step that schedules the request)
-    ready      after each layer's attention, `layer_saved(L)` marks the tokens whose KV is written;
-               `step_done()` marks all layers (the forward is over)
-    registered the decode worker's REGISTER arrived on the side channel and passed the handshake
-    issuing    sender thread: layer-wise -> one write per layer as soon as whole blocks are ready;
-               serialized (prompt < layerwise_threshold_tokens) -> one write of all layers at the end
-    over       every block of every layer landed (done) or the push failed (handshake, timeout,
-               peer lost, cancelled, preempted) and no write is still in flight
-    released   scheduler finished the request (delay_free); once over -> finished_sending
-
-The bookkeeping (which blocks of which layer may go, when a push is over) is `push_plan.py`; this
-module is its I/O: the side channel server, the KV sender and the sender thread, under one lock.
-Blocks are read by the sender thread while the engine keeps running: safe because the scheduler
-keeps them allocated until finished_sending, and CPU_ATTN has written a layer's KV when
-save_kv_layer runs. (On GPU a stream event must be recorded per layer before queueing; not done.)
-
-Targets: by default the decode worker's own receiver (`address`). A decode model worker with remote
-attention registers `targets` instead, "address,num_shards,shard" per attention server, ";"-joined
-(`vllm_disagg.kv.lamina.targets`): each gets KV-head slice `shard` of `num_shards` of every block (a
-contiguous part of the block in the CPU layout), or whole blocks with `num_shards=1`.
+More: README.md, "push_sender.py".
 """
 
 

@@ -1,29 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Scheduler half of `DisaggConnector` (runs in EngineCore): pure bookkeeping, no network.
 
-Decode side (`kv_transfer_params.do_remote_prefill`):
-    get_num_new_matched_tokens -> (prompt tokens not cached locally, load_async=True)
-    update_state_after_alloc   -> remember the allocated blocks as a `RecvSpec`
-    build_connector_meta       -> hand the spec to the worker, which registers it with the prefill
-                                  side channel; the request waits in WAITING_FOR_REMOTE_KVS until
-                                  the worker reports it in finished_recving (or failed_recving: the
-                                  scheduler's kv_load_failure_policy then recomputes or fails it)
-    a request seen once is never loaded again, so a failed push falls back to local prefill.
-    request_finished           -> a request aborted while it waited: CANCEL its push (`CancelSpec`),
-                                  so P frees its blocks now and the worker reports the receive over
-
-Lamina model worker (`reuse`, set with remote_attention): a request without do_remote_prefill may
-restore full blocks the attention servers kept from the previous model worker; see
-`vllm_disagg/kv/lamina/reuse.py` (this class only routes to it). A P/D request whose tokens the servers
-kept (a replay after a model-worker restart) is restored the same way instead of pushed
-(`reuse.takes_over_push`), and its prefill side gets a CANCEL so it frees that push's blocks at once.
-
-Prefill side (`kv_transfer_params.do_remote_decode`):
-    update_state_after_alloc   -> remember transfer id and prompt length
-    build_connector_meta       -> per step, each prefilling request's blocks and computed tokens
-                                  (`SaveSpec`), so the worker can push every layer as it is written
-    request_finished           -> delay_free=True; blocks stay until the worker's finished_sending
-    has_pending_push_work      -> keep the engine stepping until every push is over
+More: README.md, "scheduler.py".
 """
 
 from __future__ import annotations

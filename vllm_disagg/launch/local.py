@@ -9,15 +9,7 @@ own cores with VLLM_CPU_OMP_THREADS_BIND, on 127.0.0.1) -> `wait_healthy()` -> `
 With attention servers, `start(attention_specs(...))` runs them first: the model worker connects to them
 while it loads, so they must answer `/health` before it starts.
 
-Supervision (`RestartPolicy`): an engine instance (P, D/model worker, mixed) that dies after it was
-healthy is started again with the same command line, ports and cores, after a doubling backoff, a
-bounded number of times. The router's health checks drop it meanwhile and restore it once it answers;
-its replay re-sends the requests that were in flight (router/replay.py). A restarted model worker
-reconnects to its attention servers with the same token and geometry: it opens new sessions (INIT
-again), the servers keep their KV allocation and the full blocks the old worker registered, and the
-new worker's connector restores those of the replayed requests (prompt + generated ids) instead of
-prefilling them again (kv/lamina/reuse.py). That is why a model worker always gets the connector
-(kv_consumer), with or without prefill instances.
+More: README.md, "local.py".
 """
 
 from __future__ import annotations

@@ -10,8 +10,7 @@ For each candidate (dense batch size from the profiled fast sizes, nano-batch co
    whole device, nothing overlaps) always competes, so the plan never loses to no overlap in the
    model's own estimate.
 
-Discrete batching: `fast_sizes` are the token counts whose dense throughput beats every smaller
-size; the dense batch is chosen among them.
+More: README.md, "autosearch.py".
 """
 
 from __future__ import annotations

@@ -9,13 +9,7 @@ and the network side work submitted during the step has drained. The first error
 and is re-raised on the caller's thread. With `inline=True` (one unit, nothing to overlap) the ops
 run on the caller's thread in the schedule's global order: the paper's "nano-batch only" mode.
 
-CPU kernel exclusion: vLLM 0.32's CPU attention kernel and its oneDNN GEMM (`onednn_mm`) share
-one process-global, unsynchronised scratch buffer (`cpu_utils::ScratchPadManager` in
-`vllm/_C.abi3.so`; the GEMM keeps its brgemm batch pointers there, attention its Q/logit tiles,
-and a larger request frees and reallocates it). Two such ops on two threads at once corrupt each
-other: that was the intermittent SIGSEGV (a brgemm kernel dereferencing float data). Ops on
-`exclusive_units` therefore hold `CPU_KERNEL_LOCK` while they run; network-bound units (all-reduce,
-remote attention RPC) stay free to overlap them.
+More: README.md, "executor.py".
 """
 
 from __future__ import annotations

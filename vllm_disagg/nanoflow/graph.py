@@ -10,8 +10,7 @@ Per decoder layer `l`, with `n_attn` fine nano-batches `a` and `n_dense` coarse 
 
     kqv[l,a] -> attn[l,a] -> o[l,b] -> (ar_o[l,b]) -> ugd[l,b] -> (ar_d[l,b]) -> kqv[l+1,a]
 
-`ar_*` exist only with tensor parallelism. Attention runs on unit "attn", or on "net" when it is
-network-bound (remote attention).
+More: README.md, "graph.py".
 """
 
 from __future__ import annotations

@@ -10,10 +10,7 @@ run without this gate, 0 with it). `LayerSaveGate` forwards a layer's save only 
 when every row of the step has been written; `wait_for_save` at the end of the forward is
 unchanged. The gate passes calls straight through outside nano-batched steps.
 
-Only connectors that save a whole layer for the step's requests on one call are gated
-(`DisaggConnector`, which ignores the call's `attn_metadata`). A connector that saves the rows named
-by each call's metadata (slot mapping, as vLLM's storage connectors do) already gets one call per
-nano-batch with that nano-batch's metadata, which is right for it: it is left alone.
+More: README.md, "kv_save.py".
 """
 
 from __future__ import annotations

@@ -9,18 +9,7 @@ nano-batches can run concurrently. Numerics match the stock forward: the same mo
 slices, RowParallelLinear's all-reduce is split out as its own op (`ar_o`/`ar_d`) and run on the
 "net" unit.
 
-Network-bound attention (remote attention, n=2 ping-pong) is split in two when `op_fns(...,
-split_network_attention=True)`: KQV sends the nano-batch's request right after computing q/k/v
-(dense unit, `overlap.deferred_waits`), and the "attn" op on the net unit only waits for the
-reply. The server then finds nano-batch i+1's request queued when it finishes nano-batch i, instead
-of idling while the net thread wakes, finishes i and only then sends i+1 (~0.3-0.45 ms a layer and
-nano-batch here). The runner enables it only when the schedule keeps sends and waits in the same
-order (replies come back in send order per channel). A step that fails after sending leaves those
-replies unread: the next wait sees a sequence mismatch, which the remote runner recovers like a lost
-server (reconnect, rebuild by recompute), so no wrong token is possible.
-
-Anything else uses `sequential_forward`: the whole model per nano-batch, one after another
-(correct, no op overlap).
+More: README.md, "pipeline.py".
 """
 
 from __future__ import annotations

@@ -1,20 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Remote attention (Lamina) on the nano-batch executor: the one overlap mechanism for both.
 
-`--worker-cls vllm_disagg.nanoflow.remote.NanoFlowRemoteAttentionWorker` with both
-`remote_attention` and `nanoflow` in `additional_config["disagg"]`. The step is cut into nano-batches
-either way; `remote_attention.pipeline` picks what overlaps:
-- 2 (ping-pong): the remote impl is marked network-bound, so every layer's attention runs on the
-  executor's "net" unit and, while nano-batch i waits for its attention servers, the "dense" unit
-  computes nano-batch i+1 (paper section 4.3, n=2). The request itself goes out from the dense
-  unit right after its KQV and the net unit only waits for the reply (`pipeline.py`, split send),
-  so the server finds nano-batch i+1's request queued when it finishes i.
-- 1: the same nano-batches, the same RPCs, run one after the other (one batch in flight): the
-  baseline that isolates what the overlap buys, on the same runner and executor.
-Composition only: the remote worker/runner are `vllm_disagg.attention.worker`'s. Server loss is
-recovered above the nano-batch runner (`RemoteRecoveryMixin` first in the MRO): the split step
-fails as a whole on the caller's thread, the KV is rebuilt, the step re-runs split
-(`vllm_disagg.attention.recovery`).
+More: README.md, "remote.py".
 """
 
 from __future__ import annotations

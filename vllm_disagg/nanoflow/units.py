@@ -9,9 +9,7 @@ One interface, two implementations:
   high-priority `torch.cuda.Stream` with no SM cap (logged once). Untested here (no GPU); tests are
   marked `gpu`.
 
-Lifecycle: `bind()` once on the unit's own thread, then `launch(fn)` per op, which returns a
-completion token; `wait(token)` makes later work on this unit wait for another unit's token
-(a no-op on CPU, where `launch` is synchronous; a stream-event wait on GPU).
+More: README.md, "units.py".
 """
 
 from __future__ import annotations

@@ -10,13 +10,7 @@ and batching code as every other simulation, and the predicted TTFT/TBT
 percentiles are compared with the measured ones. Nothing from the validation
 workload feeds the model.
 
-`machine` describes the measured deployment:
-    kv_capacity_tokens    KV tokens each instance holds
-    max_num_batched_tokens  prompt tokens per iteration (vLLM's chunk budget)
-    chunked_prefill       vLLM fills that budget, chunking the last prompt (default true)
-    layerwise_min_tokens  shortest prompt pushed layer-wise
-    kv_layerwise_overhead_ms  visible part of a layer-wise push
-    first_token_on        "decode" (vLLM P/D: D samples token 1) or "prefill" (Splitwise)
+More: README.md, "calibrate.py".
 """
 
 from __future__ import annotations

@@ -1,18 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Splitwise's machine-level scheduler (MLS, §IV-B) for the simulator.
 
-One class serves every pool; what it batches depends on what it was given:
-* prompts FCFS, batched up to `prompt_token_cap` tokens (2048; a longer
-  prompt runs alone), or, with `chunked_prefill` (vLLM V1's scheduler, where the
-  cap is max_num_batched_tokens), the budget is filled exactly: the last prompt
-  taken gets a chunk of what is left and goes on first in the next iteration;
-* decodes FCFS with continuous batching, admitted only while their KV fits
-  (memory-aware: the rest wait in `decode_waiting`);
-* a machine running both (mixed pool, or a baseline) does mixed continuous
-  batching: prompts first, and when a prompt does not fit in memory it
-  preempts the youngest decodes, each at most `max_preemptions` times.
-  A preempted decode keeps its progress and waits for memory again (its
-  KV is assumed swapped, not recomputed: recompute cost is not modelled).
+More: README.md, "machine.py".
 """
 
 from __future__ import annotations

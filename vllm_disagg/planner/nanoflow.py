@@ -6,13 +6,7 @@ Per-op compute/memory/network for one iteration of a dense batch of
 time estimates T_compute / T_mem / T_net, the verdict, the optimal
 throughput `Compute / (2·P_Model)` and the KV-offload bandwidth.
 
-Conventions that reproduce Table 2 (see README.md):
-* GEMM FLOPs are 2·M·N·K summed over layers; their memory traffic is the
-  weights plus the input and output activations.
-* T_compute = FLOP / (N·Compute), T_mem = bytes / (N·MemBW), and
-  T_net = bytes / (N·NetBW_one-way) (footnote 5).
-* Collectives move 4·B·D·Dtype·L per GPU pair over a ring: 2 AllGather + 1
-  AllReduce (Eq. 7) times (N-1), and add 2·(N-1)·B·D·L FLOPs (Appendix A).
+More: README.md, "nanoflow.py".
 """
 
 from __future__ import annotations

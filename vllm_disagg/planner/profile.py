@@ -6,16 +6,7 @@ optional; a model uses the measured curve when present and its roofline
 default otherwise. Curves are piece-wise linear in their first key, as
 Splitwise's performance model (§V-B), and extrapolate linearly.
 
-    {"schema": "vllm-disagg-profile/1", "device": "...", "model": "...",
-     "prefill":     [{"num_tokens": 128, "ms": 9.1}, ...],
-     "prefill_batched": [{"num_prompts": 4, "num_tokens": 512, "ms": 40.0}, ...],
-     "decode":      [{"batch_size": 1, "ms": 4.2, "context_tokens": 512}, ...],
-     "kv_transfer": [{"num_tokens": 128, "ms": 0.8}, ...],
-     "mtime":       [{"batch_size": 1, "ms": 3.0}, ...],
-     "atime":       [{"batch_size": 1, "context_tokens": 4096, "ms": 0.5}, ...],
-     "ops":         {"GEMM-KQV": [{"num_tokens": 2048, "ms": 16.08}], ...},
-     "measured":    {"ttft_ms_p50": .., "tbt_ms_p50": .., "rps": ..,
-                     "prompt_tokens": .., "output_tokens": .., "num_requests": ..}}
+More: README.md, "profile.py".
 """
 
 from __future__ import annotations

@@ -5,20 +5,7 @@ Azure format (AzurePublicDataset, AzureLLMInferenceDataset2023):
 `TIMESTAMP,ContextTokens,GeneratedTokens`, timestamps as
 `2023-11-16 18:15:46.6805900` or plain seconds.
 
-Synthetic traces have Poisson arrivals at the target rate (Splitwise §V-B),
-from a seeded RNG. Their lengths:
-* `coding`, `conversation`: drawn from the empirical length distribution of
-  the public Azure traces Splitwise characterizes (§III, Fig. 3), stored as
-  quantiles in `data/trace_lengths.json` (inverse CDF). This is what
-  SplitwiseSim does (sizes resampled from the trace, Poisson arrivals). The
-  shape matters, not just median and mean: a fifth of coding prompts are
-  under 400 tokens and a tenth over 5000, and short prompts queued behind
-  long ones are what breaks the TTFT-slowdown SLOs (see README, Fig. 12);
-* `coding-lognormal`, `conversation-lognormal`: log-normals with the same
-  median (Splitwise §III) and mean (Lamina Table 4), lighter at both ends;
-* `splitwise`, `lmsys`, `sharegpt`: log-normals with NanoFlow Table 3's mean
-  and standard deviation.
-`resample_poisson` does the same with any Azure CSV.
+More: README.md, "traces.py".
 """
 
 from __future__ import annotations

@@ -7,14 +7,7 @@ to its pool; a member that is gone is first marked unhealthy (the scheduler rele
 booked on it, so in-flight requests fail over as they would on a health-check drop), then removed.
 Health checks stay the router's own business: discovery only says who exists.
 
-- `StaticSource`: the `--prefill/--prefill-kv/--decode/--mixed` flags (never changes).
-- `KubernetesEndpointsSource`: the ready addresses of the headless pool Services (deploy/k8s),
-  read from the API server with the pod's service-account token; ports by name (`http`, `kv`).
-- `RayActorSource`: named actors of `vllm_disagg.launch.ray` in a Ray namespace; each reports its
-  current endpoint, which changes when Ray restarts it.
-
-The router CLI calls `add_discovery_args(parser)` and `attach_from_args(router, args)`; the Ray
-launcher builds a `MembershipSync` on its in-process router directly.
+More: README.md, "discovery.py".
 """
 
 from __future__ import annotations

@@ -9,11 +9,7 @@ the request goes to the *mixed pool*; if the mixed pool is also full, an
 instance of the opposite pool is moved into it. A mixed instance keeps its
 identity and goes home once it has no work of the opposite kind left.
 
-The HTTP router (`vllm_disagg.router`) and the planner's simulator
-(`vllm_disagg.planner.splitwise_sim`) both drive this one class, through
-`pick` / `on_prefill_done` / `on_decode_progress` / `on_request_done` /
-`mark_unhealthy`. Nothing here reads a clock, a socket or a file; a caller that must react to
-membership changes (the router's admission wait) registers a plain callback in `listeners`.
+More: README.md, "policy.py".
 """
 
 from __future__ import annotations

@@ -10,12 +10,7 @@ client sees one uninterrupted completion: the first attempt's `id`/`created`, no
 no `token_ids` unless the client asked for them. Non-streamed requests carry no partial output, so
 they are re-sent whole (`generated == []`).
 
-Exactness: greedy requests continue token-identically (the continuation's prefill recomputes the
-same KV). A sampled request continues with fresh randomness; a `seed` restarts its generator at the
-continuation, so the tokens after the failure are reproducible run to run but differ from an
-uninterrupted run. A `stop` string that spans the failure point is not seen (vLLM checks the
-continuation's own text), and a chat continuation runs no reasoning/tool parser. Completion
-`logprobs` continue, but their `text_offset`s restart at the continuation's own text.
+More: README.md, "replay.py".
 """
 
 from __future__ import annotations

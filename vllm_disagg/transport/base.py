@@ -1,30 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """The transport contract: every backend (tcp, shm, nixl, loopback; rdma later) implements it.
 
-Two clients, two shapes:
+Two clients, two shapes (README.md, "base.py").
 
-* **KV push** (Splitwise). The decode side owns a `KVReceiver`: it registers its KV cache tensors
-  (one per layer, `[num_blocks, ...]`, contiguous) as named regions, `start()`s and hands
-  `receiver.address` to the prefill side. The prefill side's `KVSender.connect(address)` returns a
-  `KVPeer`; `peer.write_blocks(writes, transfer_id, layer)` copies whole blocks `src[src_block_ids]
-  -> region[dst_block_ids]` and returns an `XferHandle` at once (never blocks the forward pass).
-  The receiver gets one `Notification(transfer_id, layer, seq)` per `write_blocks` call, delivered
-  only after all its bytes have landed, and in the order the sender issued them (per peer).
-
-* **Message channel** (Lamina per-layer attention RPC). `Transport.listen_msg()` gives a
-  `MsgListener`; `accept()` and `Transport.connect_msg(address)` each give a `MsgChannel`.
-  `send(header, tensors)` ships opaque header bytes plus raw tensor bytes (zero-copy from tensor
-  memory); `recv(out=[...])` lands each payload straight into the caller's preallocated buffers.
-
-Lifecycle of a transfer, seen from the sender: `PENDING -> DONE` (source memory may be reused) or
-`PENDING -> FAILED` (`handle.error` is a `DisaggError`: `PeerLostError`, `TransportTimeout`, ...).
-Poll with `handle.state()`, or `handle.wait(timeout)`. Caller mistakes (unknown region, block id out
-of range, shape mismatch) raise `ValueError` at the call; peer and wire failures never raise from
-`write_blocks`, they fail the handle.
-
-Every wait is bounded (`TransportOptions.timeout_s` unless a timeout is passed). A dead peer
-surfaces as `PeerLostError`, never as a hang. Peers prove a shared token before any bytes move.
-Backends are chosen with `get_transport(kind, options)` (see `__init__.py`), imported lazily.
+More: README.md, "base.py".
 """
 
 from __future__ import annotations

@@ -3,41 +3,9 @@
 
 The servers keep each model worker's registered full blocks, by content key (`block_keys.py`),
 when its session ends, and copy them into new block ids on request (`docs/design/retain_api.md`). This
-module is the `DisaggConnector`'s part of that, active only with `remote_attention` configured:
+module is the `DisaggConnector`'s part of that, active only with `remote_attention` configured (its halves: README.md).
 
-Scheduler half, `DisaggReuseScheduler` (EngineCore):
-    __init__                    -> GET /kv/retained on every server
-    get_num_new_matched_tokens  -> leading full blocks of the request whose keys are retained (head-wise
-                                   on every server, request-wise on one), never the last token (vLLM
-                                   must compute >= 1), loaded synchronously
-    takes_over_push             -> the same for a P/D request, if the match leaves at most a short tail:
-                                   restored here instead of pushed by the prefill instance (a replay)
-    update_state_after_alloc    -> (key, new block id) pairs to restore this step
-    build_meta (per step)       -> the restores, plus registrations: the full blocks of each scheduled
-                                   request within `request.num_computed_tokens`. `build_connector_meta`
-                                   runs before the scheduler adds this step's tokens, so those blocks'
-                                   KV was written by an earlier step and reaches the servers before
-                                   this step's meta frame (one ordered channel per server).
-    request_finished            -> the finished request's last full blocks go out in the next step
-Worker half, `DisaggReuseWorker` (model runner process):
-    bind       -> `client.queue_registrations(...)`: they ride on the step's first meta frame
-    start_load -> `client.restore(pairs)` before the forward; blocks that could not be restored (miss,
-                  expiry, lost server) are reported by `take_load_errors`, and vLLM recomputes them
-                  (`kv_load_failure_policy="recompute"`): a miss costs compute, never a wrong token.
-
-Lookups need `kv_load_failure_policy="recompute"` (`vllm-disagg up` sets it); with vLLM's default
-"fail" a block that expired between lookup and restore would fail its request, so nothing matches.
-Request-wise, a request's blocks live on one server: the restore names each pair's request (its
-first block id) and the client places the request on the server that restored the longest prefix.
-
-P/D requests (a prefill instance pushes their prompt into the servers' blocks): their blocks register
-like any other once the request is scheduled after the push landed; the push's target blocks are
-CLAIMed on the servers first (`kv/lamina/targets.py`), so retained data is moved out before it lands.
-
-Limits: registrations ride on the next step's frame, so the blocks filled by the last step before
-the engine idles (or is killed) are not kept; the retained set is read once at start (and retried
-while the servers do not answer), so blocks kept later are not seen; a block recomputed after a
-server loss (recovery.py) is not registered again, which only costs a later miss.
+More: README.md, "lamina/reuse.py".
 """
 
 from __future__ import annotations

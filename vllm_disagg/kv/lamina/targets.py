@@ -7,15 +7,7 @@ ids (= the servers' block ids), this receiver registers them with the prefill si
 is reported in finished_recving once every byte landed; a dead or stalled prefill instance makes D
 recompute the prompt (kv_load_failure_policy=recompute), written to the servers by the model.
 
-What differs from `PushReceiver`:
-- REGISTER carries `targets` = [kv address, num_shards, shard] per server instead of one receiver:
-  head-wise every server gets its KV-head slice of every block; request-wise the request's server
-  (placed now, on the engine thread, by the attention client's `RequestPlacer`) gets whole blocks.
-- Before REGISTER, the request's blocks are CLAIMed on the servers that will hold them (a synchronous
-  round trip on the attention client's channels), so a server that keeps KV across a model-worker
-  restart moves retained data out of them before the push overwrites it (attention/retain.py).
-- Landing is counted on the servers (`attention/kv_ingest.py`); a thread asks them
-  (`attention.queries.landed_bytes`) while receives are pending and sums the bytes per transfer.
+More: README.md, "lamina/targets.py".
 """
 
 from __future__ import annotations

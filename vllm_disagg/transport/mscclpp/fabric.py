@@ -5,17 +5,7 @@
 registered memory into a remote one), `Link.put_u64` (an 8-byte value written after everything
 queued before it: the seqword / credit), `Link.flush` (bounded wait until the queue landed).
 
-* `MscclppFabric` maps them 1:1 onto mscclpp's host API (python/csrc/core_py.cpp at the pinned
-  commit, README): `Context.create()`, `create_endpoint(EndpointConfig(transport, Device(GPU,
-  id)))`, `Context.connect(local, remote)` -> `Connection`, `register_memory(ptr, size,
-  TransportFlags)`, `Connection.write / update_and_sync / flush(timeout_usec)`, and
-  `Endpoint/RegisteredMemory.serialize()/deserialize()` for the control channel. Transport: IB
-  (port channel: proxy/NIC, across nodes) or CudaIpc (memory channel: NVLink/PCIe, one node).
-  **It cannot build or run on the CPU build box and has never run**: it is written against the
-  real API and waits for a GPU machine (`tests/unit/transport/test_mscclpp_backend.py`, gpu mark).
-* `HostFabric` performs the same operations with memmove inside ONE process. It is not a
-  transport anyone can select: it exists so that everything around mscclpp (control channel,
-  framing, ring/seqno protocol, block-run planning, errors) runs in CI through this interface.
+More: README.md, "fabric.py".
 """
 
 from __future__ import annotations

@@ -3,16 +3,7 @@
 seqno wait. NOT testable on the build box (no GPU, no NIC); exercised only when a GPU + RDMA
 NIC machine is lent (`@pytest.mark.gpu` + `rdma`). The CPU path shares every other line.
 
-* `register_gpu_memory`: export the CUDA allocation holding a tensor as a dma-buf
-  (`cuMemGetHandleForAddressRange`, CUDA >= 11.7, kernel >= 5.12, a NIC driver with
-  `ibv_reg_dmabuf_mr`, e.g. mlx5) and register it with pyverbs' `DmaBufMR`. The MR is addressed
-  by iova = offset inside the allocation, so `iova_base` replaces the virtual address in WRs.
-  Fallback: legacy peer memory (`nvidia_peermem` loaded), where plain `ibv_reg_mr` accepts a
-  CUDA pointer. Neither available -> `TransportUnavailable` naming both.
-* `SeqnoWaiter`: launches `csrc/seqno_poll.cu`'s kernel on the consumer's stream *before* the
-  data arrives (so launch latency is off the critical path); it spins on a u64 seqword in device
-  memory that the sender's last WRITE of the post fills, then the consumer kernel queued behind
-  it on the same stream runs. No CPU sits between NIC and GPU on the receive side.
+More: README.md, "gpu.py".
 """
 
 from __future__ import annotations

@@ -7,19 +7,7 @@ the authenticated control listener; each sender gets its own RC QP and ring. A p
 watches every peer's next seqword (CPU polling of host memory) and turns ready slots into
 `Notification`s, in seq order, then returns credits by an RDMA WRITE.
 
-Sender: `write_blocks` checks the call (ValueError), registers the source tensor once (cached
-MR), turns block ids into runs of consecutive blocks and queues one job; a per-peer worker posts
-[data WRITEs..., notification body, seqword] as one chain with only the seqword signalled. Its
-completion (RC: acked, so everything before it landed) finishes the handle. A WC error, a closed
-control socket or an expired deadline fails the handle with a `DisaggError`, never a hang.
-
-Completion variants, chosen per sender (`completion=`, default `$VLLM_DISAGG_RDMA_COMPLETION`) and
-announced in its hello (`proto.FLAG_IMM`, echoed by the receiver, which serves both kinds at once):
-`seqword` ends the post with WRITE(body) + WRITE(seq+1) polled in memory (what a GPU kernel can
-poll); `imm` ends it with WRITE_WITH_IMM(body, imm=seq) and the receiver takes the seq from its
-receive CQE (correct under PCIe relaxed ordering, where the seqword is not).
-
-This module holds what both halves share; the receiver is `kv_rx.py`, the sender `kv_tx.py`.
+More: README.md, "kv.py".
 """
 
 from __future__ import annotations

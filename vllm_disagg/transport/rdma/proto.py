@@ -8,10 +8,7 @@ client's AUTH hello carries its `QpInfo` (+ its credit word), the server's WELCO
 after both sides proved the shared token are rkeys revealed. Everything is `struct`-packed and
 bound-checked; nothing is pickled. Pure python (no numpy/torch) so the soft-RoCE VM can run it.
 
-Ring layout (receiver memory, one ring per peer): `slots * slot_bytes` bodies, then `slots`
-u64 seqwords. The writer posts WRITE(body) then WRITE(seqword = seq + 1) in one post on the same
-RC QP; the reader polls seqword[seq % slots] == seq + 1 (0 = never written), then reads the body.
-The reader returns credits by an RDMA WRITE of its consumed count into the writer's credit word.
+More: README.md, "proto.py".
 """
 
 from __future__ import annotations

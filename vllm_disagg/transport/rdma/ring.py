@@ -9,10 +9,7 @@ seqwords in host memory with the CPU (on a GPU the same word is polled by
 credit word, so a writer never overwrites an unread slot. No CPU work at the reader is needed
 for data to land; it only watches one word per peer.
 
-Relaxed-ordering variant (`imm=True`): with PCIe relaxed ordering a visible seqword does not prove
-the body before it was placed. There the body goes as RDMA_WRITE_WITH_IMM (imm = seq) and no
-seqword is written; the reader learns of slot `seq` from the receive CQE (`landed(imm)`), which
-the NIC generates only after the WRITE's data is placed. The seqword stays unused (0).
+More: README.md, "ring.py".
 """
 
 from __future__ import annotations

@@ -7,14 +7,7 @@ The writer copies then publishes `tail`; the reader copies out then publishes `h
 aligned 8-byte stores and x86-64's store ordering (TSO) make this safe without locks; other CPUs
 would need explicit barriers.
 
-Waking (spin-then-block): the reader spins `spin_us` on `tail`, then raises its sleeping flag
-and sleeps in poll() on its data eventfd plus the unix socket of the connection, which doubles
-as the liveness signal: EOF there means the peer died. The writer signals the eventfd only when
-the flag is up, so a spinning reader costs the writer no syscall. The flag/tail handshake is
-Dekker's (store mine, load theirs), which TSO may reorder; `_fence()` (a locked instruction:
-CPython's lock acquire/release) sits between the store and the load on both sides. The sleeps
-are also cut into `_WAKE_SLICE_S` slices, so even a lost wake would cost at most that.
-The rare full-ring wait uses the writer-waiting flag and 1 ms poll slices the same way.
+More: README.md, "shm/ring.py".
 """
 
 from __future__ import annotations
