@@ -13,6 +13,7 @@ Removal plan: when the selector keys its cache on the backend registry or the co
 
 from __future__ import annotations
 
+from vllm_disagg.patches import is_applied
 from vllm_disagg.patches.compat import mark_skipped, version_ok
 
 NAME = "attn_backend_cache"
@@ -31,8 +32,6 @@ def apply(hooks=None) -> bool:
 
 
 def clear_attn_backend_cache() -> None:
-    from vllm_disagg.patches import is_applied
-
     if not is_applied(NAME):
         return
     from vllm.v1.attention.selector import _cached_get_attn_backend

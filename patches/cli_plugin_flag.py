@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import sys
 
+from vllm_disagg.config import DisaggConfigError
 from vllm_disagg.patches.compat import mark_skipped, version_ok
 
 NAME = "cli_plugin_flag"
@@ -56,7 +57,6 @@ def _from_cli_args(cls, args):
     from vllm.engine.arg_utils import EngineArgs
 
     # ### PATCH START
-    from vllm_disagg.config import DisaggConfigError
 
     try:
         EngineArgs._vllm_disagg_merge_flags(args)

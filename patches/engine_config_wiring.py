@@ -14,6 +14,7 @@ Removal plan: none upstream yet; keep in step with `create_engine_config`'s sign
 
 from __future__ import annotations
 
+from vllm_disagg.config import parse_disagg_config
 from vllm_disagg.patches.compat import PatchNotApplied, install, mark_skipped, skip_reason, version_ok
 
 NAME = "engine_config_wiring"
@@ -48,8 +49,6 @@ def _create_engine_config(self, *args, **kwargs):
 
 
 def _refuse(raw) -> None:
-    from vllm_disagg.config import parse_disagg_config
-
     if parse_disagg_config(raw).enabled:
         raise PatchNotApplied(f'vllm-disagg: additional_config["disagg"] needs patch {NAME} ({UPSTREAM}), '
                               f"which did not apply: {skip_reason(NAME) or 'see the log'}")

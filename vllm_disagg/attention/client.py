@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from vllm.logger import init_logger
 
+from vllm_disagg import envs
 from vllm_disagg.attention import wire
 from vllm_disagg.attention.merge import merge_attn_states, partial_attention
 from vllm_disagg.attention.partition import RequestPlacer, head_shards
@@ -147,8 +148,6 @@ class DisaggAttentionClient:
     def __init__(self, servers: list[str], transport: str = "shm", partition: str = "head",
                  send_q_early: bool = True, timeout_s: float = 30.0, auth_token: str | None = None,
                  spin_us: float | None = None):
-        from vllm_disagg import envs
-
         if not servers:
             raise ValueError('remote_attention.servers is empty: list the attention servers\' HOST:PORT')
         token = auth_token or envs.auth_token()

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from vllm.logger import init_logger
 
+from vllm_disagg.attention import backend
 from vllm_disagg.attention.client import AttentionServerLost, ClientMeta, DisaggAttentionClient, ServerConn
 from vllm_disagg.attention.wire import StepMeta
 
@@ -141,7 +142,6 @@ def forward_with_recovery(runner, forward, *args, **kwargs):
 
 def _client_of(runner) -> DisaggAttentionClient:
     """The client this runner's model was built with (two in-process engines have two)."""
-    from vllm_disagg.attention import backend
 
     layers = runner.vllm_config.compilation_config.static_forward_context.values()
     for layer in layers:

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from vllm.logger import init_logger
 
+from vllm_disagg import envs
 from vllm_disagg.attention import wire
 from vllm_disagg.attention.kernels import AttentionKernel, kv_bytes_per_block, make_kernel, preload
 from vllm_disagg.attention.retain import KVRetention
@@ -51,8 +52,6 @@ class DisaggAttentionServer:
                  recv_timeout_s: float = 1.0, num_threads: int | None = None, data_port: int = 0,
                  spin_us: float | None = None, kv_transport: str | None = None, kv_port: int = 0,
                  retain_ttl_s: float = 600.0, retain_copy_bytes: int | None = None):
-        from vllm_disagg import envs
-
         token = auth_token or envs.auth_token()
         if not token:
             raise ValueError("attention server needs a shared token: set VLLM_DISAGG_AUTH_TOKEN")

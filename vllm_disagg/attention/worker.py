@@ -17,7 +17,7 @@ from vllm.logger import init_logger
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
 
-from vllm_disagg.attention import backend, register
+from vllm_disagg.attention import backend, recovery, register
 from vllm_disagg.attention.client import DisaggAttentionClient
 from vllm_disagg.config import disagg_config_from_vllm
 from vllm_disagg.patches import require
@@ -115,6 +115,4 @@ class DisaggAttentionRunner(CPUModelRunner):
         pass  # the servers own the blocks; attention never reads past seq_len
 
     def _model_forward(self, *args, **kwargs):
-        from vllm_disagg.attention import recovery
-
         return recovery.forward_with_recovery(self, super()._model_forward, *args, **kwargs)

@@ -20,6 +20,8 @@ import sys
 
 import aiohttp
 
+from vllm_disagg.router.ray_registry import ROUTER_KEY, instance_endpoints
+
 _LOAD_SERIES = ("vllm:num_requests_running", "vllm:num_requests_waiting")
 _ATTN_SERIES = ("vllm:disagg_attention_sessions", "vllm:disagg_attention_queue_depth")
 
@@ -56,8 +58,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _from_ray(address: str, namespace: str, timeout_s: float) -> tuple[str | None, list[dict]]:
     import ray
-
-    from vllm_disagg.router.ray_registry import ROUTER_KEY, instance_endpoints
 
     ray.init(address=address, namespace=namespace, log_to_driver=False, logging_level="ERROR")
     try:

@@ -15,6 +15,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from vllm_disagg.envs import cache_dir
+
 logger = logging.getLogger(__name__)
 
 PLAN_VERSION = 1
@@ -89,8 +91,6 @@ class NanoFlowPlan(BaseModel):
 
 
 def default_plan_path(model: str) -> Path:
-    from vllm_disagg.envs import cache_dir
-
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in str(model).strip("/"))
     return cache_dir() / "nanoflow" / f"{safe[-120:]}.json"
 

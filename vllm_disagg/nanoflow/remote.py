@@ -11,6 +11,7 @@ from typing import Any
 from vllm_disagg.attention import backend as remote_backend
 from vllm_disagg.attention import recovery
 from vllm_disagg.attention.worker import DisaggAttentionRunner, DisaggAttentionWorker
+from vllm_disagg.config import disagg_config_from_vllm
 from vllm_disagg.nanoflow.runner import enable_nano_ubatching, nanoflow_runner_cls, runner_stats
 from vllm_disagg.patches import require
 from vllm_disagg.patches.runner_class_swap import swap_runner_class
@@ -22,8 +23,6 @@ def mark_remote_impl_network_bound(bound: bool = True) -> None:
 
 
 def pipeline_depth(vllm_config) -> int:
-    from vllm_disagg.config import disagg_config_from_vllm
-
     cfg = disagg_config_from_vllm(vllm_config)
     remote_attention = cfg.remote_attention if cfg is not None else None
     # this worker exists to overlap: ping-pong unless the config asks for depth 1 explicitly

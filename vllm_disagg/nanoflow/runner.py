@@ -21,11 +21,12 @@ import torch
 from vllm.logger import init_logger
 
 from vllm_disagg import envs
+from vllm_disagg.config import disagg_config_from_vllm
 from vllm_disagg.nanoflow.executor import OpGraphExecutor
-from vllm_disagg.nanoflow.graph import ATTN, DENSE, NET, list_schedule
+from vllm_disagg.nanoflow.graph import ATTN, DENSE, NET, build_graph, list_schedule
 from vllm_disagg.nanoflow.kv_save import nano_batched_saves
 from vllm_disagg.nanoflow.pipeline import LlamaPipeline, sequential_forward
-from vllm_disagg.nanoflow.plan import NanoFlowPlan
+from vllm_disagg.nanoflow.plan import NanoFlowPlan, resolve_plan
 from vllm_disagg.nanoflow.throughput import PairedSteps, ThroughputLog
 from vllm_disagg.nanoflow.units import make_units, set_num_threads
 from vllm_disagg.patches import require
@@ -42,8 +43,6 @@ paired overhead figure)."""
 
 def nanoflow_plan_of(vllm_config: Any) -> NanoFlowPlan | None:
     """The resolved plan when nanoflow is configured, else None (inert)."""
-    from vllm_disagg.config import disagg_config_from_vllm
-    from vllm_disagg.nanoflow.plan import resolve_plan
 
     cfg = disagg_config_from_vllm(vllm_config)
     if cfg is None or cfg.nanoflow is None:
@@ -311,7 +310,6 @@ class NanoFlowRunnerMixin:
 
     def _nano_schedule(self, spec, num_tokens: int):
         """Schedules depend only on the pipeline shape; cached per spec."""
-        from vllm_disagg.nanoflow.graph import build_graph
 
         if spec not in self._nano_schedules:
             nodes = build_graph(spec)

@@ -14,6 +14,7 @@ from __future__ import annotations
 from vllm.logger import init_logger
 from vllm.v1.worker.cpu_worker import CPUWorker
 
+from vllm_disagg.config import disagg_config_from_vllm
 from vllm_disagg.nanoflow.runner import (
     enable_nano_ubatching,
     nanoflow_runner_cls,
@@ -27,8 +28,6 @@ logger = init_logger(__name__)
 
 
 def _refuse_remote_attention(vllm_config) -> None:
-    from vllm_disagg.config import disagg_config_from_vllm
-
     cfg = disagg_config_from_vllm(vllm_config)
     if cfg is not None and cfg.remote_attention is not None:
         raise ValueError(

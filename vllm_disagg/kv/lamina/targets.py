@@ -19,6 +19,7 @@ from typing import Any
 from vllm.logger import init_logger
 
 from vllm_disagg.attention import backend, queries
+from vllm_disagg.config import disagg_config_from_vllm
 from vllm_disagg.errors import DisaggError
 from vllm_disagg.kv.metadata import RecvSpec
 from vllm_disagg.kv.push_plan import encode_targets
@@ -32,7 +33,6 @@ _POLL_S = 0.002
 
 def attention_settings(vllm_config: Any):
     """The `remote_attention` section when this decode worker runs remote attention, else None."""
-    from vllm_disagg.config import disagg_config_from_vllm
 
     cfg = disagg_config_from_vllm(vllm_config)
     remote_attention = cfg.remote_attention if cfg else None
