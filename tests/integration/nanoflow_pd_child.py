@@ -87,8 +87,8 @@ class _StaleWriteCheck:
                 check.pending.setdefault(push.req_id, []).append((w.src, ids, check.digest(w.src, ids)))
             issue(sender, push, writes, layer)
 
-        def checked_step_done(sender):
-            step_done(sender)
+        def checked_step_done(sender, *args):
+            step_done(sender, *args)
             for req_id, push in list(sender._pushes.items()):
                 if push.t_prefill_done is not None:
                     check.verify(req_id)

@@ -10,7 +10,9 @@ Used by test_pd_connector.py to run prefill, decode and plain engines in separat
     <- {"cmd": "exit"}
 
 ROLE is prefill, decode or plain. JSON_OPTIONS: kv_port, threshold, transport, policy, dtype, token,
-write_delay_s (prefill only: sleep before each KV write, to make "kill P mid-transfer" reliable).
+write_delay_s (prefill only: sleep before each KV write, to make "kill P mid-transfer" reliable),
+tp (tensor-parallel size; > 1 reports each rank's connector as "ranks" through `testing.kv_probe`),
+affinity (CPU ids for this engine's processes: workers inherit them before their OpenMP binding).
 """
 
 from __future__ import annotations
@@ -35,6 +37,10 @@ def _build_llm(role: str, model_dir: str, opts: dict):
     from vllm_disagg.testing import tiny_llm_kwargs
 
     over: dict = {"dtype": opts.get("dtype", "float32"), "max_num_batched_tokens": opts.get("mnbt", 2048)}
+    if opts.get("tp", 1) > 1:
+        from vllm_disagg.testing.kv_probe import KV_PROBE
+
+        over.update(tensor_parallel_size=opts["tp"], worker_extension_cls=KV_PROBE)
     if role != "plain":
         over["kv_transfer_config"] = KVTransferConfig(
             kv_connector="DisaggConnector",
@@ -97,9 +103,11 @@ def _generate(llm, cmd: dict) -> dict:
     while sched.has_requests() and time.monotonic() < deadline:  # let pushes finish and blocks free
         llm.llm_engine.step()
         time.sleep(0.005)
+    ranks = _probe_ranks(llm)
     worker = _worker_connector()
-    timeline = list(getattr(getattr(worker, "sender", None), "timeline", []))
+    timeline = list(getattr(getattr(worker, "sender", None), "timeline", [])) if ranks is None else []
     return {
+        "ranks": ranks,
         "outputs": [list(o.outputs[0].token_ids) for o in outs],
         "finish_reasons": [o.outputs[0].finish_reason for o in outs],
         "kv_params": [o.kv_transfer_params for o in outs],
@@ -109,19 +117,29 @@ def _generate(llm, cmd: dict) -> dict:
     }
 
 
+def _probe_ranks(llm) -> list[dict] | None:
+    """Each TP rank's connector (worker processes), or None for an in-process single worker."""
+    if llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size == 1:
+        return None
+    return llm.collective_rpc("disagg_kv_probe")
+
+
 def main() -> None:
     role, model_dir, opts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 pid` dumps every thread's stack to the log
     from vllm_disagg.testing import apply_test_env
 
     apply_test_env(in_process=True)
+    if opts.get("affinity"):
+        os.sched_setaffinity(0, opts["affinity"])
     if opts.get("write_delay_s"):
         _slow_writes(opts["write_delay_s"])
     llm = _build_llm(role, model_dir, opts)
-    worker = _worker_connector()
+    ranks = _probe_ranks(llm)
+    worker = None if ranks is not None else _worker_connector()
     side = getattr(worker, "sender", None) or getattr(worker, "receiver", None)
     _emit({"ready": True, "free_blocks": _scheduler(llm).kv_cache_manager.block_pool.get_num_free_blocks(),
-           "kv_address": getattr(side, "address", None)})
+           "kv_address": getattr(side, "address", None), "ranks": ranks})
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd["cmd"] == "exit":

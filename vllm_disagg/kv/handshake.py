@@ -73,6 +73,9 @@ class HandshakeInfo:
     num_kv_heads: int
     head_size: int
     block_nbytes: int
+    tp_size: int = 1
+    tp_rank: int = 0
+    """Tensor-parallel rank r holds KV-head slice r: it may only exchange blocks with rank r."""
 
 
 # Compared in this order; the first difference names the error.
@@ -206,7 +209,8 @@ def _parse_body(raw: bytes, peer: str) -> dict[str, Any]:
 
 def local_handshake_info(vllm_config: Any, layer_tensors: list[Any]) -> HandshakeInfo:
     """This worker's `HandshakeInfo`, from the engine config and its registered KV tensors."""
-    model_config = vllm_config.model_config
+    model_config, parallel = vllm_config.model_config, vllm_config.parallel_config
+    tp_size = int(getattr(parallel, "tensor_parallel_size", 1) or 1)
     first = layer_tensors[0]
     return HandshakeInfo(
         model=str(model_config.model),
@@ -217,6 +221,8 @@ def local_handshake_info(vllm_config: Any, layer_tensors: list[Any]) -> Handshak
         num_kv_heads=int(model_config.get_num_kv_heads(vllm_config.parallel_config)),
         head_size=int(model_config.get_head_size()),
         block_nbytes=int(first[0].numel() * first.element_size()),
+        tp_size=tp_size,
+        tp_rank=int(getattr(parallel, "rank", 0) or 0) % tp_size,
     )
 
 

@@ -17,6 +17,7 @@ from typing import Any
 from vllm.logger import init_logger
 
 from vllm_disagg.config import KVTransferSection
+from vllm_disagg.kv.layer_events import LayerEvent
 from vllm_disagg.kv.metadata import DisaggConnectorMetadata, SaveSpec
 from vllm_disagg.observe.context import TraceContext
 from vllm_disagg.transport import BlockWrite, XferState
@@ -24,6 +25,7 @@ from vllm_disagg.transport import BlockWrite, XferState
 logger = init_logger(__name__)
 _CANCELLED_TTL_S = 600.0
 _MAX_CANCELLED = 4096
+ALL_LAYERS = -1
 
 WorkItem = tuple["Push", list[BlockWrite], int]
 """(push, writes, layer): one write_blocks call; layer -1 for a serialized push's single write."""
@@ -88,6 +90,9 @@ class PushPlan:
         """transfer id -> (why, when): CANCELs that came before their prefill request (D took the push
         over or its request was aborted), so that push fails the moment it is created."""
         self.step_reqs: list[SaveSpec] = []
+        self.unready: deque[tuple[LayerEvent, int, list[tuple[str, int]]]] = deque()
+        """Saved layers whose event has not completed: (event, layer or ALL_LAYERS, [(req_id, tokens)]),
+        in record order (an event completes only after the ones recorded before it)."""
         self.orphans: set[str] = set()
         self.timeline: deque[dict[str, Any]] = deque(maxlen=1024)
         """Recent completed pushes with monotonic timestamps (first write issued, prefill done,
@@ -127,13 +132,34 @@ class PushPlan:
         else:
             push.block_ids.extend(spec.new_block_ids)
 
-    def layer_saved(self, layer_idx: int) -> None:
-        for spec in self.step_reqs:
-            push = self.pushes.get(spec.req_id)
-            if push is not None:
-                push.ready_tokens[layer_idx] = max(push.ready_tokens[layer_idx], spec.num_computed_tokens)
-                if layer_idx == len(self.layers) - 1 and spec.num_computed_tokens >= push.num_prompt_tokens:
-                    push.t_prefill_done = push.t_prefill_done or time.monotonic()
+    def layer_saved(self, layer_idx: int, event: LayerEvent) -> None:
+        """Layer `layer_idx` (ALL_LAYERS: every layer) of this step's requests is written once `event`
+        completes: ready at once on CPU (`DONE`), else when `promote_ready` sees the event done."""
+        updates = [(spec.req_id, spec.num_computed_tokens) for spec in self.step_reqs]
+        if not self.unready and event.query():
+            self._mark_ready(layer_idx, updates)
+        else:
+            self.unready.append((event, layer_idx, updates))
+
+    def promote_ready(self) -> None:
+        """Mark the saved layers whose events have completed (sender thread)."""
+        while self.unready and self.unready[0][0].query():
+            _, layer_idx, updates = self.unready.popleft()
+            self._mark_ready(layer_idx, updates)
+
+    def oldest_unready(self) -> LayerEvent | None:
+        return self.unready[0][0] if self.unready else None
+
+    def _mark_ready(self, layer_idx: int, updates: list[tuple[str, int]]) -> None:
+        layers = range(len(self.layers)) if layer_idx == ALL_LAYERS else (layer_idx,)
+        for req_id, tokens in updates:
+            push = self.pushes.get(req_id)
+            if push is None:
+                continue
+            for layer in layers:
+                push.ready_tokens[layer] = max(push.ready_tokens[layer], tokens)
+            if layers[-1] == len(self.layers) - 1 and tokens >= push.num_prompt_tokens:
+                push.t_prefill_done = push.t_prefill_done or time.monotonic()
 
     def finished(self) -> set[str]:
         over = {r for r, p in self.pushes.items() if p.released and p.over}

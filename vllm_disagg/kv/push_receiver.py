@@ -79,6 +79,8 @@ class PushReceiver:
         self._by_tid: dict[str, _Recv] = {}
         self._late: dict[str, float] = {}  # transfer ids given up on; their notifications are dropped
         self._errors: dict[str, tuple[str, bool]] = {}
+        self.num_landed = 0
+        """Receives whose every byte landed (the evidence, per TP rank, that pushes arrive here)."""
         logger.info("KV push receiver listening on %s", self.address)
 
     def _open_receiver(self, data: Transport | None, layers: list[Any]) -> str:
@@ -166,8 +168,9 @@ class PushReceiver:
                         logger.warning("KV push: notification for unknown transfer %s", note.transfer_id)
                     continue
                 recv.landed_bytes += note.nbytes
-                if recv.landed_bytes >= recv.expected_bytes:
+                if recv.landed_bytes >= recv.expected_bytes and recv.state is not RecvState.DONE:
                     recv.state = RecvState.DONE
+                    self.num_landed += 1
 
     def _fail_lost_peers(self) -> None:
         lost = set(self._receiver.lost_peers())

@@ -27,8 +27,10 @@ from vllm_disagg.kv.handshake import (
     handshake_body,
     legacy_reject,
 )
+from vllm_disagg.kv.layer_events import DONE, LayerEvent
 from vllm_disagg.kv.metadata import DisaggConnectorMetadata
 from vllm_disagg.kv.push_plan import (  # noqa: F401 - encode_targets: the decode side's name for it
+    ALL_LAYERS,
     Push,
     PushPlan,
     Registration,
@@ -44,6 +46,7 @@ from vllm_disagg.transport import BlockWrite, KVPeer, Transport
 __all__ = ["PushSender"]
 
 logger = init_logger(__name__)
+_EVENT_WAIT_S = 0.002
 
 
 class PushSender:
@@ -77,17 +80,18 @@ class PushSender:
             self._cond.notify()
         self._wait_quiet(meta.preempted_req_ids)
 
-    def layer_saved(self, layer_idx: int) -> None:
+    def layer_saved(self, layer_idx: int, event: LayerEvent = DONE) -> None:
+        """Layer `layer_idx` of this step's requests is written once `event` (`layer_events.py`) completes."""
         with self._cond:
-            self.plan.layer_saved(layer_idx)
+            self.plan.layer_saved(layer_idx, event)
             self._cond.notify()
 
-    def step_done(self) -> None:
-        """The forward pass is over: every layer of this step's requests is written."""
-        for layer_idx in range(len(self.layers)):
-            self.layer_saved(layer_idx)
+    def step_done(self, event: LayerEvent = DONE) -> None:
+        """The forward pass is over: every layer of this step's requests is written once `event` completes."""
         with self._cond:
+            self.plan.layer_saved(ALL_LAYERS, event)
             self.plan.step_reqs = []
+            self._cond.notify()
 
     def finished_sending(self) -> set[str]:
         with self._cond:
@@ -157,13 +161,24 @@ class PushSender:
     # ------------------------------------------------------------ sender thread
     def _run(self) -> None:
         while not self._stop.is_set():
+            self._idle()
             with self._cond:
-                self._cond.wait(0.002 if self.plan.busy() else 0.05)
+                self.plan.promote_ready()
                 work: list[WorkItem] = self.plan.plan()
             for push, writes, layer in work:
                 self._issue(push, writes, layer)
             with self._cond:
                 self._reap()
+
+    def _idle(self) -> None:
+        """Wait for the oldest saved layer's event (outside the lock: the forward stream is running),
+        or else for new work."""
+        with self._cond:
+            oldest = self.plan.oldest_unready()
+            if oldest is None:
+                self._cond.wait(0.002 if self.plan.busy() else 0.05)
+                return
+        oldest.wait(_EVENT_WAIT_S)
 
     def _issue(self, push: Push, writes: list[BlockWrite], layer: int) -> None:
         for address, num_shards, shard in push.reg.targets:

@@ -4,8 +4,9 @@
 On `register_kv_caches` it builds this worker's `HandshakeInfo`, opens the transport named by
 `kv.transport`, and starts the role's side: `PushSender` (kv_producer: side channel on
 `kv.kv_port`, sender thread) and/or `PushReceiver` (kv_consumer: KV receiver with one region per
-layer). Per step: `bind` hands the metadata to them, `save_kv_layer` marks a layer written (the
-sender thread pushes its whole blocks at once), `wait_for_save` marks the step's forward done,
+layer). Per step: `bind` hands the metadata to them, `save_kv_layer` marks a layer written behind an
+event on the forward stream (`layer_events.py`; the sender pushes its whole blocks once the event
+completed), `wait_for_save` marks the step's forward done,
 `get_transfer_results` reports pushes that are over and receives that landed or failed.
 Nothing here blocks the forward pass except `bind` after a preemption (bounded).
 A Lamina model worker also restores retained blocks on its attention servers in `start_load_kv`
@@ -15,10 +16,11 @@ its receiver CLAIMs a prefill push's blocks on the servers before registering it
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 from vllm.logger import init_logger
@@ -26,7 +28,8 @@ from vllm.logger import init_logger
 from vllm_disagg import envs
 from vllm_disagg.config import DisaggConfigError, KVTransferSection, disagg_config_from_vllm
 from vllm_disagg.kv.handshake import local_handshake_info
-from vllm_disagg.kv.metadata import DisaggConnectorMetadata, DisaggWorkerMetadata
+from vllm_disagg.kv.layer_events import device_events
+from vllm_disagg.kv.metadata import CancelSpec, DisaggConnectorMetadata, DisaggWorkerMetadata, RecvSpec
 from vllm_disagg.kv.stats import DisaggKVConnectorStats
 from vllm_disagg.transport import Transport, TransportOptions, get_transport
 
@@ -34,6 +37,7 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["DisaggConnectorWorker", "kv_settings"]
+SpecT = TypeVar("SpecT", RecvSpec, CancelSpec)
 
 logger = init_logger(__name__)
 
@@ -64,6 +68,8 @@ class DisaggConnectorWorker:
         self.layer_ids: dict[str, int] = {}
         self.sender: Any = None
         self.receiver: Any = None
+        self.events = device_events("cpu")
+        """Where `save_kv_layer` records its per-layer event: the KV tensors' device."""
         from vllm_disagg.kv.lamina.targets import attention_settings
 
         self._attention = attention_settings(vllm_config)
@@ -90,6 +96,7 @@ class DisaggConnectorWorker:
         for name, tensor in zip(names, layers, strict=True):
             if not tensor.is_contiguous():
                 raise ValueError(f"DisaggConnector ships whole blocks and needs contiguous KV; {name} is not")
+        self.events = device_events(layers[0].device) if layers else self.events
         info = local_handshake_info(self.vllm_config, layers)
         stats = (self._stats, self._stats_lock)
         port = self._port()
@@ -116,12 +123,19 @@ class DisaggConnectorWorker:
                                          info, self.token, layers, stats,
                                          self.vllm_config.kv_transfer_config.kv_load_failure_policy)
 
+    @property
+    def rank(self) -> int:
+        return int(getattr(self.vllm_config.parallel_config, "rank", 0) or 0)
+
     def _port(self) -> int:
-        """kv_port + this worker's TP rank (each rank serves its own shard); 0 stays 0 (any port)."""
+        """kv_port + this worker's rank (each TP rank serves its own KV-head slice); 0 stays 0 (any
+        port), which only a single-rank prefill instance can use: D finds rank r at remote_port + r."""
         if not self.kv.kv_port:
+            if self.is_producer and self.rank:
+                raise DisaggConfigError("a tensor-parallel prefill instance needs a fixed kv.kv_port: rank r "
+                                        "serves its side channel on kv_port + r, where decode rank r finds it")
             return 0
-        rank = int(getattr(self.vllm_config.parallel_config, "rank", 0) or 0)
-        return self.kv.kv_port + rank
+        return self.kv.kv_port + self.rank
 
     # ------------------------------------------------------------ per step
     def bind(self, meta: DisaggConnectorMetadata) -> None:
@@ -130,9 +144,9 @@ class DisaggConnectorWorker:
         if self.reuse is not None:  # first: registrations queued now ride on the receiver's CLAIM, ahead of it
             self.reuse.bind(meta.reuse)
         if self.receiver is not None and meta.recv_specs:
-            self.receiver.start(meta.recv_specs)
+            self.receiver.start([rank_spec(spec, self.rank) for spec in meta.recv_specs])
         if self.receiver is not None and meta.cancel_specs:
-            self.receiver.cancel(meta.cancel_specs)
+            self.receiver.cancel([rank_spec(spec, self.rank) for spec in meta.cancel_specs])
 
     def start_load_kv(self) -> None:
         if self.reuse is not None:
@@ -146,11 +160,11 @@ class DisaggConnectorWorker:
         if self.sender is not None:
             layer_idx = self.layer_ids.get(layer_name)
             if layer_idx is not None:
-                self.sender.layer_saved(layer_idx)
+                self.sender.layer_saved(layer_idx, self.events.record())
 
     def wait_for_save(self) -> None:
         if self.sender is not None:
-            self.sender.step_done()
+            self.sender.step_done(self.events.record())
 
     def get_transfer_results(self) -> KVConnectorTransferResults:
         results = KVConnectorTransferResults()
@@ -177,6 +191,15 @@ class DisaggConnectorWorker:
         for side in (self.sender, self.receiver):
             if side is not None:
                 side.close()
+
+
+def rank_spec(spec: SpecT, rank: int) -> SpecT:
+    """`spec` (a RecvSpec or CancelSpec) for TP rank `rank`: the router names P's rank-0 side channel
+    (remote_port); rank r talks to P's rank r at remote_port + r, which holds the same KV-head slice."""
+    if not rank:
+        return spec
+    host, _, port = spec.remote.rpartition(":")
+    return dataclasses.replace(spec, remote=f"{host}:{int(port) + rank}")
 
 
 def _default_transport(kv: KVTransferSection, token: str, kind: str, port: int) -> Transport:
