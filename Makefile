@@ -1,6 +1,9 @@
 # vllm-disagg: two commands on a fresh CPU box (see README).
 #   make demo   set up .venv and serve SmolLM2 through the plugin, printing its answers
 #   make test   what CI runs (.ci/run)
+#   make gpu-check DRY=1        plan and check the GPU kit here (CI runs it); docs/gpu.md
+#   make gpu-check STEP=a|b|c|d on a lent GPU machine (= bash benchmarks/gpu/run_step.sh STEP)
+#   make gpu-wheels             download the wheels a device call carries into .whl/
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -16,7 +19,7 @@ PYTEST_ARGS ?= --durations=10
 # otherwise the tests that need them skip with the reason.
 SYSDEPS ?= qemu-system-x86 cpio iproute2
 
-.PHONY: setup sysdeps demo test lint unit model clean
+.PHONY: setup sysdeps demo test lint unit model clean gpu-check gpu-wheels
 
 setup: $(STAMP)
 
@@ -54,11 +57,27 @@ unit: setup
 # collected) is not a failure.
 test: lint model sysdeps
 	@fail=""; \
+	$(PY) benchmarks/gpu_check.py --dry-run || fail="$$fail gpu-check-dry-run"; \
 	for target in "tests/unit tests/patches" $$(ls tests/integration/test_*.py); do \
 	  $(PY) -m pytest $(PYTEST_ARGS) $$target; rc=$$?; \
 	  if [ $$rc -ne 0 ] && [ $$rc -ne 5 ]; then fail="$$fail $$target(exit $$rc)"; fi; \
 	done; \
 	if [ -n "$$fail" ]; then echo "make test: FAILED:$$fail"; exit 1; fi; echo "make test: every group passed"
+
+# GPU kit (docs/gpu.md). The dry run needs no GPU and no .whl/ (it checks the lock instead).
+STEP ?= all
+gpu-check:
+ifdef DRY
+	$(PY) benchmarks/gpu_check.py --dry-run --step $(STEP)
+else
+	bash benchmarks/gpu/run_step.sh $(STEP)
+endif
+
+gpu-wheels: .whl/.built
+
+.whl/.built: benchmarks/gpu/wheels.txt benchmarks/gpu/wheels.py
+	$(PY) benchmarks/gpu/wheels.py build
+	touch $@
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -456,7 +456,7 @@ def bench_gpu_interference() -> dict:
     UNTESTED HERE (no GPU on this box); runs only when CUDA is available."""
     import torch
 
-    from vllm_disagg.nanoflow.units import CudaSmStream
+    from vllm_disagg.nanoflow.units import make_gpu_units
 
     a, b = (
         torch.randn(4096, 4096, device="cuda", dtype=torch.float16),
@@ -486,7 +486,8 @@ def bench_gpu_interference() -> dict:
     plain = torch.cuda.Stream()
     alone = gemm_ms(plain)
     shared = gemm_ms(plain, torch.cuda.Stream())
-    dense, mem = CudaSmStream("dense", int(sms * 0.75)), CudaSmStream("attn", sms - int(sms * 0.75))
+    units = make_gpu_units({"dense": int(sms * 0.75), "attn": sms - int(sms * 0.75)})  # disjoint SM partitions
+    dense, mem = units["dense"], units["attn"]
     limited = gemm_ms(dense.stream, mem.stream)
     return {
         "gpu_gemm_slowdown_no_sm_limit": shared / alone,

@@ -32,6 +32,40 @@ __global__ void seqno_wait_many_kernel(const volatile unsigned long long* seqwor
   }
 }
 
+// %globaltimer: the GPU's nanosecond clock, the same for every SM (the GPU kit times a write on one
+// stream against its observation on another with it; host and GPU clocks are not compared).
+__device__ __forceinline__ unsigned long long global_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// Measurement twin of seqno_wait_kernel (GPU kit, step a): the same wait, then it records when it
+// saw the word (observed_ns) and answers the writer through `ack` (host-mapped memory: round trip).
+__global__ void seqno_probe_kernel(const volatile unsigned long long* seqword, unsigned long long expect,
+                                   unsigned long long max_spins, unsigned int* timed_out,
+                                   unsigned long long* observed_ns, volatile unsigned long long* ack) {
+  if (threadIdx.x != 0) return;
+  if (!vllm_disagg::wait_seqno(seqword, expect, max_spins)) {
+    if (timed_out != nullptr) atomicExch(timed_out, 1u);
+    return;
+  }
+  if (observed_ns != nullptr) *observed_ns = global_ns();
+  if (ack != nullptr) {
+    *ack = expect;
+    __threadfence_system();
+  }
+}
+
+// A device-side writer of the seqword (stands for a peer GPU or the NIC): stamps, then writes.
+__global__ void seqno_write_kernel(volatile unsigned long long* seqword, unsigned long long value,
+                                   unsigned long long* written_ns) {
+  if (threadIdx.x != 0) return;
+  *written_ns = global_ns();
+  *seqword = value;
+  __threadfence_system();
+}
+
 }  // namespace
 
 extern "C" {
@@ -52,6 +86,22 @@ int vd_seqno_wait_many_async(const void* seqwords, const void* expect, int n, ui
   seqno_wait_many_kernel<<<(n + threads - 1) / threads, threads, 0, static_cast<cudaStream_t>(stream)>>>(
       static_cast<const volatile unsigned long long*>(seqwords), static_cast<const unsigned long long*>(expect), n,
       max_spins, static_cast<unsigned int*>(timed_out));
+  return static_cast<int>(cudaGetLastError());
+}
+
+// GPU kit (benchmarks/gpu/seqno.py): the probe and writer kernels above; pointers may be null.
+int vd_seqno_probe_async(const void* seqword, uint64_t expect, uint64_t max_spins, void* timed_out,
+                         void* observed_ns, void* ack, void* stream) {
+  seqno_probe_kernel<<<1, 32, 0, static_cast<cudaStream_t>(stream)>>>(
+      static_cast<const volatile unsigned long long*>(seqword), expect, max_spins,
+      static_cast<unsigned int*>(timed_out), static_cast<unsigned long long*>(observed_ns),
+      static_cast<volatile unsigned long long*>(ack));
+  return static_cast<int>(cudaGetLastError());
+}
+
+int vd_seqno_write_async(void* seqword, uint64_t value, void* written_ns, void* stream) {
+  seqno_write_kernel<<<1, 32, 0, static_cast<cudaStream_t>(stream)>>>(
+      static_cast<volatile unsigned long long*>(seqword), value, static_cast<unsigned long long*>(written_ns));
   return static_cast<int>(cudaGetLastError());
 }
 

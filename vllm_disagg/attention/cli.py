@@ -40,8 +40,9 @@ def add_server_args(p: argparse.ArgumentParser, with_host_port: bool = True) -> 
                    help="with --kv-transport tcp/nixl: fixed port of the prefill KV receiver, e.g. for k8s "
                         "NetworkPolicies (0: pick one; reported on /health as kv_address)")
     p.add_argument("--kv-cache-gib", type=float, default=0.25, help="KV memory of this shard in GiB")
-    p.add_argument("--kernel", default="cpu", choices=["cpu", "cuda", "none"],
-                   help="attention kernel: vLLM's CPU kernel, or FlashAttention on a GPU (untested); 'none' "
+    p.add_argument("--kernel", default="cpu", choices=["cpu", "cuda", "torch", "none"],
+                   help="attention kernel: vLLM's CPU kernel, or FlashAttention on a GPU (untested); 'torch': "
+                        "plain torch SDPA on a CUDA device if present, else CPU (no vLLM needed); 'none' "
                         "answers without computing (benchmarks: the transport round trip alone)")
     p.add_argument("--spin-us", type=float, default=None,
                    help="shm: busy-poll this long for the next message before sleeping (default: the "

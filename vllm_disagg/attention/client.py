@@ -20,13 +20,13 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
-from vllm.logger import init_logger
 
 from vllm_disagg import envs
 from vllm_disagg.attention import wire
 from vllm_disagg.attention.merge import merge_attn_states, partial_attention
 from vllm_disagg.attention.partition import RequestPlacer, head_shards
 from vllm_disagg.errors import DisaggError, PeerLostError, ProtocolError, TransportTimeout
+from vllm_disagg.logs import init_logger
 from vllm_disagg.observe.context import TraceContext
 from vllm_disagg.transport import TransportOptions, get_transport
 

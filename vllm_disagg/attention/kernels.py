@@ -7,7 +7,8 @@ three calls per layer: `write_kv` (the scheduler's slot_mapping), `attend` (full
 vLLM's kernel, exactly what a local vLLM would compute) and `attend_prev` (attention over each
 request's tokens *before* its new one, with the LSE, for send-Q-early).
 
-`CpuAttentionKernel` runs `CPUAttentionBackendImpl` (ops.cpu_attn_reshape_and_cache /
+`TorchPagedKernel` is plain torch (SDPA) on CPU or a CUDA device: what runs where vLLM does not (the
+GPU kit's machine, `docs/gpu.md`). `CpuAttentionKernel` runs `CPUAttentionBackendImpl` (ops.cpu_attn_reshape_and_cache /
 cpu_attention_with_kv_cache) with a stub layer. The CPU kernel returns no LSE, so `attend_prev`
 reads the paged cache back in plain torch; that needs the ISA's block-interior layout, which
 `_probe_layout` verifies at start-up against the real kernel (`supports_lse` is False otherwise).
@@ -267,6 +268,85 @@ class FlashAttentionKernel(AttentionKernel):
         return res.cpu(), lse.transpose(0, 1).float().cpu()
 
 
+class TorchPagedKernel(AttentionKernel):
+    """Plain torch on a `[L][2, NB, bs, Hkv, D]` cache, on `device` (default: CUDA when present).
+
+    `attend` runs torch SDPA (causal within the new tokens; decode-only steps in one batched call);
+    `attend_prev` is float32 math with the LSE. Exact to the dtype's rounding, not tuned: it exists so
+    the server runs, and can be checked, where no vLLM kernel is installed."""
+
+    supports_lse = True
+    block_dim = 1
+
+    def __init__(self, geometry: Geometry, num_blocks: int, device: str | None = None):
+        super().__init__(geometry, num_blocks)
+        g = geometry
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.caches = [torch.zeros(2, num_blocks, g.block_size, g.num_kv_heads, g.head_size,
+                                   dtype=g.torch_dtype, device=self.device) for _ in range(g.num_layers)]
+
+    def prepare(self, meta):
+        qsl = meta.query_start_loc.tolist()
+        return types.SimpleNamespace(qsl=qsl, seq_lens=meta.seq_lens.tolist(), bt=meta.block_table.to(self.device),
+                                     decode=all(b - a == 1 for a, b in zip(qsl, qsl[1:])))
+
+    def write_kv(self, layer, key, value, meta):
+        g, c = self.geometry, self.caches[layer]
+        slots = meta.slot_mapping.to(self.device).long()
+        keep = slots >= 0  # padding tokens carry slot -1
+        for half, src in ((0, key), (1, value)):
+            c[half].view(-1, g.num_kv_heads, g.head_size)[slots[keep]] = src.to(self.device)[keep]
+
+    def _kv(self, layer: int, block_row: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V [Hkv, length, D] of one request (its first ceil(length / bs) blocks, gathered)."""
+        g = self.geometry
+        n = max(1, -(-length // g.block_size))
+        k, v = self.caches[layer][:, block_row[:n].long()].flatten(1, 2)[:, :length].unbind(0)
+        return k.transpose(0, 1), v.transpose(0, 1)
+
+    def attend(self, layer, query, meta, state, scale, out):
+        import torch.nn.functional as F
+
+        q_all = query.to(self.device)
+        if state.decode:
+            out.copy_(self._attend_decode(layer, q_all, state, scale))
+            return
+        for r, length in enumerate(state.seq_lens):
+            lo, hi = state.qsl[r], state.qsl[r + 1]
+            k, v = self._kv(layer, state.bt[r], length)
+            q = q_all[lo:hi].transpose(0, 1)  # [H, n, D]
+            # query i (position length - n + i) sees keys 0 .. length - n + i
+            mask = torch.ones(hi - lo, length, dtype=torch.bool, device=self.device).tril(length - (hi - lo))
+            res = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=scale,
+                                                 enable_gqa=True)
+            out[lo:hi].copy_(res[0].transpose(0, 1))
+
+    def _attend_decode(self, layer: int, q: torch.Tensor, state, scale: float) -> torch.Tensor:
+        import torch.nn.functional as F
+
+        g = self.geometry
+        longest = max(state.seq_lens)
+        n = max(1, -(-longest // g.block_size))
+        k, v = self.caches[layer][:, state.bt[:, :n].long()].flatten(2, 3)[:, :, :longest].unbind(0)
+        lengths = torch.tensor(state.seq_lens, device=self.device)
+        mask = (torch.arange(longest, device=self.device)[None, :] < lengths[:, None])[:, None, None, :]
+        res = F.scaled_dot_product_attention(q[:, :, None], k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+                                             scale=scale, enable_gqa=True)
+        return res[:, :, 0]
+
+    def attend_prev(self, layer, query, meta, scale):
+        from vllm_disagg.attention.merge import partial_attention
+
+        g = self.geometry
+        ctx = (meta.seq_lens.long() - 1).to(self.device)
+        longest = max(1, int(ctx.max()))
+        n = -(-longest // g.block_size)
+        k, v = self.caches[layer][:, meta.block_table[:, :n].long().to(self.device)].flatten(2, 3).unbind(0)
+        present = torch.arange(n * g.block_size, device=self.device)[None, :] < ctx[:, None]
+        out, lse = partial_attention(query.to(self.device), k, v, scale, key_mask=present)
+        return out.cpu(), lse.float().cpu()
+
+
 class NullKernel(AttentionKernel):
     """No attention at all: the reply is the session's output buffer as it stands. Only for
     measuring the per-layer exchange's transport round trip through the real client and server
@@ -295,6 +375,8 @@ def make_kernel(kind: str, geometry: Geometry, num_blocks: int) -> AttentionKern
         return CpuAttentionKernel(geometry, num_blocks)
     if kind == "cuda":
         return FlashAttentionKernel(geometry, num_blocks)
+    if kind == "torch":
+        return TorchPagedKernel(geometry, num_blocks)
     if kind == "none":
         return NullKernel(geometry, num_blocks)
-    raise ValueError(f"unknown attention kernel {kind!r}; expected 'cpu', 'cuda' or 'none' (benchmarks only)")
+    raise ValueError(f"unknown attention kernel {kind!r}; expected 'cpu', 'cuda', 'torch' or 'none' (benchmarks only)")

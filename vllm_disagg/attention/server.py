@@ -24,7 +24,6 @@ from http.server import ThreadingHTTPServer
 
 import numpy as np
 import torch
-from vllm.logger import init_logger
 
 from vllm_disagg import envs
 from vllm_disagg.attention import wire
@@ -32,6 +31,7 @@ from vllm_disagg.attention.kernels import AttentionKernel, kv_bytes_per_block, m
 from vllm_disagg.attention.retain import KVRetention
 from vllm_disagg.attention.server_http import ServerMetrics, handler_for
 from vllm_disagg.errors import DisaggError, ProtocolError, TransportTimeout
+from vllm_disagg.logs import init_logger
 from vllm_disagg.transport import TransportOptions, get_transport
 
 logger = init_logger(__name__)

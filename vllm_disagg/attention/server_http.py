@@ -10,9 +10,9 @@ from http.server import BaseHTTPRequestHandler
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from vllm.logger import init_logger
 
 from vllm_disagg.attention import wire
+from vllm_disagg.logs import init_logger
 
 if TYPE_CHECKING:
     from vllm_disagg.attention.server import DisaggAttentionServer

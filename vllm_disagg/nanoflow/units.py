@@ -4,10 +4,10 @@
 One interface, two implementations:
 - `CpuCoreGroup`: a thread group pinned to a core set (`os.sched_setaffinity` on the unit's own
   thread, whose OpenMP team inherits the mask) with its own torch intra-op thread count.
-- `CudaSmStream`: a CUDA stream limited to a number of SMs through a CUDA green context
-  (`cuda-python` driver API, CUDA >= 12.4). Fallback when green contexts are unavailable: a plain
-  high-priority `torch.cuda.Stream` with no SM cap (logged once). Untested here (no GPU); tests are
-  marked `gpu`.
+- `CudaSmStream`: a CUDA stream on its own SM partition through a CUDA green context
+  (`cuda-python` driver API, CUDA >= 12.4); `make_gpu_units` gives units disjoint partitions.
+  Fallback when green contexts are unavailable: a plain high-priority `torch.cuda.Stream` with no
+  SM cap (logged). Untested here (no GPU): the GPU kit's step b runs it (`docs/gpu.md`).
 
 More: README.md, "units.py".
 """
@@ -84,12 +84,16 @@ class CpuCoreGroup(ExecutionUnit):
 
 
 class CudaSmStream(ExecutionUnit):
-    """A CUDA stream capped at `sm_count` SMs via a green context (fallback: uncapped stream)."""
+    """A CUDA stream on its own SM partition (a green context); `stream=None` makes one from a
+    partition of the whole device (fallback: an uncapped stream, logged). `make_gpu_units` hands
+    each unit a disjoint partition."""
 
-    def __init__(self, name: str, sm_count: int, device: int = 0) -> None:
+    def __init__(self, name: str, sm_count: int, device: int = 0, stream: Any = None, capped: bool = False) -> None:
         super().__init__(name, sm_count)
         self.device = device
-        self.stream, self.capped = _green_stream(sm_count, device)
+        if stream is None:
+            stream, capped = _green_stream(sm_count, device)
+        self.stream, self.capped = stream, capped
 
     def bind(self) -> None:
         torch.cuda.set_device(self.device)
@@ -122,15 +126,51 @@ class CudaSmStream(ExecutionUnit):
 def _green_stream(sm_count: int, device: int) -> tuple[Any, bool]:
     """A stream on a green context with `sm_count` SMs, or (plain stream, False)."""
     try:
-        from cuda.bindings import driver as cu  # cuda-python >= 12.4
-
-        return torch.cuda.ExternalStream(_create_green_stream(cu, sm_count, device)), True
-    except Exception as err:  # ImportError, old driver, unsupported GPU
-        logger.warning(
-            "nanoflow: CUDA green contexts unavailable (%s); unit streams are not SM-limited",
-            err,
-        )
+        ((stream, _),) = green_partitions([sm_count], device)
+        return stream, True
+    except Exception as err:  # ImportError, old driver, unsupported GPU, sandbox
+        logger.warning("nanoflow: CUDA green contexts unavailable (%s); unit streams are not SM-limited", err)
         return torch.cuda.Stream(device=device, priority=-1), False
+
+
+def green_partitions(sm_counts: list[int], device: int = 0) -> list[tuple[Any, int]]:
+    """Disjoint SM partitions of `device`, one green-context stream each: [(stream, SMs granted)].
+
+    Each partition is split off what the previous ones left (splitting the whole device again would
+    hand every unit the same first SMs). A split's output cannot be split again directly, so what is
+    left goes through a green context of its own first (`cuGreenCtxGetDevResource`). The driver
+    rounds counts up to its granularity (8 SMs on Hopper); the last count takes all that is left when
+    it asks for at least that. Raises when the driver or the runtime refuses (cuda-python >= 12.4)."""
+    from cuda.bindings import driver as cu
+
+    torch.cuda.init()
+    dev = _check(cu.cuDeviceGet(device))
+    sm_type = cu.CUdevResourceType.CU_DEV_RESOURCE_TYPE_SM
+    rest = _check(cu.cuDeviceGetDevResource(dev, sm_type))
+    out = []
+    for i, count in enumerate(sm_counts):
+        if i == len(sm_counts) - 1 and count >= rest.sm.smCount:
+            part = rest  # the last unit takes what is left
+        else:
+            if i:  # `rest` came out of a split: make it splittable through a context of its own
+                rest = _check(cu.cuGreenCtxGetDevResource(_green_context(cu, dev, rest), sm_type))
+            groups, _num, rest = _check(cu.cuDevSmResourceSplitByCount(1, rest, 0, count))
+            part = groups[0]
+        green = _green_context(cu, dev, part)
+        stream = _check(cu.cuGreenCtxStreamCreate(green, cu.CUstream_flags.CU_STREAM_NON_BLOCKING, 0))
+        out.append((torch.cuda.ExternalStream(int(stream), device=torch.device("cuda", device)),
+                    int(part.sm.smCount)))
+    return out
+
+
+def _green_context(cu: Any, dev: Any, resource: Any) -> Any:
+    desc = _check(cu.cuDevResourceGenerateDesc([resource], 1))
+    green = _check(cu.cuGreenCtxCreate(desc, dev, cu.CUgreenCtxCreate_flags.CU_GREEN_CTX_DEFAULT_STREAM))
+    _GREEN_CONTEXTS.append(green)  # never destroyed: streams on it live as long as the process
+    return green
+
+
+_GREEN_CONTEXTS: list[Any] = []
 
 
 def _check(result: tuple) -> Any:
@@ -138,16 +178,6 @@ def _check(result: tuple) -> Any:
     if int(err) != 0:
         raise RuntimeError(f"CUDA driver error {err}")
     return values[0] if len(values) == 1 else values
-
-
-def _create_green_stream(cu: Any, sm_count: int, device: int) -> int:
-    dev = _check(cu.cuDeviceGet(device))
-    sm_resource = _check(cu.cuDeviceGetDevResource(dev, cu.CUdevResourceType.CU_DEV_RESOURCE_TYPE_SM))
-    groups, _num, _rest = _check(cu.cuDevSmResourceSplitByCount(1, sm_resource, 0, sm_count))
-    desc = _check(cu.cuDevResourceGenerateDesc([groups[0]], 1))
-    green = _check(cu.cuGreenCtxCreate(desc, dev, cu.CUgreenCtxCreate_flags.CU_GREEN_CTX_DEFAULT_STREAM))
-    stream = _check(cu.cuGreenCtxStreamCreate(green, cu.CUstream_flags.CU_STREAM_NON_BLOCKING, 0))
-    return int(stream)
 
 
 def allowed_cores() -> tuple[int, ...]:
@@ -176,7 +206,17 @@ def make_cpu_units(shares: dict[str, int], cores: tuple[int, ...] | None = None)
 
 
 def make_gpu_units(shares: dict[str, int], device: int = 0) -> dict[str, CudaSmStream]:
-    return {name: CudaSmStream(name, max(1, share), device) for name, share in shares.items()}
+    """One unit per share on disjoint SM partitions (green contexts); plain streams, logged, where the
+    driver or runtime refuses them."""
+    counts = [max(1, share) for share in shares.values()]
+    try:
+        parts = green_partitions(counts, device)
+    except Exception as err:
+        logger.warning("nanoflow: CUDA green contexts unavailable (%s); unit streams are not SM-limited", err)
+        return {name: CudaSmStream(name, count, device, torch.cuda.Stream(device=device, priority=-1))
+                for name, count in zip(shares, counts)}
+    return {name: CudaSmStream(name, granted, device, stream, capped=True)
+            for name, (stream, granted) in zip(shares, parts)}
 
 
 def make_units(shares: dict[str, int], device: torch.device) -> dict[str, ExecutionUnit]:

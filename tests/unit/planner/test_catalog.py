@@ -92,3 +92,10 @@ def test_the_tiny_test_llama_config_loads_as_a_model_spec(tiny_model_dir):
     cfg = json.loads(open(f"{tiny_model_dir}/config.json").read())
     assert m.num_layers == cfg["num_hidden_layers"] and m.hidden_size == cfg["hidden_size"]
     assert m.dtype_bytes in (2, 4)
+
+
+def test_h200_sits_beside_h100_with_its_memory_and_the_sm_count_the_gpu_kit_splits():
+    h100, h200 = get_hardware("h100"), get_hardware("h200")
+    assert h200.fp16_tflops == h100.fp16_tflops and h200.mem_bw_gbs / h100.mem_bw_gbs == pytest.approx(1.43, abs=0.01)
+    assert h100.extra["num_sms"] == h200.extra["num_sms"] == 132
+    assert get_hardware("dgx-h200").mem_gb == 8 * h200.mem_gb
