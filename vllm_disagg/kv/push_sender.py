@@ -29,13 +29,12 @@ from vllm_disagg.kv.handshake import (
 )
 from vllm_disagg.kv.layer_events import DONE, LayerEvent
 from vllm_disagg.kv.metadata import DisaggConnectorMetadata
-from vllm_disagg.kv.push_plan import (  # noqa: F401 - encode_targets: the decode side's name for it
+from vllm_disagg.kv.push_plan import (
     ALL_LAYERS,
     Push,
     PushPlan,
     Registration,
     WorkItem,
-    encode_targets,
     parse_targets,
     shard_writes,
 )

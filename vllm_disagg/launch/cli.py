@@ -115,9 +115,6 @@ def _keep_unknown_args(parser: argparse.ArgumentParser) -> None:
     parser.parse_known_args = parse_known_args
 
 
-resolve_model = launch_model  # the name `up` used before models.launch_model
-
-
 def resolve_prefill(args: argparse.Namespace) -> None:
     """`--prefill` left out: 1 P instance, except with `--attention K` on the local backend, where one
     instance does both phases on the attention servers (the Ray backend keeps 1 P + D)."""
@@ -152,7 +149,7 @@ async def _up(args: argparse.Namespace) -> int:
     vllm_args = list(getattr(args, "vllm_args", []))
     if not args.access_log:
         vllm_args.append("--disable-uvicorn-access-log")
-    cluster = LocalCluster(specs, resolve_model(args.model), args.transport, vllm_args,
+    cluster = LocalCluster(specs, launch_model(args.model), args.transport, vllm_args,
                            served_name=args.model, kv_cache_gib=args.kv_cache_gib, log_dir=log_dir,
                            bind_cores=getattr(args, "bind_cores", True))
     stop = asyncio.Event()

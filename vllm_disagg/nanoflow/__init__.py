@@ -16,7 +16,6 @@ __all__ = [
     "NanoFlowPlan",
     "NanoFlowRunnerMixin",
     "OpGraphExecutor",
-    "overlap",
 ]
 
 _LAZY = {
@@ -25,12 +24,10 @@ _LAZY = {
     "NanoFlowRunnerMixin": "vllm_disagg.nanoflow.runner",
     "NanoFlowPlan": "vllm_disagg.nanoflow.plan",
     "OpGraphExecutor": "vllm_disagg.nanoflow.executor",
-    "overlap": "vllm_disagg.overlap",
 }
 
 
 def __getattr__(name: str) -> Any:
     if name not in _LAZY:
         raise AttributeError(name)
-    module = importlib.import_module(_LAZY[name])
-    return module if name == "overlap" else getattr(module, name)
+    return getattr(importlib.import_module(_LAZY[name]), name)

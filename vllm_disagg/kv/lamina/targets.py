@@ -39,11 +39,6 @@ def attention_settings(vllm_config: Any):
     return remote_attention if remote_attention is not None and remote_attention.servers else None
 
 
-def side_channel_closed(client: Any, address: str) -> bool:
-    """Deprecated: `SideChannelClient.closed_by_peer(address)`."""
-    return client.closed_by_peer(address)
-
-
 class AttnPushReceiver(PushReceiver):
     """PushReceiver whose KV lands on the attention servers `remote_attention.servers` (head- or request-wise)."""
 

@@ -49,13 +49,3 @@ def register_memory(dev: Device, obj: Any, remote_write: bool):
 def verbs_addr(mem, mr) -> int:
     """The address verbs use for `mem`: its virtual address, or the iova of a dmabuf MR."""
     return getattr(mr, "iova_base", mem.addr)
-
-
-def __getattr__(name: str):
-    """`RdmaKVReceiver`, `RdmaKVSender` and `RdmaKVPeer` lived here: kv_rx.py and kv_tx.py."""
-    import importlib
-
-    where = {"RdmaKVReceiver": "kv_rx", "RdmaKVSender": "kv_tx", "RdmaKVPeer": "kv_tx"}.get(name)
-    if where is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"vllm_disagg.transport.rdma.{where}"), name)

@@ -1,8 +1,0 @@
-# SPDX-License-Identifier: Apache-2.0
-"""Deprecated path: `vllm_disagg.transport.stream.rx` (this name is the same module)."""
-
-import sys
-
-from vllm_disagg.transport.stream import rx
-
-sys.modules[__name__] = rx
