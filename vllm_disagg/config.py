@@ -74,12 +74,16 @@ class RemoteAttentionSection(_Section):
 
     servers: list[str] = Field(default_factory=list)
     """HOST:PORT of each attention worker, in shard order."""
-    partition: Literal["head", "request"] = "head"
-    """Head-wise (Lamina default) or request-wise split of the KV across servers."""
-    send_q_early: bool = True
-    """Send Q before K/V and merge the partial softmax exactly (paper section 4.2.2)."""
-    pipeline: int = Field(1, ge=1, le=8)
-    """Batches in flight (rotational staggered pipelining); 2 is ping-pong."""
+    partition: Literal["auto", "head", "request"] = "auto"
+    """Head-wise (Lamina's split) or request-wise split of the KV across servers; "auto" is head-wise
+    when the number of servers divides the model's KV heads, else request-wise
+    (`attention.partition.resolve_partition`, at model load)."""
+    send_q_early: bool | Literal["auto"] = Field("auto", validate_default=True)
+    """Send Q before K/V and merge the partial softmax exactly (paper section 4.2.2). "auto" is
+    resolved here, at parse time: on only where the attention kernel returns the LSE itself (GPU
+    FlashAttention), off on vLLM's CPU kernel, where the LSE is recomputed in torch (2.4x slower)."""
+    pipeline: int = Field(1, validate_default=True)
+    """Batches in flight: 1, or 2 (ping-pong on the nano-batch executor). Only these have a runtime."""
     transport: TransportKind = "shm"
     """Backend of `vllm_disagg.transport` for the per-layer exchange."""
     timeout_s: float = Field(30.0, gt=0)
@@ -97,12 +101,50 @@ class RemoteAttentionSection(_Section):
     def _servers_are_host_port(cls, v: list[str]) -> list[str]:
         return [_check_host_port(s) for s in v]
 
+    @field_validator("send_q_early")
+    @classmethod
+    def _resolve_send_q_early(cls, v: bool | str) -> bool:
+        return kernel_returns_lse() if v == "auto" else bool(v)
+
+    @field_validator("pipeline")
+    @classmethod
+    def _pipeline_has_a_runtime(cls, v: int) -> int:
+        if v not in PIPELINE_DEPTHS:
+            raise ValueError(
+                f"{v} has no runtime: use 1 (one batch in flight) or 2 (ping-pong on the nano-batch executor); "
+                "n>2 needs batch-context migration across model replicas, which is not built"
+            )
+        return v
+
+
+PIPELINE_DEPTHS = (1, 2)
+"""Pipeline depths with a runtime (`remote_attention.pipeline`)."""
+
+
+def resolve_partition(partition: str, num_servers: int, num_kv_heads: int) -> str:
+    """The partition `"auto"` stands for: head-wise (Lamina's split, every server sees every token)
+    when the servers divide the KV heads evenly, else request-wise."""
+    if partition != "auto":
+        return partition
+    return "head" if num_servers > 0 and num_kv_heads % num_servers == 0 else "request"
+
+
+def kernel_returns_lse() -> bool:
+    """Whether this platform's attention kernel returns the softmax LSE itself: FlashAttention on a
+    CUDA-alike GPU does; vLLM's CPU kernel does not (send-Q-early then recomputes it in torch)."""
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:  # planning-only installs: no kernel at all
+        return False
+    return bool(current_platform.is_cuda_alike())
+
 
 class NanoFlowSection(_Section):
     """NanoFlow: nano-batch execution inside one instance."""
 
     num_nano_batches: int | Literal["auto"] = 2
-    """Number of nano-batches per step, or "auto" to load the tuned plan (was `nano_batches`)."""
+    """Number of nano-batches per step (was `nano_batches`), or "auto": the tuned plan's count on the steps
+    where it predicts a gain, and the plain (un-split) forward everywhere else (`nanoflow/auto.py`)."""
     plan: str | None = None
     """Path of a plan JSON written by `vllm-disagg tune`."""
 

@@ -81,11 +81,15 @@ def runs(tiny_model_dir, tmp_path_factory) -> dict:
         )
         == 0
     )
+    break_even = plans / "break_even.json"  # a plan whose cost model says: split only steps of >= 64 tokens
+    break_even.write_text(json.dumps({"version": 1, "nano_batches": {"attn": 2, "dense": 2}, "break_even_tokens": 64}))
     return {
         "plain": _generate(tiny_model_dir),
-        "nano2": _nano(tiny_model_dir, {"nano_batches": 2}),
-        "nano4": _nano(tiny_model_dir, {"nano_batches": "auto", "plan": str(threaded)}),
-        "tuned": _nano(tiny_model_dir, {"nano_batches": "auto", "plan": str(tuned)}),
+        "auto_n1": _nano(tiny_model_dir, {"num_nano_batches": "auto"}),  # no plan, nothing to overlap on CPU
+        "auto_break_even": _nano(tiny_model_dir, {"num_nano_batches": "auto", "plan": str(break_even)}),
+        "nano2": _nano(tiny_model_dir, {"num_nano_batches": 2}),
+        "nano4": _nano(tiny_model_dir, {"num_nano_batches": "auto", "plan": str(threaded)}),
+        "tuned": _nano(tiny_model_dir, {"num_nano_batches": "auto", "plan": str(tuned)}),
     }
 
 
@@ -120,6 +124,19 @@ def test_four_attention_and_two_dense_nano_batches_on_pinned_unit_threads_give_t
 def test_the_plan_written_by_vllm_disagg_tune_loads_runs_and_matches(runs):
     _assert_same_as_plain(runs, "tuned")
     _assert_really_nano_batched(runs["tuned"]["stats"])
+
+
+def test_auto_without_a_plan_runs_vllms_plain_forward_when_nothing_can_overlap(runs):
+    _assert_same_as_plain(runs, "auto_n1")
+    stats = runs["auto_n1"]["stats"]
+    assert stats["nano_batching"] is False and stats["runner"] == "CPUModelRunner"  # vLLM's own runner
+
+
+def test_auto_splits_only_the_steps_at_or_above_the_plans_break_even(runs):
+    _assert_same_as_plain(runs, "auto_break_even")
+    stats = runs["auto_break_even"]["stats"]
+    assert stats["nano_batching"] is True and stats["pipeline_steps"] > 0  # the 128-token prefill steps
+    assert stats["plain_steps"] > 0 and stats["decode_steps"] == 0  # 8-token decode steps ran un-split
 
 
 def test_the_executor_reports_throughput_against_the_cost_model_optimum(runs):

@@ -121,7 +121,7 @@ def test_preemption_under_a_small_remote_kv_pool_still_matches_plain_vllm(tiny_m
 def test_n2_pipelining_on_the_nano_batch_executor_matches_plain_vllm(tiny_model_dir, plain, servers):
     remote = {"servers": [s.http for s in servers[:2]], "partition": "head", "send_q_early": False, "pipeline": 2}
     got = _generate(tiny_model_dir, remote, worker_cls="vllm_disagg.nanoflow.remote.NanoFlowRemoteAttentionWorker",
-                    additional_config={"disagg": {"remote_attention": remote, "nanoflow": {"nano_batches": 2}}})
+                    additional_config={"disagg": {"remote_attention": remote, "nanoflow": {"num_nano_batches": 2}}})
     _assert_same(got, plain)
 
 
@@ -160,3 +160,43 @@ def test_killing_an_attention_server_mid_decode_loses_no_request(tiny_model_dir,
         gc.collect()
         for s in own:
             s.stop()
+
+
+def _prefix_waves(model_dir, remote=None) -> tuple[list, list[int], int]:
+    """Two waves through one engine with prefix caching on: the second wave's prompts start with the
+    first wave's (2-3 full blocks cached). Returns tokens, cached tokens per request, affinity count."""
+    from vllm import LLM, SamplingParams
+
+    extra = {} if remote is None else dict(worker_cls=WORKER, additional_config={"disagg": {"remote_attention": remote}})
+    llm = LLM(**tiny_llm_kwargs(model_dir, enable_prefix_caching=True, **extra))
+    sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    heads = [p["prompt_token_ids"] for p in token_prompts(2, 80, seed=11)]
+    tails = [p["prompt_token_ids"] for p in token_prompts(5, 9, seed=12)]
+    waves = [[heads[0] + tails[0], heads[1] + tails[1]], [heads[1] + tails[2], heads[0] + tails[3], heads[0] + tails[4]]]
+    try:
+        tokens, cached = [], []
+        for wave in waves:
+            outs = llm.generate([{"prompt_token_ids": p} for p in wave], sp, use_tqdm=False)
+            tokens += [list(o.outputs[0].token_ids) for o in outs]
+            cached += [o.num_cached_tokens or 0 for o in outs]
+        affinity = 0
+        if remote is not None:
+            from vllm_disagg.attention import backend  # the worker runs in this process here
+
+            affinity = backend.get_client().placer.num_prefix_affinity
+        return tokens, cached, affinity
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+
+
+def test_request_wise_with_prefix_caching_places_cached_prefixes_on_their_server(tiny_model_dir, servers):
+    """partition auto on 3 servers and a 2-KV-head model is request-wise; vLLM's prefix caching stays
+    on: a request starting on cached blocks goes to the server holding them and matches plain vLLM."""
+    plain_tokens, plain_cached, _ = _prefix_waves(tiny_model_dir)
+    remote = {"servers": [s.http for s in servers[:3]]}  # 3 servers, tiny model's 2 KV heads: auto = request
+    tokens, cached, affinity = _prefix_waves(tiny_model_dir, remote)
+    assert tokens == plain_tokens
+    assert cached[2:] == plain_cached[2:] and all(c >= 64 for c in cached[2:])  # the second wave hit the cache
+    assert affinity >= 3  # (two running requests on one cached chain count again at later steps)

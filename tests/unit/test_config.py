@@ -53,3 +53,34 @@ def test_a_renamed_key_still_works_under_its_old_name_and_errors_name_it_as_writ
         parse_disagg_config({"nanoflow": {"nano_batches": 0}})
     with pytest.raises(DisaggConfigError, match="deprecated name"):
         parse_disagg_config({"nanoflow": {"nano_batches": 2, "num_nano_batches": 2}})
+
+
+def test_send_q_early_auto_is_resolved_at_parse_time_to_what_the_kernel_returns():
+    from vllm_disagg.config import kernel_returns_lse
+
+    remote_attention = parse_disagg_config({"remote_attention": {"servers": ["127.0.0.1:7000"]}}).remote_attention
+    assert remote_attention.send_q_early is kernel_returns_lse() is False  # vLLM's CPU kernel returns no LSE
+    auto = parse_disagg_config({"remote_attention": {"send_q_early": "auto"}}).remote_attention
+    assert auto.send_q_early is False
+    assert parse_disagg_config({"remote_attention": {"send_q_early": True}}).remote_attention.send_q_early is True
+
+
+def test_pipeline_depth_is_checked_at_parse_time_in_one_line():
+    for depth in (1, 2):
+        assert parse_disagg_config({"remote_attention": {"pipeline": depth}}).remote_attention.pipeline == depth
+    for depth in (0, 3, 8):
+        with pytest.raises(DisaggConfigError) as err:
+            parse_disagg_config({"remote_attention": {"pipeline": depth}})
+        msg = str(err.value)
+        assert msg.startswith('additional_config["disagg"].remote_attention.pipeline:')
+        assert f"{depth} has no runtime" in msg and "\n" not in msg
+
+
+def test_partition_defaults_to_auto_head_wise_only_when_the_servers_divide_the_kv_heads():
+    from vllm_disagg.config import resolve_partition
+
+    assert parse_disagg_config({"remote_attention": {}}).remote_attention.partition == "auto"
+    assert resolve_partition("auto", 2, 4) == "head"
+    assert resolve_partition("auto", 3, 3) == "head"
+    assert resolve_partition("auto", 2, 3) == "request"  # SmolLM2's 3 KV heads on 2 servers
+    assert resolve_partition("head", 2, 3) == "head"  # explicit: left to fail with its own message

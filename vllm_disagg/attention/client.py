@@ -24,7 +24,7 @@ import torch
 from vllm_disagg import envs
 from vllm_disagg.attention import wire
 from vllm_disagg.attention.merge import merge_attn_states, partial_attention
-from vllm_disagg.attention.partition import RequestPlacer, head_shards
+from vllm_disagg.attention.partition import RequestPlacer, head_shards, resolve_partition
 from vllm_disagg.errors import DisaggError, PeerLostError, ProtocolError, TransportTimeout
 from vllm_disagg.logs import init_logger
 from vllm_disagg.observe.context import TraceContext
@@ -145,8 +145,8 @@ class ServerConn:
 class DisaggAttentionClient:
     """Remote attention over `servers` (HTTP addresses), head- or request-partitioned."""
 
-    def __init__(self, servers: list[str], transport: str = "shm", partition: str = "head",
-                 send_q_early: bool = True, timeout_s: float = 30.0, auth_token: str | None = None,
+    def __init__(self, servers: list[str], transport: str = "shm", partition: str = "auto",
+                 send_q_early: bool = False, timeout_s: float = 30.0, auth_token: str | None = None,
                  spin_us: float | None = None):
         if not servers:
             raise ValueError('remote_attention.servers is empty: list the attention servers\' HOST:PORT')
@@ -160,7 +160,7 @@ class DisaggAttentionClient:
         self.conns = [ServerConn(s, self.transport, timeout_s) for s in servers]
         self.geometry_args: dict = {}
         self.num_recoveries = 0
-        self.partition = partition
+        self.partition = partition  # "auto" is resolved by connect(), which learns the KV heads
         self.send_q_early = self.want_send_q_early = send_q_early
         self.num_blocks = 0
         self.shards = None
@@ -173,6 +173,9 @@ class DisaggAttentionClient:
                                   head_size=head_size, block_size=block_size, dtype=dtype,
                                   max_num_tokens=max_num_tokens)
         n = len(self.conns)
+        if self.partition == "auto":
+            self.partition = resolve_partition("auto", n, num_kv_heads)
+            self.placer = RequestPlacer(n) if self.partition == "request" else None
         if self.partition == "head":
             self.shards = head_shards(n, num_heads, num_kv_heads)
             geoms = [wire.Geometry(num_layers, s.num_heads, s.num_kv_heads, head_size, block_size, dtype,
@@ -211,9 +214,9 @@ class DisaggAttentionClient:
             return
         per_server: dict[int, list] = {}
         for b, k, first in zip(block_ids, keys, owner_first_block):
-            where = self.placer._where.get(first)  # [server, last step, seq_len] of a placed request
-            if where is not None:
-                per_server.setdefault(where[0], []).append((b, k))
+            server = self.placer.server_of(first)  # the server of a placed request (or cached chain)
+            if server is not None:
+                per_server.setdefault(server, []).append((b, k))
         for server, pairs in per_server.items():
             self.conns[server].queue_registrations(pairs)
 
@@ -284,11 +287,11 @@ class DisaggAttentionClient:
                 raise ValueError("request-wise claim needs owner_first_block, one per block id")
             per_server, failed = {}, set()
             for b, first in zip(block_ids, owner_first_block):
-                where = self.placer._where.get(first)
-                if where is None:
+                server = self.placer.server_of(first)
+                if server is None:
                     failed.add(b)
                 else:
-                    per_server.setdefault(where[0], []).append(b)
+                    per_server.setdefault(server, []).append(b)
         sent = []
         for server, ids in per_server.items():
             conn = self.conns[server]
@@ -319,7 +322,7 @@ class DisaggAttentionClient:
             best = max(range(len(per_server)), key=lambda s: (prefix[s], -s))
             # placed even with nothing restored: the step runs it as a continuing request (vLLM discards
             # and recomputes what failed), and the placer must know its server (its entry, partition.py)
-            self.placer._where[first] = [best, self.placer._step, len(blocks) * block_size]
+            self.placer._set(first, best, len(blocks) * block_size)
             failed.update(blocks[prefix[best]:])
         return failed
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_disagg.attention.wire import StepMeta
+from vllm_disagg.config import resolve_partition
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,15 @@ def head_shards(num_servers: int, num_heads: int, num_kv_heads: int) -> list[Hea
             for s in range(num_servers)]
 
 
+def resolved_section(remote_attention, vllm_config):
+    """`remote_attention` with "auto" replaced by the partition it means for this engine's model."""
+    if remote_attention.partition != "auto":
+        return remote_attention
+    kv_heads = vllm_config.model_config.get_num_kv_heads(vllm_config.parallel_config)
+    partition = resolve_partition("auto", len(remote_attention.servers), kv_heads)
+    return remote_attention.model_copy(update={"partition": partition})
+
+
 @dataclass
 class RequestSplit:
     """The part of a step that goes to one server under request-wise partitioning."""
@@ -59,8 +69,14 @@ class RequestPlacer:
     def __init__(self, num_servers: int, recent_steps: int = 32):
         self.num_servers = num_servers
         self._where: dict[int, list[int]] = {}  # first block id -> [server, last step seen, seq_len]
+        # first block id -> server, never aged out (at most one entry per block): the server holding a
+        # chain that starts there, for requests that start on cached blocks (prefix caching)
+        self._first_owner: dict[int, int] = {}
         self._step = 0
         self._recent = recent_steps
+        self.num_prefix_affinity = 0
+        """Requests placed on the server of the cached chain they start on (a diagnostic: two requests
+        running on one chain at once count again at later steps, as the key cannot tell them apart)."""
 
     def load(self) -> list[int]:
         out = [0] * self.num_servers
@@ -73,8 +89,17 @@ class RequestPlacer:
         """Place a request before its first step (its KV is pushed by a prefill instance): least load."""
         load = self.load()
         server = min(range(self.num_servers), key=lambda s: (load[s], s))
-        self._where[first_block] = [server, self._step, seq_len]
+        self._set(first_block, server, seq_len)
         return server
+
+    def _set(self, first_block: int, server: int, seq_len: int) -> None:
+        self._where[first_block] = [server, self._step, seq_len]
+        self._first_owner[first_block] = server
+
+    def server_of(self, first_block: int) -> int | None:
+        """The server of the request (or cached chain) whose block table starts at `first_block`."""
+        where = self._where.get(first_block)
+        return where[0] if where is not None else self._first_owner.get(first_block)
 
     def split(self, meta: StepMeta) -> list[RequestSplit]:
         self._step += 1
@@ -84,15 +109,19 @@ class RequestPlacer:
         owner = [-1] * meta.num_reqs
         for r in range(meta.num_reqs):  # continuing requests keep their server
             if qsl[r + 1] - qsl[r] < seq[r]:
-                if first[r] not in self._where:
+                server = self.server_of(first[r])
+                if server is None:
                     raise ValueError(f"request with first block {first[r]} continues but was never placed")
-                owner[r] = self._where[first[r]][0]
-                self._where[first[r]] = [owner[r], self._step, seq[r]]
+                prev = self._where.get(first[r])  # the same request ran in the previous step up to here
+                if prev is None or prev[1] != self._step - 1 or prev[2] != seq[r] - (qsl[r + 1] - qsl[r]):
+                    self.num_prefix_affinity += 1  # it starts on a cached chain: where that chain lives
+                owner[r] = server
+                self._set(first[r], server, seq[r])
         for r in range(meta.num_reqs):  # new (or restarted) requests go where the KV load is least
             if owner[r] < 0:
                 load = self.load()
                 owner[r] = min(range(self.num_servers), key=lambda s: (load[s], s))
-                self._where[first[r]] = [owner[r], self._step, seq[r]]
+                self._set(first[r], owner[r], seq[r])
         self._gc()
         return [self._sub(meta, s, [r for r in range(meta.num_reqs) if owner[r] == s], qsl)
                 for s in range(self.num_servers)]

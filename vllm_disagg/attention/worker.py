@@ -19,6 +19,7 @@ from vllm.v1.worker.cpu_worker import CPUWorker
 
 from vllm_disagg.attention import backend, recovery, register
 from vllm_disagg.attention.client import DisaggAttentionClient
+from vllm_disagg.attention.partition import resolved_section
 from vllm_disagg.config import disagg_config_from_vllm
 from vllm_disagg.patches import require
 from vllm_disagg.patches.attn_backend_cache import clear_attn_backend_cache
@@ -34,8 +35,10 @@ def client_from_config(vllm_config) -> DisaggAttentionClient | None:
     remote_attention = cfg.remote_attention if cfg else None
     if remote_attention is None or not remote_attention.servers:
         return None
-    client = DisaggAttentionClient(remote_attention.servers, transport=remote_attention.transport, partition=remote_attention.partition,
-                                   send_q_early=remote_attention.send_q_early, timeout_s=remote_attention.timeout_s, auth_token=cfg.auth_token,
+    remote_attention = resolved_section(remote_attention, vllm_config)
+    client = DisaggAttentionClient(remote_attention.servers, transport=remote_attention.transport,
+                                   partition=remote_attention.partition, send_q_early=remote_attention.send_q_early,
+                                   timeout_s=remote_attention.timeout_s, auth_token=cfg.auth_token,
                                    spin_us=remote_attention.spin_us)
     client.replacement_wait_s = remote_attention.replacement_wait_s  # read by recovery.reconnect
     return client
@@ -61,14 +64,7 @@ class DisaggAttentionWorker(CPUWorker):
         if client is None:
             return
         require("remote attention", *REQUIRED_PATCHES)
-        remote_attention = disagg_config_from_vllm(self.vllm_config).remote_attention
-        if remote_attention.pipeline > 2:
-            raise NotImplementedError(
-                f"remote_attention.pipeline={remote_attention.pipeline}: only n=2 (ping-pong on one replica) has a runtime; "
-                "n>2 needs batch-context migration between model replicas (tests/unit/attention/pipeline_schedule.py models it)")
-        if remote_attention.partition == "request" and self.vllm_config.cache_config.enable_prefix_caching:
-            raise ValueError("remote_attention.partition='request' needs enable_prefix_caching=False: a shared "
-                             "prefix block would live on one server only; use partition='head'")
+        remote_attention = disagg_config_from_vllm(self.vllm_config).remote_attention  # pipeline: 1|2 (config.py)
         if remote_attention.pipeline == 2 and not getattr(self, "nanoflow_stats", None):
             raise ValueError("remote_attention.pipeline=2 runs on the nano-batch executor: use worker_cls "
                              "'vllm_disagg.nanoflow.remote.NanoFlowRemoteAttentionWorker' with "

@@ -54,6 +54,9 @@ class NanoFlowPlan(BaseModel):
     """Run unit classes on their own threads/streams; False = inline (nothing overlaps)."""
     dense_batch_size: int | None = None
     """Discrete batching: the profiled fast size to use as max_num_batched_tokens."""
+    break_even_tokens: int | None = None
+    """Steps with fewer tokens run un-split (vLLM's plain forward): below it the split is not
+    predicted to pay (`nanoflow/auto.py`). None: every step with enough tokens is split."""
     fast_sizes: list[int] = Field(default_factory=list)
     """Token counts whose dense throughput beats every smaller size (profiled)."""
     op_cost_s: dict[str, dict[str, float]] = Field(default_factory=dict)
@@ -95,21 +98,29 @@ def default_plan_path(model: str) -> Path:
     return cache_dir() / "nanoflow" / f"{safe[-120:]}.json"
 
 
-def resolve_plan(nano_batches: int | str, plan_path: str | None, model: str) -> NanoFlowPlan:
-    """The plan for a NanoFlowSection: an explicit count, or "auto" (tuned plan, else 2)."""
+def resolve_plan(
+    nano_batches: int | str, plan_path: str | None, model: str, network_op: bool = False
+) -> NanoFlowPlan:
+    """The plan for a NanoFlowSection: an explicit count, or "auto" (the tuned plan; without one,
+    n=1 unless a network-bound op exists, `network_op`, see nanoflow/auto.py)."""
     if plan_path:
         plan = NanoFlowPlan.load(plan_path)
         if nano_batches != "auto":
-            plan = plan.model_copy(update={"nano_batches": _counts(int(nano_batches))})
+            plan = plan.model_copy(update={"nano_batches": _counts(int(nano_batches)), "break_even_tokens": None})
         return plan
     if nano_batches == "auto":
         path = default_plan_path(model)
         if path.exists():
             return NanoFlowPlan.load(path)
-        logger.warning(
-            "nanoflow: nano_batches=auto but no plan at %s; using 2 (run `vllm-disagg tune`)", path
-        )
-        return NanoFlowPlan()
+        from vllm_disagg.nanoflow.auto import DEFAULT_NETWORK_BREAK_EVEN
+
+        if not network_op:
+            logger.info("nanoflow: nano_batches=auto, no plan at %s and no network-bound op to overlap: "
+                        "n=1, vLLM's plain forward (`vllm-disagg tune` profiles this device)", path)
+            return NanoFlowPlan(nano_batches=_counts(1), break_even_tokens=None)
+        logger.info("nanoflow: nano_batches=auto, no plan at %s: 2 nano-batches on steps of >= %d tokens "
+                    "(a network-bound op overlaps)", path, DEFAULT_NETWORK_BREAK_EVEN)
+        return NanoFlowPlan(break_even_tokens=DEFAULT_NETWORK_BREAK_EVEN)
     return NanoFlowPlan(nano_batches=_counts(int(nano_batches)))
 
 

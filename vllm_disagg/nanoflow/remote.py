@@ -55,12 +55,7 @@ class NanoFlowRemoteAttentionWorker(DisaggAttentionWorker):
     """DisaggAttentionWorker whose runner also nano-batches (inert parts stay inert)."""
 
     def init_device(self) -> None:
-        depth = pipeline_depth(self.vllm_config)
-        if depth > 2:
-            raise NotImplementedError(
-                f"remote_attention.pipeline={depth}: only n=1 and n=2 (ping-pong) have a runtime; n>2 needs "
-                "context migration across model replicas (tests/unit/attention/pipeline_schedule.py models the schedule)"
-            )
+        depth = pipeline_depth(self.vllm_config)  # 1 or 2: the config refuses other depths at parse time
         enable_nano_ubatching(self.vllm_config)
         mark_remote_impl_network_bound(depth >= 2)
         super().init_device()

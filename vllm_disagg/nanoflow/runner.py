@@ -22,6 +22,7 @@ from vllm.logger import init_logger
 
 from vllm_disagg import envs
 from vllm_disagg.config import disagg_config_from_vllm
+from vllm_disagg.nanoflow.auto import has_network_op
 from vllm_disagg.nanoflow.executor import OpGraphExecutor
 from vllm_disagg.nanoflow.graph import ATTN, DENSE, NET, build_graph, list_schedule
 from vllm_disagg.nanoflow.kv_save import nano_batched_saves
@@ -48,7 +49,8 @@ def nanoflow_plan_of(vllm_config: Any) -> NanoFlowPlan | None:
     if cfg is None or cfg.nanoflow is None:
         return None
     nanoflow = cfg.nanoflow
-    return resolve_plan(nanoflow.num_nano_batches, nanoflow.plan, vllm_config.model_config.model)
+    network = nanoflow.num_nano_batches == "auto" and has_network_op(vllm_config)
+    return resolve_plan(nanoflow.num_nano_batches, nanoflow.plan, vllm_config.model_config.model, network)
 
 
 def enable_nano_ubatching(vllm_config: Any) -> int:
@@ -100,6 +102,10 @@ def runner_stats(runner: Any) -> dict:
         stats["units"] = [u.describe() for u in executor.units.values()]
         stats["inline"] = executor.inline
     stats["pipeline"] = getattr(runner, "nano_pipeline", None) is not None
+    plan = getattr(runner, "nano_plan", None)
+    # False: this runner never splits (num_nano_batches "auto" picked n=1): vLLM's plain forward, plain runner
+    stats["nano_batching"] = isinstance(runner, NanoFlowRunnerMixin) and plan is not None and plan.nano_batches.attn > 1
+    stats["runner"] = type(runner).__name__
     ab = getattr(runner, "_nano_ab", None)
     if ab is not None and ab.summary():
         stats["ab"] = ab.summary()
@@ -128,6 +134,7 @@ class NanoFlowRunnerMixin:
                 "decode_steps",
                 "mixed_steps",
                 "split_attention_steps",  # network attention sent from KQV, waited on the net unit
+                "plain_steps",  # below the plan's break-even (or n=1): vLLM's plain forward
             ),
             0,
         )
@@ -217,9 +224,8 @@ class NanoFlowRunnerMixin:
             num_tokens = kwargs.get("num_tokens", args[0] if args else 0)
             num_reqs = kwargs.get("num_reqs", args[1] if len(args) > 1 else 0)
             allowed = kwargs.get("allow_microbatching", True)
-            should_ubatch = bool(
-                allowed and num_reqs >= 1 and min(num_tokens, desc.num_tokens) >= plan.min_tokens()
-            )
+            least = max(plan.min_tokens(), plan.break_even_tokens or 0)
+            should_ubatch = bool(allowed and num_reqs >= 1 and min(num_tokens, desc.num_tokens) >= least)
             if should_ubatch and self._nano_ab is not None:
                 should_ubatch = self._nano_ab.choose_nano(int(num_tokens))
             if should_ubatch:
@@ -255,6 +261,7 @@ class NanoFlowRunnerMixin:
         if self.nano_plan is None or ctx is None or ctx.ubatch_slices is None:
             if self.nano_plan is not None:
                 self.nano_stats["steps"] += 1
+                self.nano_stats["plain_steps"] += 1
             if self._nano_ab is None or not self._nano_ab.plain_next:
                 return super()._model_forward(
                     input_ids, positions, intermediate_tensors, inputs_embeds, **model_kwargs

@@ -18,7 +18,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from vllm_disagg.nanoflow.autosearch import SearchResult, fast_sizes, nano_combos, search
+from vllm_disagg.nanoflow.auto import break_even_tokens
+from vllm_disagg.nanoflow.autosearch import SEARCH_LAYERS, SearchResult, fast_sizes, nano_combos, search
 from vllm_disagg.nanoflow.graph import ATTN, DENSE, NET
 from vllm_disagg.nanoflow.plan import NanoBatchCounts, NanoFlowPlan, default_plan_path
 
@@ -107,11 +108,21 @@ def plan_from(result: SearchResult, prof: OpProfile, fast: list[int], args, seco
         op: {str(t): prof.cost(op, t, s) for t in sorted(prof.seconds[op][max(prof.seconds[op])])}
         for op, s in at_share.items()
     }
+    break_even = break_even_tokens(
+        prof.cost, min(prof.shape.num_layers if prof.shape else SEARCH_LAYERS, SEARCH_LAYERS), best.num_attn_batches, best.num_dense_batches, dict(best.shares),
+        token_grid(args.max_tokens, args.quick), inline=best.inline, tensor_parallel=args.tp > 1,
+        attention_remote=args.remote_rpc_us > 0, serial=CPU_SERIAL_UNITS,
+    )
+    if args.min_nano_batches >= 2:  # forced on: every step with enough tokens is split
+        break_even = None
+    elif best.num_attn_batches >= 2 and break_even is None:  # split only where the model says so: never, then
+        best = _whole_step(result, best)
     return NanoFlowPlan(
         nano_batches=NanoBatchCounts(attn=best.num_attn_batches, dense=best.num_dense_batches),
         units={} if best.inline else shares,
         threaded=not best.inline,
         dense_batch_size=best.dense_batch,
+        break_even_tokens=break_even,
         fast_sizes=fast,
         op_cost_s=costs,
         predicted_step_s=best.step_s,
@@ -138,6 +149,12 @@ def plan_from(result: SearchResult, prof: OpProfile, fast: list[int], args, seco
     )
 
 
+def _whole_step(result: SearchResult, best):
+    """The best n=1 candidate at `best`'s dense batch (the search always lets n=1 compete)."""
+    ones = [c for c in result.candidates if c.num_attn_batches == 1 and c.dense_batch == best.dense_batch]
+    return min(ones, key=lambda c: c.step_s) if ones else best
+
+
 def run_tune(args: argparse.Namespace) -> int:
     plan, _result, _prof = tune(args)
     out = Path(args.out) if args.out else default_plan_path(str(args.model))
@@ -147,6 +164,7 @@ def run_tune(args: argparse.Namespace) -> int:
         "nano_batches": plan.nano_batches.model_dump(),
         "units": plan.units or "inline",
         "dense_batch_size": plan.dense_batch_size,
+        "break_even_tokens": plan.break_even_tokens,
         "predicted_tokens_per_s": round(plan.predicted_tokens_per_s or 0, 1),
         "search_seconds": plan.search["seconds"],
         "hint": f"--max-num-batched-tokens {plan.dense_batch_size}",

@@ -101,3 +101,30 @@ def test_the_checks_catch_a_conflict_and_a_bubble():
     holey = [o for o in ops if not (o.kind == "attn" and o.batch == 1 and o.index == 1)]
     with pytest.raises(AssertionError, match="idle"):
         check_bubble_free(holey, 3)
+
+
+def test_request_wise_placement_follows_a_cached_prefix_to_its_server():
+    """Prefix caching: a request that starts on cached blocks shares its first block with the request
+    that wrote them and goes to that server, also after the writer's entry aged out."""
+    from vllm_disagg.attention.partition import RequestPlacer
+    from vllm_disagg.attention.wire import StepMeta
+
+    def step(rows: list[tuple[list[int], int, int]]) -> StepMeta:  # (blocks, query_len, seq_len)
+        qsl = torch.tensor([0] + [q for _, q, _ in rows], dtype=torch.int32).cumsum(0).to(torch.int32)
+        table = torch.tensor([b for b, _, _ in rows], dtype=torch.int32)
+        slots = torch.zeros(int(qsl[-1]), dtype=torch.int64)
+        return StepMeta(qsl, torch.tensor([s for _, _, s in rows], dtype=torch.int32), table, slots)
+
+    placer = RequestPlacer(2, recent_steps=1)
+    a, b = placer.split(step([([1, 2], 40, 40), ([3, 4], 40, 40)]))  # two fresh prompts: one per server
+    assert (len(a.token_ids), len(b.token_ids)) == (40, 40)
+    where = {first: placer.server_of(first) for first in (1, 3)}
+    assert sorted(where.values()) == [0, 1]
+    splits = placer.split(step([([1, 5], 8, 40), ([3, 4], 1, 41)]))  # a new request hits block 1's chain
+    assert len(splits[where[1]].token_ids) == 8 and placer.num_prefix_affinity == 1  # the writer still ran
+    placer._where.clear()  # the writers finished long ago; their chains stay cached in vLLM
+    splits = placer.split(step([([3, 9], 8, 40)]))  # 32 tokens hit blocks 3.., 8 computed
+    assert len(splits[where[3]].token_ids) == 8 and len(splits[1 - where[3]].token_ids) == 0
+    assert placer.num_prefix_affinity == 2
+    with pytest.raises(ValueError, match="never placed"):
+        placer.split(step([([7, 8], 8, 40)]))

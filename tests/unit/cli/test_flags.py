@@ -44,6 +44,7 @@ def test_flags_fold_into_additional_config_and_keep_other_keys():
         (["--disagg-push-timeout", "-1"], "--disagg-push-timeout"),
         (["--disagg-nano-batches", "0"], "--disagg-nano-batches"),
         (["--disagg-pipeline", "99"], "--disagg-pipeline"),
+        (["--disagg-pipeline", "3"], "--disagg-pipeline"),  # the schedule exists, no runtime
         (["--disagg-attention-servers", "a:b"], "--disagg-attention-servers"),
     ],
 )

@@ -19,6 +19,7 @@ from typing import Any
 from vllm.logger import init_logger
 
 from vllm_disagg.attention import backend, queries
+from vllm_disagg.attention.partition import resolved_section
 from vllm_disagg.config import disagg_config_from_vllm
 from vllm_disagg.errors import DisaggError
 from vllm_disagg.kv.metadata import RecvSpec
@@ -32,11 +33,13 @@ _POLL_S = 0.002
 
 
 def attention_settings(vllm_config: Any):
-    """The `remote_attention` section when this decode worker runs remote attention, else None."""
-
+    """The `remote_attention` section when this decode worker runs remote attention, else None
+    (its partition resolved: "auto" becomes "head" or "request" for this model)."""
     cfg = disagg_config_from_vllm(vllm_config)
     remote_attention = cfg.remote_attention if cfg else None
-    return remote_attention if remote_attention is not None and remote_attention.servers else None
+    if remote_attention is None or not remote_attention.servers:
+        return None
+    return resolved_section(remote_attention, vllm_config)
 
 
 class AttnPushReceiver(PushReceiver):
