@@ -24,6 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from vllm_disagg.launch.attention_sizing import size_for_args
 from vllm_disagg.models import launch_model
 from vllm_disagg.router.cli import add_failover_args
 
@@ -64,13 +65,16 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--state-file", default=None,
                         help="write endpoint, instance URLs and pids here as JSON once healthy")
     g = parser.add_argument_group("Lamina attention servers (with --attention K)")
-    g.add_argument("--attention-partition", choices=("head", "request"), default="head",
-                   help="split the KV across attention servers by KV head (Lamina default) or by request")
+    g.add_argument("--attention-partition", choices=("auto", "head", "request"), default="auto",
+                   help="split the KV across attention servers by KV head or by request (auto: head-wise when "
+                        "K divides the model's KV heads, else request-wise, with prefix affinity)")
     g.add_argument("--pipeline", type=int, choices=(1, 2), default=1,
                    help="batches in flight: 2 = ping-pong on the NanoFlow nano-batch executor")
     g.add_argument("--attention-transport", choices=("shm", "tcp"), default="shm",
                    help="data path of the per-layer exchange (default shm: same host)")
-    g.add_argument("--attention-kv-cache-gib", type=float, default=0.25, help="KV memory of each attention server")
+    g.add_argument("--attention-kv-cache-gib", type=float, default=None,
+                   help="KV memory of each attention server (default: sized from the model, --max-model-len and "
+                        "the partition, at least the decode instance's --kv-cache-gib share, within free memory)")
     g.add_argument("--send-q-early", action=argparse.BooleanOptionalAction, default=None,
                    help="send Q first and merge the partial softmax (default: the config's default)")
     from vllm_disagg.launch.ray.specs import add_ray_args
@@ -81,9 +85,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return parser
 
 
-def plan_from_args(args: argparse.Namespace) -> list:
+def plan_from_args(args: argparse.Namespace, model_dir: str | None = None) -> list:
     """Instance specs of `up`; `--attention K` without `--prefill` turns the decode instance into a mixed
-    one (both phases), which then becomes the model worker of the K attention servers."""
+    one (both phases), which then becomes the model worker of the K attention servers. With `model_dir`,
+    the servers' partition and KV size are resolved for that model (`attention_sizing.py`; raises
+    `SizingError`, a ValueError, when they cannot hold one request of the max length)."""
     from vllm_disagg.launch.instances import AttentionPlan, attach_attention, plan_instances
 
     resolve_prefill(args)
@@ -95,9 +101,12 @@ def plan_from_args(args: argparse.Namespace) -> list:
     if args.layerwise_threshold is not None:
         for spec in specs:
             spec.kv_extra["layerwise_threshold_tokens"] = args.layerwise_threshold
-    attach_attention(specs, AttentionPlan(num_attention, args.attention_partition, args.pipeline,
-                                          args.attention_transport, args.attention_kv_cache_gib, args.send_q_early,
-                                          args.transport))
+    partition, kv_gib = args.attention_partition, args.attention_kv_cache_gib
+    if num_attention and model_dir is not None:
+        sizing = size_for_args(args, model_dir)
+        partition, kv_gib = sizing.partition, sizing.kv_cache_gib
+    attach_attention(specs, AttentionPlan(num_attention, partition, args.pipeline, args.attention_transport,
+                                          kv_gib, args.send_q_early, args.transport))
     return specs
 
 
@@ -140,16 +149,18 @@ async def _up(args: argparse.Namespace) -> int:
     from vllm_disagg.router.policy import SchedulerConfig
     from vllm_disagg.router.server import Router, RouterServer
 
+    model_dir = launch_model(args.model)
     try:
-        specs = plan_from_args(args)
-    except ValueError as err:
+        specs = plan_from_args(args, model_dir)
+    except (ValueError, OSError) as err:  # OSError: no config.json to size the attention servers from
         print(f"vllm-disagg up: {err}", flush=True)
         return 2
+    _announce_attention(specs)
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="vllm-disagg-up-"))
     vllm_args = list(getattr(args, "vllm_args", []))
     if not args.access_log:
         vllm_args.append("--disable-uvicorn-access-log")
-    cluster = LocalCluster(specs, launch_model(args.model), args.transport, vllm_args,
+    cluster = LocalCluster(specs, model_dir, args.transport, vllm_args,
                            served_name=args.model, kv_cache_gib=args.kv_cache_gib, log_dir=log_dir,
                            bind_cores=getattr(args, "bind_cores", True))
     stop = asyncio.Event()
@@ -188,6 +199,18 @@ async def _up(args: argparse.Namespace) -> int:
             await server.stop()
         await asyncio.to_thread(cluster.stop)
         print("vllm-disagg up: stopped", flush=True)
+
+
+def _announce_attention(specs: list) -> None:
+    """One line on how the attention servers were set up (partition and KV size are resolved here)."""
+    servers = [s for s in specs if s.role == "attention"]
+    worker = next((s for s in specs if "remote_attention" in s.disagg_extra), None)
+    if not servers or worker is None:
+        return
+    remote_attention, args = worker.disagg_extra["remote_attention"], servers[0].args
+    size = args[args.index("--kv-cache-gib") + 1] if "--kv-cache-gib" in args else "default"
+    print(f"vllm-disagg up: {len(servers)} attention server(s), partition {remote_attention['partition']}, "
+          f"{size} GiB of KV each, pipeline {remote_attention['pipeline']}", flush=True)
 
 
 async def _until(coro, stop: asyncio.Event) -> bool:

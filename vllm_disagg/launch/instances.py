@@ -157,14 +157,14 @@ class AttentionPlan:
     """`up --attention K`: K attention servers serving one model-worker instance."""
 
     num: int = 0
-    partition: str = "head"
-    """head | request (RemoteAttentionSection.partition)"""
+    partition: str = "auto"
+    """auto | head | request (RemoteAttentionSection.partition)"""
     pipeline: int = 1
     """1, or 2 for ping-pong pipelining (runs on the NanoFlow nano-batch executor)"""
     transport: str = "shm"
     """Data path of the per-layer exchange."""
-    kv_cache_gib: float = 0.25
-    """KV memory of each attention server."""
+    kv_cache_gib: float | None = None
+    """KV memory of each attention server (None: the server's default; `up` sizes it, attention_sizing.py)."""
     send_q_early: bool | None = None
     """None keeps the config default."""
     kv_transport: str | None = None
@@ -191,7 +191,8 @@ def attach_attention(specs: list[InstanceSpec], plan: AttentionPlan) -> Instance
         users[0].disagg_extra["nanoflow"] = {"num_nano_batches": plan.pipeline}
     for s in specs:
         if s.role == "attention":
-            s.args = ["--transport", plan.transport, "--kv-cache-gib", str(plan.kv_cache_gib), *s.args]
+            size = [] if plan.kv_cache_gib is None else ["--kv-cache-gib", str(plan.kv_cache_gib)]
+            s.args = ["--transport", plan.transport, *size, *s.args]
             if plan.kv_transport and any(p.role == "prefill" for p in specs):
                 s.args += ["--kv-transport", plan.kv_transport]
     return users[0]

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from vllm_disagg.envs import VLLM_DISAGG_AUTH_TOKEN
+from vllm_disagg.launch.attention_sizing import size_for_args
 from vllm_disagg.launch.instances import CONNECTOR
 from vllm_disagg.router.ray_registry import ACTOR_PREFIX, NAMESPACE
 
@@ -85,7 +86,7 @@ def plan_actor_specs(args: argparse.Namespace, model: str) -> list[ActorSpec]:
     if args.attention and args.decode + mixed != 1:
         raise ValueError("--attention K serves exactly one model worker: use one --decode (or --prefill 0 "
                          f"--decode 0 for one mixed instance), got {args.decode} decode + {mixed} mixed")
-    attention = {**common, "kv_cache_gib": getattr(args, "attention_kv_cache_gib", args.kv_cache_gib),
+    attention = {**common, "kv_cache_gib": _attention_kv_gib(args, model),
                  "kv_transport": args.transport if args.prefill else None}
     specs = [ActorSpec("attention", i, http_port=args.attention_port + i, **attention)
              for i in range(args.attention)]
@@ -98,6 +99,16 @@ def plan_actor_specs(args: argparse.Namespace, model: str) -> list[ActorSpec]:
     return specs
 
 
+def _attention_kv_gib(args: argparse.Namespace, model: str) -> float:
+    """Each attention worker's KV size, sized for the model as on the local backend (and its partition
+    resolved into `args`); a model path without config.json here (on other nodes) keeps the flags."""
+    if not args.attention or not (Path(model) / "config.json").exists():
+        return getattr(args, "attention_kv_cache_gib", None) or args.kv_cache_gib
+    sizing = size_for_args(args, model)
+    args.attention_partition = sizing.partition
+    return sizing.kv_cache_gib
+
+
 REPLACEMENT_WAIT_S = 180.0
 """Head-wise: how long a model worker waits for Ray to restart a lost attention worker (same bundle,
 same fixed port) before giving up; one survivor alone would not hold the scheduler's blocks."""
@@ -106,9 +117,9 @@ same fixed port) before giving up; one survivor alone would not hold the schedul
 def remote_attention_settings(args: argparse.Namespace) -> dict:
     """The model worker's remote_attention settings from `up`'s flags (local: launch.local.attach_attention).
     The per-layer exchange is tcp here: Ray places the servers on other nodes."""
-    remote_attention = {"transport": "tcp", "partition": getattr(args, "attention_partition", "head"),
-          "pipeline": getattr(args, "pipeline", 1)}
-    if remote_attention["partition"] == "head":  # request-wise goes on at once with the survivors
+    remote_attention = {"transport": "tcp", "partition": getattr(args, "attention_partition", "auto"),
+                        "pipeline": getattr(args, "pipeline", 1)}
+    if remote_attention["partition"] != "request":  # request-wise goes on at once with the survivors
         remote_attention["replacement_wait_s"] = REPLACEMENT_WAIT_S
     if getattr(args, "send_q_early", None) is not None:
         remote_attention["send_q_early"] = args.send_q_early

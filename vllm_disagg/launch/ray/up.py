@@ -33,7 +33,11 @@ def run(args: argparse.Namespace) -> int:
 async def _up(args: argparse.Namespace) -> int:
     import ray
 
-    specs = plan_actor_specs(args, launch_model(args.model))
+    try:
+        specs = plan_actor_specs(args, launch_model(args.model))
+    except ValueError as err:  # e.g. attention_sizing.SizingError: one line naming the flags
+        print(f"vllm-disagg up: {err}", flush=True)
+        return 2
     ray.init(address=args.address, namespace=args.ray_namespace, log_to_driver=False)
     cluster = RayCluster(specs, args)
     stop = asyncio.Event()
