@@ -167,6 +167,13 @@ class DisaggAttentionServer:
             ch.close()
 
     def _handle(self, ch, session: _Session, msg) -> None:
+        start = time.perf_counter()
+        try:
+            self._handle_one(ch, session, msg)
+        finally:
+            self.metrics.busy.inc(time.perf_counter() - start)
+
+    def _handle_one(self, ch, session: _Session, msg) -> None:
         try:
             h = wire.unpack_header(msg.header)
         except ProtocolError as err:

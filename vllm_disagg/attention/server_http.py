@@ -34,6 +34,9 @@ class ServerMetrics:
         self.bytes_out = Counter("vllm:disagg_attention_bytes_out", "Payload bytes sent", registry=r)
         self.messages = Counter("vllm:disagg_attention_messages", "Messages handled", ["type"], registry=r)
         self.errors = Counter("vllm:disagg_attention_errors", "Frames answered with ERROR", registry=r)
+        self.busy = Counter("vllm:disagg_attention_busy_seconds",
+                            "Seconds spent handling messages (frame checks, kernel, reply); the rest is idle",
+                            registry=r)
         self.queue = Gauge("vllm:disagg_attention_queue_depth", "Messages received, not yet answered",
                            registry=r)
         self.sessions = Gauge("vllm:disagg_attention_sessions", "Connected model workers", registry=r)
