@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Planner calibration on the real CPU 1P+1D deployment (issue 6): fit, then predict an unseen load.
 
-One deployment (pd_bench's: SmolLM2-135M shape, dummy weights, bf16, the router in this process).
+One deployment (pd_common.py's: SmolLM2-135M shape, dummy weights, bf16, the router in this process).
 Every thread of P's processes (API server, EngineCore, Worker) is bound to P's core, every thread of
 D's and of this harness to D's core (vLLM binds only the Worker's compute threads; its EngineCore
 spin-waits on the Worker and would float onto P's core). Three measurements:
@@ -50,7 +50,7 @@ import aiohttp
 import psutil
 
 sys.path.insert(0, str(Path(__file__).parent))
-from pd_bench import (  # noqa: E402
+from pd_common import (  # noqa: E402
     RESULTS,
     SMOLLM2_SHAPE,
     log,
@@ -449,7 +449,7 @@ async def run(quick: bool, model_dir: Path, log_dir: Path, load: float, pin: boo
     plan = PLAN[quick]
     out: dict = {"quick": quick, "load1_start": os.getloadavg()[0], "plan": plan}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as session:
-        async with phase("calib", pd_specs(True), model_dir, log_dir) as (p, d):
+        async with phase("calib", pd_specs(), model_dir, log_dir) as (p, d):
             router = await start_router(p, d)
             try:
                 await stream(session, router.url, {"prompt": [5] * 300, "max_tokens": 2})  # warm up

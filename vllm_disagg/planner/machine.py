@@ -27,6 +27,8 @@ class SimRequest:
     kv_on_decode: bool = False
     num_prefilled: int = 0
     """Prompt tokens already computed (chunked prefill)."""
+    token_times_s: list[float] = field(default_factory=list)
+    """When each output token came out (every gap, for goodput.py)."""
 
     @property
     def req_id(self) -> str:

@@ -153,6 +153,7 @@ class ClusterSim:
             return
         req.first_token_s = self.now
         req.num_generated = 1
+        req.token_times_s.append(self.now)
         if req.decode_id == machine.machine_id:
             if req.finished:
                 machine.num_kv_tokens -= req.num_kv_tokens
@@ -184,6 +185,7 @@ class ClusterSim:
         req.num_generated += 1
         if req.first_token_s is None:
             req.first_token_s = self.now
+        req.token_times_s.append(self.now)
         self.scheduler.on_decode_progress(req.req_id, 1)
         if req.finished:
             machine.finish_decode(req)

@@ -5,7 +5,8 @@ Azure format (AzurePublicDataset, AzureLLMInferenceDataset2023):
 `TIMESTAMP,ContextTokens,GeneratedTokens`, timestamps as
 `2023-11-16 18:15:46.6805900` or plain seconds.
 
-More: README.md, "traces.py".
+`trace_window`, `cap_lengths`, `timed_trace_lines`: a trace slice as the JSONL `vllm bench serve
+--dataset-name timed_trace` replays (benchmarks/serve_bench.py). More: README.md, "traces.py".
 """
 
 from __future__ import annotations
@@ -170,3 +171,62 @@ def describe(trace: list[TraceRequest]) -> dict:
     return {"num_requests": len(trace), "rps": len(trace) / span if span else 0.0,
             "prompt_median": float(np.median(p)), "prompt_mean": float(p.mean()),
             "output_median": float(np.median(o)), "output_mean": float(o.mean())}
+
+
+def trace_window(trace: list[TraceRequest], start: int, num: int) -> list[TraceRequest]:
+    """`num` consecutive requests from index `start`, arrivals re-based so the first is at 0."""
+    if start < 0 or num < 1 or start + num > len(trace):
+        raise ValueError(f"window [{start}, {start + num}) is outside the trace's {len(trace)} requests")
+    rows = trace[start:start + num]
+    t0 = rows[0].arrival_s
+    return [TraceRequest(r.req_id, r.arrival_s - t0, r.num_prompt_tokens, r.num_output_tokens) for r in rows]
+
+
+def cap_lengths(trace: list[TraceRequest], max_model_len: int,
+                max_output_tokens: int | None = None) -> list[TraceRequest]:
+    """Fit every request into the model: output first capped to `max_output_tokens` (default a quarter
+    of the context), then the prompt to what is left, so prompt + output <= max_model_len."""
+    max_out = max_output_tokens or max_model_len // 4
+    if not 1 <= max_out < max_model_len:
+        raise ValueError(f"max_output_tokens {max_out} must be in [1, {max_model_len})")
+    out = []
+    for r in trace:
+        o = min(r.num_output_tokens, max_out)
+        out.append(TraceRequest(r.req_id, r.arrival_s, max(1, min(r.num_prompt_tokens, max_model_len - o)), o))
+    return out
+
+
+def timed_trace_lines(trace: list[TraceRequest], chunk_tokens: int = 16, first_id: int = 0) -> list[str]:
+    """One JSON line per request for `vllm bench serve --dataset-name timed_trace`.
+
+    The client builds each prompt from `hash_ids`, one chunk of `chunk_tokens` tokens per id
+    (`--timed-trace-chunk-hash-size`); an entry without ids gets an empty prompt, and ids shared
+    between requests become a shared prefix. Every request gets ids of its own: no prefix is shared.
+    The client seeds a chunk's tokens with Python's string hash: run it with PYTHONHASHSEED fixed, or
+    every run replays different prompts. Replaying the same ids twice on one server measures its
+    prefix cache, not prefill: give each replay its own `first_id` range."""
+    lines, next_id = [], first_id
+    for r in trace:
+        num_ids = -(-r.num_prompt_tokens // chunk_tokens)
+        lines.append(json.dumps({"timestamp": round(r.arrival_s, 6), "input_length": r.num_prompt_tokens,
+                                 "output_length": r.num_output_tokens,
+                                 "hash_ids": list(range(next_id, next_id + num_ids))}))
+        next_id += num_ids
+    return lines
+
+
+def representative_window(trace: list[TraceRequest], num: int, step: int | None = None) -> int:
+    """Start index of the `num`-request window whose median prompt and output lengths are closest (in
+    log ratio) to the whole trace's: a short window of a real trace can be far from it (the first 60
+    requests of the Azure conversation trace have a median prompt of 376 tokens; the trace's is 1020)."""
+    if num > len(trace):
+        raise ValueError(f"window of {num} requests > the trace's {len(trace)}")
+    p = np.array([r.num_prompt_tokens for r in trace], float)
+    o = np.array([r.num_output_tokens for r in trace], float)
+    med_p, med_o = np.median(p), np.median(o)
+    best, best_err = 0, np.inf
+    for start in range(0, len(trace) - num + 1, step or max(1, num // 2)):
+        err = abs(np.log(np.median(p[start:start + num]) / med_p)) + abs(np.log(np.median(o[start:start + num]) / med_o))
+        if err < best_err:
+            best, best_err = start, err
+    return best

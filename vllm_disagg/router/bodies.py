@@ -37,6 +37,28 @@ def prefill_body(body: dict[str, Any], transfer_id: str, chat: bool) -> dict[str
     return out
 
 
+# vLLM's own P/D request flow (NixlConnector pull/push, and the connectors that share its protocol): P
+# runs first and answers with the kv_transfer_params D needs; D gets them with the client's request.
+VLLM_PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                       "remote_block_ids": None, "remote_host": None, "remote_port": None}
+
+
+def vllm_prefill_body(body: dict[str, Any], chat: bool) -> dict[str, Any]:
+    """P's copy in vLLM's flow: one token, no stream, and keep the KV for D to fetch."""
+    out = prefill_body(body, "", chat)
+    out["kv_transfer_params"] = dict(VLLM_PREFILL_PARAMS)
+    return out
+
+
+def vllm_decode_body(body: dict[str, Any], prefill_answer: Any) -> dict[str, Any] | None:
+    """D's copy in vLLM's flow: the client's request plus the kv_transfer_params P answered with;
+    None when P's answer carries none (D then has to compute the prompt itself)."""
+    params = prefill_answer.get("kv_transfer_params") if isinstance(prefill_answer, dict) else None
+    if not isinstance(params, dict) or not params.get("do_remote_prefill"):
+        return None
+    return {**body, "kv_transfer_params": params}
+
+
 def decode_body(
     body: dict[str, Any], transfer_id: str, kv_host: str, kv_port: int, push_timeout_s: float | None
 ) -> dict[str, Any]:

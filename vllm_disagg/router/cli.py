@@ -26,6 +26,9 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
                    help="decode (D) instance base URL; repeat per instance")
     g.add_argument("--mixed", action="append", default=[], metavar="URL",
                    help="plain instance that serves whole requests (mixed pool)")
+    g.add_argument("--pd-protocol", choices=("push", "vllm"), default="push",
+                   help="push: ours (P and D at once, P pushes the KV; needs --prefill-kv); vllm: vLLM's own "
+                        "connectors, e.g. NixlConnector (P first, then D with P's kv_transfer_params)")
     g.add_argument("--push-timeout-s", type=float, default=None,
                    help="tell D to recompute when the KV push stalls this long (default: D's config)")
     g.add_argument("--read-timeout-s", type=float, default=300.0,
@@ -52,7 +55,7 @@ def add_failover_args(g) -> None:
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
     return RouterConfig(
         prefill_urls=args.prefill, prefill_kv=args.prefill_kv, decode_urls=args.decode,
-        mixed_urls=args.mixed, push_timeout_s=args.push_timeout_s, read_timeout_s=args.read_timeout_s,
+        mixed_urls=args.mixed, pd_protocol=getattr(args, "pd_protocol", "push"), push_timeout_s=args.push_timeout_s, read_timeout_s=args.read_timeout_s,
         health_interval_s=args.health_interval_s, replay_attempts=args.replay_attempts,
         replay_wait_s=args.replay_wait_s, admission_wait_s=args.admission_wait_s,
         dynamic_membership=getattr(args, "discovery", "static") != "static",

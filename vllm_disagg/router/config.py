@@ -7,6 +7,8 @@ Membership is static, as in pd_protocol.md: `--prefill URL --prefill-kv HOST:POR
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from vllm_disagg.config import _check_host_port
@@ -25,6 +27,10 @@ class RouterConfig(BaseModel):
     """HTTP base URL of each decode (D) instance."""
     mixed_urls: list[str] = Field(default_factory=list)
     """Plain instances that serve whole requests (Splitwise's mixed pool, or a single-instance demo)."""
+    pd_protocol: Literal["push", "vllm"] = "push"
+    """How a request crosses from P to D. `push`: ours (pd_protocol.md), P and D at once, P pushes the KV
+    to D's connector (needs `prefill_kv`). `vllm`: vLLM's own connectors (NixlConnector pull or push):
+    P first, then D with the `kv_transfer_params` P answered with; no `prefill_kv`."""
     connect_timeout_s: float = Field(5.0, gt=0)
     """Opening a connection to an instance; a refused or silent instance fails fast."""
     read_timeout_s: float = Field(300.0, gt=0)
@@ -56,7 +62,9 @@ class RouterConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check_membership(self) -> RouterConfig:
-        if len(self.prefill_kv) != len(self.prefill_urls):
+        if self.pd_protocol == "vllm" and self.prefill_kv:
+            raise ValueError("--prefill-kv is for the push protocol; vLLM's connectors find P's KV themselves")
+        if self.pd_protocol == "push" and len(self.prefill_kv) != len(self.prefill_urls):
             raise ValueError(
                 f"--prefill-kv given {len(self.prefill_kv)} times for {len(self.prefill_urls)} --prefill; "
                 "give one HOST:PORT per prefill instance, in the same order"

@@ -55,9 +55,10 @@ class InstancePools:
         self.metrics = metrics
         self.scheduler = ClusterScheduler(scheduler_config or SchedulerConfig())
         self.instances: dict[str, Instance] = {}
-        for url, kv in zip(config.prefill_urls, config.prefill_kv, strict=True):
-            host, _, port = kv.rpartition(":")
-            self._add(Instance(_norm(url), Pool.PREFILL, _norm(url), host, int(port)))
+        kv_addrs = config.prefill_kv or [None] * len(config.prefill_urls)  # vLLM's protocol: no KV address
+        for url, kv in zip(config.prefill_urls, kv_addrs, strict=True):
+            host, _, port = (kv or "").rpartition(":")
+            self._add(Instance(_norm(url), Pool.PREFILL, _norm(url), host or None, int(port) if port else None))
         for url in config.decode_urls:
             self._add(Instance(_norm(url), Pool.DECODE, _norm(url)))
         for url in config.mixed_urls:

@@ -190,7 +190,7 @@ class Proxy:
     # ----------------------------------------------------------- one try
     async def _serve(self, request: web.Request, route: Route, body: dict[str, Any], endpoint: str,
                      start: float) -> web.StreamResponse:
-        p_task, d_body = self.start_prefill(route, body, endpoint)
+        p_task, d_body = await self.start_prefill(route, body, endpoint)
         ok = False
         try:
             out = await self._relay(request, route, d_body, endpoint, start)
@@ -199,13 +199,16 @@ class Proxy:
         finally:
             await self.end_prefill(p_task, ok)
 
-    def start_prefill(self, route: Route, body: dict[str, Any],
-                      endpoint: str) -> tuple[asyncio.Task | None, dict[str, Any]]:
-        """Send P its half now (push path) and return it with D's body; plain routes get the body as is."""
+    async def start_prefill(self, route: Route, body: dict[str, Any],
+                            endpoint: str) -> tuple[asyncio.Task | None, dict[str, Any]]:
+        """Send P its half now (push path) and return it with D's body; plain routes get the body as is.
+        vLLM's protocol runs P to its end first (D's body needs P's answer): no task comes back."""
         if route.prefill is None:
             if route.reason:
                 self.metrics.fallbacks.labels(route.reason).inc()
             return None, bodies.plain_body(body)
+        if self.config.pd_protocol == "vllm":
+            return None, await self._vllm_prefill(route, body, endpoint)
         pre = route.prefill
         transfer_id = bodies.new_transfer_id()
         chat = endpoint == "chat/completions"
@@ -233,6 +236,33 @@ class Proxy:
                 logger.warning("no max_model_len from %s: %r", inst.url, exc)
                 return None
         return self._max_model_len[inst.url]
+
+    async def _vllm_prefill(self, route: Route, body: dict[str, Any], endpoint: str) -> dict[str, Any]:
+        """vLLM's P/D flow: P prefills (one token) and answers with the kv_transfer_params D needs to fetch
+        the KV. When P fails or answers none, D gets the plain request and computes the prompt itself."""
+        pre, t0 = route.prefill, time.monotonic()
+        timeout = aiohttp.ClientTimeout(total=self.config.prefill_timeout_s, sock_connect=self.config.connect_timeout_s)
+        answer: Any = None
+        try:
+            async with self.session.post(f"{pre.url}/v1/{endpoint}", timeout=timeout,
+                                         json=bodies.vllm_prefill_body(body, endpoint == "chat/completions")) as resp:
+                if resp.status == 200:
+                    answer = await resp.json(content_type=None)
+                else:
+                    logger.warning("prefill on %s failed for %s: HTTP %d %s", pre.url, route.req_id, resp.status,
+                                   (await resp.read())[:300])
+        except aiohttp.ClientConnectorError as exc:
+            self.health.drop(pre, f"refused a connection: {exc}")
+        except (*UPSTREAM_ERRORS, json.JSONDecodeError) as exc:
+            logger.warning("prefill on %s failed for %s: %r (decode computes the prompt)", pre.url, route.req_id, exc)
+        finally:
+            self.metrics.prefill_latency.observe(time.monotonic() - t0)
+            self.pools.prefill_done(route.req_id)
+        d_body = bodies.vllm_decode_body(body, answer)
+        if d_body is None:
+            self.metrics.prefill_failures.labels(pre.url).inc()
+            return bodies.plain_body(body)
+        return d_body
 
     async def _prefill(self, route: Route, p_body: dict[str, Any], endpoint: str) -> None:
         pre = route.prefill

@@ -135,7 +135,7 @@ class ReplayRun:
             if self.stitch.needs_max_model_len() and mml is None:
                 raise _AttemptFailed("no_answer", route.target, "no max_model_len for the continuation")
             body, endpoint = self.stitch.next_request(self.endpoint, mml)
-        p_task, d_body = self.p.start_prefill(route, body, endpoint)
+        p_task, d_body = await self.p.start_prefill(route, body, endpoint)
         ok = False
         try:
             out = await self._relay(route, d_body, endpoint)

@@ -90,3 +90,43 @@ def test_poisson_resampling_keeps_the_csv_sizes_and_draws_the_rate():
     trace = resample_poisson(base, rps=40.0, duration_s=50.0, seed=3)
     assert {(r.num_prompt_tokens, r.num_output_tokens) for r in trace} == {(100, 3), (7000, 11)}
     assert describe(trace)["rps"] == pytest.approx(40.0, rel=0.05)
+
+
+def test_a_window_is_rebased_capped_and_becomes_timed_trace_lines_with_unique_ids():
+    import json
+
+    from vllm_disagg.planner.traces import TraceRequest, cap_lengths, timed_trace_lines, trace_window
+
+    trace = [TraceRequest(f"r{i}", 10.0 + i, p, o) for i, (p, o) in enumerate([(40, 5), (3000, 900), (17, 1), (100, 8)])]
+    window = trace_window(trace, 1, 3)
+    assert [r.arrival_s for r in window] == [0.0, 1.0, 2.0]
+    capped = cap_lengths(window, max_model_len=2048, max_output_tokens=512)
+    assert [(r.num_prompt_tokens, r.num_output_tokens) for r in capped] == [(1536, 512), (17, 1), (100, 8)]
+    lines = [json.loads(x) for x in timed_trace_lines(capped, chunk_tokens=16, first_id=1000)]
+    assert [x["input_length"] for x in lines] == [1536, 17, 100]
+    assert [x["output_length"] for x in lines] == [512, 1, 8]
+    assert [len(x["hash_ids"]) for x in lines] == [96, 2, 7]  # ceil(n / 16): none empty, none shared
+    ids = [i for x in lines for i in x["hash_ids"]]
+    assert len(set(ids)) == len(ids) and min(ids) == 1000
+    with pytest.raises(ValueError, match="outside"):
+        trace_window(trace, 2, 3)
+
+
+def test_rescaling_a_window_keeps_its_burst_shape():
+    from vllm_disagg.planner.traces import TraceRequest, rescale_rate
+
+    trace = [TraceRequest(str(i), t, 10, 1) for i, t in enumerate([0.0, 0.1, 0.2, 5.0, 10.0])]
+    slow = rescale_rate(trace, rps=0.5)
+    gaps = [b.arrival_s - a.arrival_s for a, b in zip(slow, slow[1:])]
+    assert slow[-1].arrival_s == pytest.approx(10.0)
+    assert gaps[0] == pytest.approx(gaps[1]) and gaps[2] == pytest.approx(48 * gaps[0])
+
+
+def test_the_representative_window_has_the_trace_medians():
+    from vllm_disagg.planner.traces import TraceRequest, describe, representative_window, trace_window
+
+    short = [TraceRequest(str(i), float(i), 100, 10) for i in range(20)]
+    typical = [TraceRequest(str(i), float(i), 1000 + i, 100) for i in range(20, 60)]
+    trace = short + typical
+    start = representative_window(trace, 10)
+    assert start >= 20 and describe(trace_window(trace, start, 10))["prompt_median"] > 1000

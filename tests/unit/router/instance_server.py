@@ -77,8 +77,12 @@ class InstanceServer:
         choice = {"index": 0, "text": "".join(f" t{t}" for t in tokens), "finish_reason": "length"}
         if with_ids:
             choice.update(token_ids=tokens, prompt_token_ids=context)
-        return web.json_response({"id": "x", "object": "text_completion", "choices": [choice],
-                                  "served_by": self.name})
+        answer = {"id": "x", "object": "text_completion", "choices": [choice], "served_by": self.name}
+        if (body.get("kv_transfer_params") or {}).get("do_remote_decode"):  # as vLLM's P answers (NixlConnector)
+            answer["kv_transfer_params"] = {"do_remote_prefill": True, "do_remote_decode": False,
+                                            "remote_block_ids": [[1, 2]], "remote_engine_id": self.name,
+                                            "remote_host": "127.0.0.1", "remote_port": 5600, "tp_size": 1}
+        return web.json_response(answer)
 
     async def _stream(self, req: web.Request, body: dict, context: list[int], tokens: list[int]) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})

@@ -20,7 +20,8 @@ async def deployment(p_modes=("ok",), d_modes=("ok",), mixed_modes=(), **cfg):
     ps = [await InstanceServer(f"p{i}", m).start() for i, m in enumerate(p_modes)]
     ds = [await InstanceServer(f"d{i}", m).start() for i, m in enumerate(d_modes)]
     ms = [await InstanceServer(f"m{i}", m).start() for i, m in enumerate(mixed_modes)]
-    config = RouterConfig(prefill_urls=[p.url for p in ps], prefill_kv=[f"127.0.0.1:{9100 + i}" for i in range(len(ps))],
+    kv = [] if cfg.get("pd_protocol") == "vllm" else [f"127.0.0.1:{9100 + i}" for i in range(len(ps))]
+    config = RouterConfig(prefill_urls=[p.url for p in ps], prefill_kv=kv,
                           decode_urls=[d.url for d in ds], mixed_urls=[m.url for m in ms], **cfg)
     router = Router(config)
     server = RouterServer(router, "127.0.0.1", 0)

@@ -1,0 +1,398 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Serving benchmark on a real trace (issue 14): what P/D buys a user against plain vLLM and vLLM's own P/D.
+
+A window of the Azure LLM inference trace (conversation; code with --trace code), rescaled to a target
+rate with its burst shape kept and its lengths capped to the model, is replayed by vLLM's own client
+(`vllm bench serve --dataset-name timed_trace --ignore-eos --save-detailed`, PYTHONHASHSEED=0) against
+each deployment of serve_deploy.py, one at a time, on the same two cores (client and router too).
+Per deployment and rate: TTFT P50/P90/P99, TBT over every gap P50/P99/P99.9 and each request's worst
+gap, output tok/s, goodput on an SLO grid (TTFT and every gap within the SLO), vLLM's own `--goodput`
+(`goodput_tpot`), where TTFT goes, and for P/D whether the KV really moved (a NIXL run that moved no
+bytes or made D recompute fails the benchmark). The full run repeats every deployment in paired
+rounds (same window, same rates, rotating order) and reports medians; it also runs a saturation rate
+(throughput) and bisects the highest rate that keeps >= 90 % goodput. The planner's prediction of the
+same window is compared with the measurement (serve_predict.py).
+
+    python benchmarks/serve_bench.py --quick   # <= 15 min: plain (both bindings) + ours_tcp, one rate, one round
+    python benchmarks/serve_bench.py           # full: 3 rounds, 6 deployments, saturation, bisection (~2 h)
+Writes results/serve_bench{_quick}.json and .png; prints the goal keys as one JSON object.
+The trace CSVs are read from --trace-dir (see benchmarks/data/README.md for where to get them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from serve_deploy import DEPLOYMENTS, started  # noqa: E402
+from serve_run import measure, warm_up  # noqa: E402
+
+from vllm_disagg.planner.goodput import HEADLINE_SLO, bisect_max_rate  # noqa: E402
+from vllm_disagg.planner.traces import (  # noqa: E402
+    TraceRequest,
+    cap_lengths,
+    describe,
+    load_azure_csv,
+    representative_window,
+    rescale_rate,
+    synthetic_trace,
+    timed_trace_lines,
+    trace_window,
+)
+
+RESULTS = Path(__file__).parent / "results"
+TRACE_FILES = {"conv": "AzureLLMInferenceTrace_conv.csv", "code": "AzureLLMInferenceTrace_code.csv"}
+DEFAULT_TRACE_DIR = Path(os.environ.get("VLLM_DISAGG_TRACE_DIR", Path.home() / ".cache/vllm-disagg/traces"))
+HEADLINE_RATE = 0.2
+"""req/s where plain vLLM keeps 30-70 % goodput on the conversation window (checked in every run)."""
+SATURATION_RATE = 1.0
+"""Above every deployment's capacity here (~0.3-0.6 req/s): throughput is what each can do."""
+GOAL_KEYS = ("goodput_ratio_vs_plain", "max_rate_ratio_vs_plain", "p99_tbt_ratio_vs_plain", "ttft_p50_ratio_vs_plain",
+             "throughput_ratio_vs_plain", "goodput_ratio_vs_vllm_nixl", "max_rate_ratio_vs_vllm_nixl",
+             "ttft_p50_ratio_vs_vllm_nixl", "vllm_nixl_kv_bytes", "vllm_nixl_recomputes", "planner_max_error",
+             "exposed_transfer_ms", "push_vs_raw_tcp_same_streams", "shm_vs_memcpy")
+TRANSPORT_KEYS = ("push_vs_raw_tcp_same_streams", "shm_vs_memcpy")  # transport_bench.py's
+CALIBRATED = ("plain_default", "plain_bind01", "ours_tcp")
+"""Deployments the planner is calibrated on and compared with (plain: the baseline binding only)."""
+
+
+@dataclass
+class Plan:
+    num_requests: int = 30
+    rounds: int = 3
+    deployments: list[str] = field(default_factory=lambda: ["plain_default", "plain_bind01", "vllm_nixl", "ours_tcp",
+                                                            "ours_shm", "ours_nano"])
+    saturation: list[str] = field(default_factory=lambda: ["plain_default", "plain_bind01", "vllm_nixl", "ours_tcp"])
+    bisect: list[str] = field(default_factory=lambda: ["plain", "vllm_nixl", "ours_tcp"])
+    """'plain' = the better plain binding."""
+    bisect_steps: int = 3
+    rate: float = HEADLINE_RATE
+    saturation_rate: float = SATURATION_RATE
+    predict: bool = True
+
+
+QUICK = Plan(rounds=1, deployments=["plain_default", "plain_bind01", "ours_tcp"], saturation=[], bisect=[],
+             predict=False)
+
+
+# ---------------------------------------------------------------- trace
+def load_trace(name: str, num: int, max_model_len: int, max_output: int | None, trace_dir: Path) -> dict:
+    """The window every deployment replays: `num` requests, capped to the model. `synthetic` needs no file
+    (the planner's conversation shape, Poisson arrivals; for tests)."""
+    if name == "synthetic":
+        full, start, source = synthetic_trace("conversation", rps=1.0, num_requests=num, seed=0), 0, "synthetic"
+    else:
+        path = Path(name) if Path(name).exists() else trace_dir / TRACE_FILES.get(name, name)
+        if not path.exists():
+            raise SystemExit(f"serve_bench: no trace at {path}: see benchmarks/data/README.md (AzurePublicDataset, "
+                             "CC-BY 4.0), put the CSVs in --trace-dir or $VLLM_DISAGG_TRACE_DIR")
+        full, source = load_azure_csv(path), str(path)
+        start = representative_window(full, num)
+    window = cap_lengths(trace_window(full, start, num), max_model_len, max_output)
+    return {"source": source, "start": start, "requests": window, "stats": describe(window),
+            "trace_stats": describe(full) if name != "synthetic" else None,
+            "num_capped": sum(a.num_prompt_tokens != b.num_prompt_tokens or a.num_output_tokens != b.num_output_tokens
+                              for a, b in zip(trace_window(full, start, num), window))}
+
+
+KINDS = ("headline", "saturation", "bisect")
+IDS_PER_RUN = 10**5
+
+
+def first_id(round_idx: int, kind: str, rate: float) -> int:
+    """Where a run's prompt ids start: every (round, kind, rate) gets prompts of its own, so that no server
+    sees a prompt twice (vLLM's prefix cache would serve it: a replayed window's TTFT fell from 12.5 s to
+    0.4 s), while the deployments of one round replay the very same prompts (paired runs)."""
+    return (((round_idx + 2) * len(KINDS) + KINDS.index(kind)) * 10**5 + round(rate * 10**4)) * IDS_PER_RUN
+
+
+def write_trace(window: list[TraceRequest], rate: float, out_dir: Path, start_id: int = 0) -> Path:
+    lines = timed_trace_lines(rescale_rate(window, rate), first_id=start_id)
+    if json.loads(lines[-1])["hash_ids"][-1] >= start_id + IDS_PER_RUN:
+        raise ValueError(f"the window needs more than {IDS_PER_RUN} prompt chunk ids")
+    path = out_dir / f"trace_{start_id}.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+# ----------------------------------------------------------------- runs
+class Bench:
+    def __init__(self, plan: Plan, args: argparse.Namespace, work: Path, trace: dict):
+        self.plan, self.args, self.work, self.trace = plan, args, work, trace
+        self.runs: list[dict] = []  # every measured run: deployment, rate, round, metrics
+        self.profiles: dict[str, dict] = {}  # planner profiles calibrated on the running deployments
+
+    def run_once(self, running, rate: float, round_idx: int, kind: str) -> dict:
+        path = write_trace(self.trace["requests"], rate, self.work, first_id(round_idx, kind, rate))
+        name = f"{running.deployment.name}_r{round_idx}_{kind}_{rate:g}"
+        timeout = len(self.trace["requests"]) / rate + 900
+        log(f"{name}: replaying {len(self.trace['requests'])} requests at {rate:g} req/s")
+        row = measure(running, self.args.model_dir, path, len(self.trace["requests"]), self.work, name, timeout)
+        row.update(deployment=running.deployment.name, rate=rate, round=round_idx, kind=kind)
+        if row["kv"] is not None and not row["kv"]["verified"]:
+            log(f"{name}: KV NOT VERIFIED: {row['kv']}")
+        log(f"{name}: goodput {row['goodput'][HEADLINE_SLO.key]} ttft p50 {row['ttft_p50_ms']} "
+            f"tbt p99 {row['tbt_p99_ms']} tok/s {row['output_tok_s']}")
+        self.runs.append(row)
+        return row
+
+    def deployment(self, name: str, round_idx: int, rates: list[tuple[str, float]]) -> None:
+        dep = DEPLOYMENTS[name]
+        log_dir = self.work / "logs" / f"{name}_r{round_idx}"
+        with heavy_lock(self.args.lock), started(dep, self.args.model_dir, self.args.max_model_len,
+                                                 log_dir) as running:
+            log(f"{name}: ready in {running.start_s:.0f} s")
+            self.starts.setdefault(name, []).append({"start_s": running.start_s, "placement": running.placement})
+            warm_up(running)
+            if self.plan.predict and round_idx == 0 and name in CALIBRATED:
+                from serve_predict import calibrate
+
+                log(f"{name}: calibrating the planner")
+                self.profiles[name] = calibrate(running)
+            for kind, rate in rates:
+                self.run_once(running, rate, round_idx, kind)
+
+    def rounds(self) -> None:
+        self.starts: dict[str, list] = {}
+        deps = self.plan.deployments
+        for r in range(self.plan.rounds):
+            order = deps[r % len(deps):] + deps[:r % len(deps)]  # rotate: no deployment always runs first
+            for name in order:
+                rates = [("headline", self.plan.rate)]
+                if name in self.plan.saturation:
+                    rates.append(("saturation", self.plan.saturation_rate))
+                self.deployment(name, r, rates)
+
+    def bisect(self, plain: str) -> dict:
+        """Highest rate with >= 90 % goodput (headline SLO), one run per probe, bracket from the rounds."""
+        out = {}
+        for alias in self.plan.bisect:
+            name = plain if alias == "plain" else alias
+            known = {}
+            for row in self.runs:
+                if row["deployment"] == name:
+                    known.setdefault(row["rate"], []).append(row["goodput"][HEADLINE_SLO.key])
+            known = {rate: statistics.median(g) for rate, g in known.items()}
+            with heavy_lock(self.args.lock), started(DEPLOYMENTS[name], self.args.model_dir,
+                                                     self.args.max_model_len, self.work / "logs" / f"{name}_bisect") \
+                    as running:
+                warm_up(running)
+
+                def probe(rate: float, running=running) -> float:
+                    return self.run_once(running, round(rate, 4), -1, "bisect")["goodput"][HEADLINE_SLO.key]
+
+                out[alias] = bisect_max_rate(probe, lo=self.plan.rate / 4, hi=self.plan.saturation_rate,
+                                             steps=self.plan.bisect_steps, known=known) | {"deployment": name}
+            log(f"max rate {alias}: {out[alias]}")
+        return out
+
+
+@contextlib.contextmanager
+def heavy_lock(path: Path | None):
+    """On a shared box: hold `path` (flock) for one deployment's phase, start to stop (a few minutes), and
+    let others run between phases; the load average around every run is recorded either way."""
+    if path is None:
+        yield
+        return
+    with open(path, "a") as f:
+        t0 = time.monotonic()
+        fcntl.flock(f, fcntl.LOCK_EX)
+        if time.monotonic() - t0 > 1:
+            log(f"waited {time.monotonic() - t0:.0f} s for {path}")
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def log(msg: str) -> None:
+    print(f"# {time.strftime('%H:%M:%S')} {msg}", file=sys.stderr, flush=True)
+
+
+# -------------------------------------------------------------- summary
+def cell(runs: list[dict], dep: str, kind: str) -> list[dict]:
+    return sorted((r for r in runs if r["deployment"] == dep and r["kind"] == kind), key=lambda r: r["round"])
+
+
+def metric(row: dict, key: str) -> float | None:
+    return row["goodput"][HEADLINE_SLO.key] if key == "goodput" else row.get(key)
+
+
+def median_of(rows: list[dict], key: str) -> float | None:
+    vals = [v for v in (metric(r, key) for r in rows) if v is not None]
+    return statistics.median(vals) if vals else None
+
+
+def paired_ratio(runs: list[dict], a: str, b: str, key: str, kind: str = "headline") -> dict | None:
+    """Median over rounds of a's metric / b's in the same round (pairs from one round saw the same box)."""
+    ra, rb = {r["round"]: r for r in cell(runs, a, kind)}, {r["round"]: r for r in cell(runs, b, kind)}
+    ratios = [metric(ra[i], key) / metric(rb[i], key) for i in sorted(ra.keys() & rb.keys())
+              if metric(ra[i], key) is not None and metric(rb[i], key)]
+    if not ratios:
+        return None
+    return {"median": statistics.median(ratios), "rounds": ratios}
+
+
+def medians(runs: list[dict]) -> dict:
+    keys = ("goodput", "goodput_tpot", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "tbt_p50_ms", "tbt_p99_ms",
+            "tbt_p999_ms", "worst_gap_p50_ms", "worst_gap_p99_ms", "output_tok_s", "num_failed")
+    out: dict = {}
+    for dep in {r["deployment"] for r in runs}:
+        for kind in ("headline", "saturation"):
+            rows = cell(runs, dep, kind)
+            if rows:
+                slo_keys = rows[0]["goodput"]
+                out.setdefault(dep, {})[kind] = {k: median_of(rows, k) for k in keys} | {
+                    "goodput_grid": {s: statistics.median(r["goodput"][s] for r in rows) for s in slo_keys},
+                    "breakdown": {k: median_of([r["breakdown"] for r in rows], k) for k in rows[0]["breakdown"]},
+                    "rate": rows[0]["rate"], "num_rounds": len(rows)}
+    return out
+
+
+def pick_plain(med: dict) -> str | None:
+    """The baseline: the plain binding with the higher goodput at the headline rate (TTFT P50 breaks ties)."""
+    cands = [d for d in ("plain_default", "plain_bind01") if "headline" in med.get(d, {})]
+    if not cands:
+        return None
+    return max(cands, key=lambda d: (med[d]["headline"]["goodput"] or 0, -(med[d]["headline"]["ttft_p50_ms"] or 0)))
+
+
+def summary(bench: Bench, plain: str | None, max_rates: dict, prediction: dict | None, quick: bool) -> dict:
+    runs, med = bench.runs, medians(bench.runs)
+    ours, nixl = "ours_tcp", "vllm_nixl"
+
+    def ratio(a, b, key, kind="headline"):
+        got = paired_ratio(runs, a, b, key, kind) if a and b else None
+        return None if got is None else got["median"]
+
+    def rate_ratio(a, b):
+        ra, rb = (max_rates.get(x, {}).get("max_rate") for x in (a, b))
+        return ra / rb if ra and rb else None
+
+    nixl_rows = [r for r in runs if r["deployment"].startswith("vllm_nixl")]
+    kv = [r["kv"] for r in nixl_rows]
+    exposed = [r["breakdown"].get("push_exposed_ms") for r in cell(runs, ours, "headline")]
+    keys = {
+        "goodput_ratio_vs_plain": ratio(ours, plain, "goodput"),
+        "max_rate_ratio_vs_plain": rate_ratio("ours_tcp", "plain"),
+        "p99_tbt_ratio_vs_plain": ratio(ours, plain, "tbt_p99_ms"),
+        "ttft_p50_ratio_vs_plain": ratio(ours, plain, "ttft_p50_ms"),
+        "throughput_ratio_vs_plain": ratio(ours, plain, "output_tok_s", "saturation"),
+        "goodput_ratio_vs_vllm_nixl": ratio(ours, nixl, "goodput"),
+        "max_rate_ratio_vs_vllm_nixl": rate_ratio("ours_tcp", "vllm_nixl"),
+        "ttft_p50_ratio_vs_vllm_nixl": ratio(ours, nixl, "ttft_p50_ms"),
+        "vllm_nixl_kv_bytes": min((k["kv_bytes"] for k in kv), default=None),
+        "vllm_nixl_recomputes": sum(k["recomputes"] + k["transfer_failures"] for k in kv) if kv else None,
+        "planner_max_error": (prediction or {}).get("max_abs_error_below_saturation"),
+        "exposed_transfer_ms": statistics.median([e for e in exposed if e is not None]) if any(
+            e is not None for e in exposed) else None,
+        **dict.fromkeys(TRANSPORT_KEYS),
+    }
+    plain_goodput = med.get(plain, {}).get("headline", {}).get("goodput") if plain else None
+    secondary = {f"{k}_{a}_vs_{b}": ratio(a, b, m, kind) for a, b in ((o, plain) for o in (
+        "ours_shm", "ours_nano", "vllm_nixl")) for k, m, kind in (("goodput_ratio", "goodput", "headline"),
+                                                                  ("ttft_p50_ratio", "ttft_p50_ms", "headline"),
+                                                                  ("p99_tbt_ratio", "tbt_p99_ms", "headline"))}
+    return {**keys, "quick": quick, "plain_baseline": plain, "plain_goodput_at_rate": plain_goodput,
+            "rate_in_goal_band": None if plain_goodput is None else 0.3 <= plain_goodput <= 0.7,
+            "slo": asdict(HEADLINE_SLO), "rate": bench.plan.rate, "secondary": secondary,
+            "nixl_verified": _all_or_none([k["verified"] for k in kv]),
+            "ours_verified": _all_or_none([r["kv"]["verified"] for r in runs if r["deployment"].startswith("ours")]),
+            "load_first": runs[0]["load_before"] if runs else None, "load_last": runs[-1]["load_after"] if runs else None}
+
+
+def _all_or_none(flags: list[bool]) -> bool | None:
+    return all(flags) if flags else None
+
+
+# ------------------------------------------------------------------ main
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="<= 15 min: plain + ours_tcp, one rate, one round")
+    parser.add_argument("--trace", default="conv", help="conv | code | synthetic | a CSV path")
+    parser.add_argument("--trace-dir", type=Path, default=DEFAULT_TRACE_DIR)
+    parser.add_argument("--num-requests", type=int, default=None)
+    parser.add_argument("--rate", type=float, default=None, help=f"headline rate, req/s (default {HEADLINE_RATE})")
+    parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument("--deployments", default=None, help="comma-separated subset of " + ",".join(DEPLOYMENTS))
+    parser.add_argument("--no-bisect", action="store_true")
+    parser.add_argument("--no-saturation", action="store_true")
+    parser.add_argument("--no-predict", action="store_true", help="skip the planner's calibration and prediction")
+    parser.add_argument("--model", default="smollm2-135m", help="embedded model name or a local directory")
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--max-output-tokens", type=int, default=512)
+    parser.add_argument("--lock", type=Path, default=None,
+                        help="shared box: hold this flock file around each deployment's phase (e.g. /tmp/vd-heavy.lock)")
+    parser.add_argument("--out", type=Path, default=None, help="result JSON (default results/serve_bench{_quick}.json)")
+    args = parser.parse_args()
+    plan = QUICK if args.quick else Plan()
+    if args.num_requests:
+        plan.num_requests = args.num_requests
+    if args.rate:
+        plan.rate = args.rate
+    if args.rounds:
+        plan.rounds = args.rounds
+    if args.deployments:
+        chosen = args.deployments.split(",")
+        plan.deployments = chosen
+        plan.saturation = [d for d in plan.saturation if d in chosen]
+        plan.bisect = [d for d in plan.bisect if d in chosen or (d == "plain" and any(c.startswith("plain")
+                                                                                       for c in chosen))]
+    if args.no_bisect:
+        plan.bisect = []
+    if args.no_saturation:
+        plan.saturation = []
+    if args.no_predict:
+        plan.predict = False
+    from vllm_disagg.launch.cli import resolve_model
+
+    args.model_dir = resolve_model(args.model)
+    return run(plan, args)
+
+
+def run(plan: Plan, args: argparse.Namespace) -> int:
+    work = Path(tempfile.mkdtemp(prefix="serve-bench-"))
+    log(f"work dir (client results, instance logs) {work}")
+    trace = load_trace(args.trace, plan.num_requests, args.max_model_len, args.max_output_tokens, args.trace_dir)
+    log(f"trace {trace['source']} window [{trace['start']}, +{plan.num_requests}): {trace['stats']}")
+    bench = Bench(plan, args, work, trace)
+    t0 = time.monotonic()
+    bench.rounds()
+    plain = pick_plain(medians(bench.runs))
+    max_rates = bench.bisect(plain) if plan.bisect and plain else {}
+    prediction = None
+    if plan.predict:
+        from serve_predict import predict
+
+        prediction = predict(bench.runs, trace["requests"], bench.profiles, args.model_dir, plain)
+    keys = summary(bench, plain, max_rates, prediction, args.quick)
+    result = {**keys, "plan": asdict(plan), "wall_s": time.monotonic() - t0,
+              "trace": {k: v for k, v in trace.items() if k != "requests"}, "max_rates": max_rates,
+              "medians": medians(bench.runs), "starts": bench.starts, "prediction": prediction,
+              "runs": [{k: v for k, v in r.items() if k != "engine"} for r in bench.runs]}
+    out = args.out or RESULTS / f"serve_bench{'_quick' if args.quick else ''}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    from serve_plot import plot
+
+    plot(result, out.with_suffix(".png"))
+    print(json.dumps({k: result[k] for k in (*GOAL_KEYS, "quick", "plain_baseline", "rate_in_goal_band",
+                                              "nixl_verified", "ours_verified", "load_first", "load_last")}))
+    if result["nixl_verified"] is False or result["ours_verified"] is False:
+        log("FAILED: a P/D deployment did not move its KV (see runs[].kv)")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

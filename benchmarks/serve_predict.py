@@ -1,0 +1,140 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Does the planner predict what serve_bench measures? (issue 14, item 3)
+
+Calibration, as pd_calibrate.py does it, on the very deployment serve_bench then measures (round 0,
+right after warm-up): single prompts at several lengths and queued batches (the engine's prefill time
+from its own histogram), and decode iterations at several batch sizes and contexts (token gaps of B
+concurrent requests). Plain vLLM gets the same points on its two cores. The planner's simulator (the
+router's policy and vLLM's chunked-prefill batching, splitwise_sim.py) then replays the same trace
+window at every rate serve_bench ran, and goodput.py computes the same metrics from its token times.
+Errors: relative for TTFT and TBT percentiles, absolute (share of requests) for goodput; the goal
+counts rates where the deployment kept up (output tok/s >= 90 % of the offered tokens/s).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import statistics
+from pathlib import Path
+
+import aiohttp
+from pd_calibrate import batched_prefill_points, decode_points, prefill_points
+
+from vllm_disagg.planner.calibrate import measured_machine, sim_options
+from vllm_disagg.planner.catalog import ModelSpec
+from vllm_disagg.planner.goodput import HEADLINE_SLO, from_token_times, summarize
+from vllm_disagg.planner.profile import parse_profile
+from vllm_disagg.planner.splitwise_sim import MachineGroup, simulate
+from vllm_disagg.planner.traces import TraceRequest, rescale_rate
+from vllm_disagg.router.policy import Pool
+
+CALIBRATION = {"prefill_sizes": [128, 512, 1024, 2048], "prefill_reps": 2, "batched_prompts": [2, 4],
+               "batched_reps": 2, "decode_batches": [1, 4, 8, 16], "decode_contexts": [512, 1024],
+               "decode_tokens": 24, "decode_reps": 1}
+COMPARED = ("ttft_p50_ms", "ttft_p90_ms", "tbt_p50_ms", "tbt_p99_ms", "goodput")
+KEPT_UP = 0.9
+"""A run counts as below saturation when its output tok/s is at least this share of the offered tok/s."""
+
+
+def calibrate(running, plan: dict = CALIBRATION) -> dict:
+    """The profile (schema vllm-disagg-profile/1) of one running deployment: plain or ours 1P+1D."""
+    return asyncio.run(_calibrate(running, plan))
+
+
+async def _calibrate(running, plan: dict) -> dict:
+    inst = running.instances
+    front, p_url = running.url, inst.get("prefill", inst.get("plain"))
+    d_url = inst.get("decode", inst.get("plain"))
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as session:
+        pre = await prefill_points(session, front, p_url, plan["prefill_sizes"], plan["prefill_reps"])
+        single = next(r["prefill_ms"] for r in pre if r["num_tokens"] == 512)
+        bat = await batched_prefill_points(session, front, p_url, 512, plan["batched_prompts"], plan["batched_reps"],
+                                           single)
+        dec = await decode_points(session, d_url, plan["decode_batches"], plan["decode_contexts"],
+                                  plan["decode_tokens"], plan["decode_reps"])
+    facts = _engine_facts(running)
+    exposed = [r["exposed_ms"] for r in pre if r.get("exposed_ms") is not None]
+    machine = {"kv_capacity_tokens": facts.get("kv_capacity_tokens", 40_000),
+               "max_num_batched_tokens": facts.get("max_num_batched_tokens", 2048), "chunked_prefill": True,
+               "layerwise_min_tokens": 0, "first_token_on": "decode",
+               "kv_layerwise_overhead_ms": statistics.median(exposed) if exposed else 0.0}
+    profile = {"schema": "vllm-disagg-profile/1", "device": f"cpu, {running.deployment.name}",
+               "model": "smollm2-135m bf16", "prefill_fit": "piecewise",
+               "prefill": [{"num_tokens": r["num_tokens"], "ms": r["prefill_ms"]} for r in pre],
+               "prefill_batched": [{k: r[k] for k in ("num_prompts", "num_tokens", "ms")} for r in bat],
+               "decode": dec, "machine": machine}
+    transfer = [{"num_tokens": r["num_tokens"], "ms": r["transfer_ms"]} for r in pre if r.get("transfer_ms")]
+    if running.deployment.is_pd and transfer:
+        profile["kv_transfer"] = transfer
+    return profile
+
+
+def _engine_facts(running) -> dict:
+    """Chunk budget and KV capacity from the instances' logs (the decode one for P/D)."""
+    logs = sorted(Path(running.log_dir).rglob("*.log"))
+    text = {p.name: p.read_text(errors="replace") for p in logs}
+    facts: dict = {}
+    for name, body in text.items():
+        if m := re.search(r"max_num_batched_tokens=(\d+)", body):
+            facts.setdefault("max_num_batched_tokens", int(m.group(1)))
+        if ("decode" in name or "plain" in name) and (m := re.search(r"KV cache size: ([\d,]+) tokens", body)):
+            facts["kv_capacity_tokens"] = int(m.group(1).replace(",", ""))
+    return facts
+
+
+def simulate_window(profile: dict, model: ModelSpec, window: list[TraceRequest], rate: float, pd: bool) -> dict:
+    """The planner's metrics of the window at `rate` on plain (one mixed instance) or 1P+1D."""
+    prof = parse_profile(profile)
+    machine = profile.get("machine") or {}
+    hw = measured_machine(machine, model)
+    groups = ([MachineGroup(hw, Pool.PREFILL, 1), MachineGroup(hw, Pool.DECODE, 1)] if pd
+              else [MachineGroup(hw, Pool.MIXED, 1)])
+    trace = rescale_rate(window, rate)
+    result = simulate(model, groups, trace, sim_options(machine), prof)
+    reqs = [from_token_times(r.trace.arrival_s, r.token_times_s) for r in result.requests]
+    ends = [r.done_s for r in result.requests if r.done_s is not None]
+    return summarize(reqs, (max(ends) - trace[0].arrival_s) if ends else None)
+
+
+def predict(runs: list[dict], window: list[TraceRequest], profiles: dict[str, dict], model_dir: str,
+            plain: str | None) -> dict:
+    """Predicted vs measured at every rate each calibrated deployment ran (medians over rounds)."""
+    model = ModelSpec.from_hf_config(Path(model_dir) / "config.json", name="smollm2-135m")
+    offered_tokens = sum(r.num_output_tokens for r in window) / len(window)
+    rows, points = [], []
+    for dep, prof in profiles.items():
+        if dep.startswith("plain") and dep != plain:
+            continue
+        for rate in sorted({r["rate"] for r in runs if r["deployment"] == dep}):
+            meas_runs = [r for r in runs if r["deployment"] == dep and r["rate"] == rate]
+            meas = {k: _median([_get(r, k) for r in meas_runs]) for k in (*COMPARED, "output_tok_s")}
+            pred = simulate_window(prof, model, window, rate, pd=not dep.startswith("plain"))
+            pred_vals = {k: _get(pred, k) for k in COMPARED}
+            kept_up = (meas["output_tok_s"] or 0) >= KEPT_UP * rate * offered_tokens
+            err = {k: _error(k, pred_vals[k], meas[k]) for k in COMPARED}
+            rows.append({"deployment": dep, "rate": rate, "kept_up": kept_up, "measured": meas,
+                         "predicted": pred_vals, "error": err})
+            points += [{"deployment": dep, "rate": rate, "metric": k, "measured": meas[k] / 1e3,
+                        "predicted": pred_vals[k] / 1e3} for k in COMPARED[:4] if meas[k] and pred_vals[k]]
+    below = [abs(e) for r in rows if r["kept_up"] for e in r["error"].values() if e is not None]
+    return {"rows": rows, "points": points, "profiles": profiles,
+            "max_abs_error_below_saturation": max(below) if below else None,
+            "error_definition": "relative for TTFT/TBT percentiles, absolute share of requests for goodput"}
+
+
+def _get(summary: dict, key: str) -> float | None:
+    return summary["goodput"][HEADLINE_SLO.key] if key == "goodput" else summary.get(key)
+
+
+def _median(vals: list) -> float | None:
+    vals = [v for v in vals if v is not None]
+    return statistics.median(vals) if vals else None
+
+
+def _error(key: str, pred: float | None, meas: float | None) -> float | None:
+    if pred is None or meas is None:
+        return None
+    if key == "goodput":
+        return pred - meas
+    return (pred - meas) / meas if meas else None

@@ -1,0 +1,201 @@
+# SPDX-License-Identifier: Apache-2.0
+"""One measured run of serve_bench.py: `vllm bench serve` replays a timed trace against a running deployment.
+
+Around the client run, every instance's /metrics is read, so each run also says where TTFT went (queue
+and prefill on P, the KV handoff, D's wait and first step: vLLM's own per-request histograms, as means)
+and whether the KV really moved: bytes pushed (ours) or pulled (NIXL), and how many requests D had to
+prefill itself (`recomputes`: D computed more than one block of a prompt it should have received).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import psutil
+from prometheus_client.parser import text_string_to_metric_families
+from serve_deploy import SERVED_NAME, Running
+
+from vllm_disagg.launch.local import vllm_serve_prefix
+from vllm_disagg.planner.goodput import HEADLINE_SLO, from_bench_detailed, summarize
+
+RECOMPUTE_TOKENS = 100
+"""D computing more prompt tokens than this for one request means the KV did not arrive (a block is 128)."""
+_KEEP = ("vllm:request_queue_time_seconds", "vllm:request_prefill_time_seconds", "vllm:time_to_first_token_seconds",
+         "vllm:prompt_tokens_by_source", "vllm:request_prefill_kv_computed_tokens", "vllm:disagg_kv_",
+         "vllm:nixl_", "vllm:disagg_router_prefill_latency", "vllm:disagg_router_time_to_first_byte",
+         "vllm:num_preemptions", "vllm:request_success")
+
+
+def scrape(url: str) -> dict[str, float]:
+    """The /metrics samples serve_bench uses, `name{label=value,...}` -> value, summed over engines."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if not s.name.startswith(_KEEP):
+                continue
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k not in ("model_name", "engine"))
+            key = f"{s.name}{{{labels}}}" if labels else s.name
+            out[key] = out.get(key, 0.0) + s.value
+    return out
+
+
+def deltas(before: dict[str, dict], after: dict[str, dict]) -> dict[str, dict[str, float]]:
+    return {role: {k: v - before[role].get(k, 0.0) for k, v in after[role].items()
+                   if v - before[role].get(k, 0.0)} for role in after}
+
+
+def warm_up(run: Running, num_tokens: int = 600) -> None:
+    """One request through the deployment's endpoint before anything is measured."""
+    body = json.dumps({"model": SERVED_NAME, "prompt": [100 + i % 1000 for i in range(num_tokens)],
+                       "max_tokens": 8, "ignore_eos": True}).encode()
+    req = urllib.request.Request(f"{run.url}/v1/completions", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as resp:
+        json.loads(resp.read())
+
+
+def bench_command(url: str, model_dir: str, trace_path: Path, num: int, out_dir: Path, name: str,
+                  slo_ms: tuple[float, float]) -> list[str]:
+    """vLLM's own client on the same two cores as the servers."""
+    vllm = vllm_serve_prefix()[0]
+    base = [vllm, "bench", "serve"] if vllm.endswith("vllm") else [vllm, "-m", "vllm.entrypoints.cli.main", "bench",
+                                                                     "serve"]
+    return ["taskset", "-c", "0,1", *base, "--backend", "openai", "--base-url", url, "--model", SERVED_NAME,
+            "--tokenizer", model_dir, "--dataset-name", "timed_trace", "--dataset-path", str(trace_path),
+            "--num-prompts", str(num), "--ignore-eos", "--save-result", "--save-detailed",
+            "--result-dir", str(out_dir), "--result-filename", name, "--percentile-metrics", "ttft,tpot,itl,e2el",
+            "--metric-percentiles", "50,90,99", "--goodput", f"ttft:{slo_ms[0]:g}", f"tpot:{slo_ms[1]:g}"]
+
+
+def cpu_snapshot(procs) -> dict[tuple, tuple[float, float]]:
+    """(process name, its cores, main thread or not, tid) -> (user s, system s) of every thread of the
+    deployment: which thread of which instance used the cores (e.g. a transfer library's polling thread
+    beside the compute thread on a one-core instance)."""
+    out = {}
+    for root in procs:
+        try:
+            tree = [psutil.Process(root.pid), *psutil.Process(root.pid).children(recursive=True)]
+        except psutil.NoSuchProcess:
+            continue
+        for proc in tree:
+            try:
+                name, cores = proc.name(), ",".join(map(str, proc.cpu_affinity()))
+                for t in proc.threads():
+                    out[(name, cores, t.id == proc.pid, t.id)] = (t.user_time, t.system_time)
+            except psutil.Error:
+                continue
+    return out
+
+
+def cpu_use(before: dict, after: dict, wall_s: float) -> list[dict]:
+    """Cores' worth of CPU per (process, cores, main/other threads) over the run, busiest first."""
+    groups: dict[tuple, list[float]] = {}
+    for key, (user, system) in after.items():
+        u0, s0 = before.get(key, (0.0, 0.0))
+        g = groups.setdefault(key[:3], [0.0, 0.0])
+        g[0] += user - u0
+        g[1] += system - s0
+    rows = [{"process": n, "cores": c, "threads": "main" if m else "others", "user": round(u / wall_s, 3),
+             "system": round(sy / wall_s, 3)} for (n, c, m), (u, sy) in groups.items() if u + sy > 0.01 * wall_s]
+    return sorted(rows, key=lambda r: -(r["user"] + r["system"]))[:12]
+
+
+def measure(run: Running, model_dir: str, trace_path: Path, num: int, out_dir: Path, name: str,
+            timeout_s: float) -> dict:
+    """Replay `trace_path` once; the summary, vLLM's own figures, the TTFT breakdown and the KV check."""
+    roles = {r: u for r, u in run.instances.items() if r != "state_file"}
+    before = {r: scrape(u) for r, u in roles.items()}
+    load_before = Path("/proc/loadavg").read_text().split()[:3]
+    slo = (1e3 * HEADLINE_SLO.ttft_s, 1e3 * HEADLINE_SLO.gap_s)
+    cmd = bench_command(run.url, model_dir, trace_path, num, out_dir, f"{name}.json", slo)
+    env = {**os.environ, "PYTHONHASHSEED": "0"}  # the client seeds prompt tokens with Python's str hash
+    cpu_before = cpu_snapshot(run.procs)
+    t0 = time.monotonic()
+    with open(out_dir / f"{name}.client.log", "wb") as log:
+        proc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"vllm bench serve failed ({proc.returncode}): see {out_dir / f'{name}.client.log'}")
+    cpu = cpu_use(cpu_before, cpu_snapshot(run.procs), time.monotonic() - t0)
+    time.sleep(2.0)  # engine stats reach the API server's /metrics with the logging interval
+    after = {r: scrape(u) for r, u in roles.items()}
+    detailed = json.loads((out_dir / f"{name}.json").read_text())
+    reqs = from_bench_detailed(detailed)
+    out = summarize(reqs, detailed.get("duration"))
+    out.update(wall_s=time.monotonic() - t0, load_before=load_before,
+               load_after=Path("/proc/loadavg").read_text().split()[:3],
+               duration_s=detailed.get("duration"),
+               goodput_tpot=detailed["request_goodput"] / detailed["request_throughput"]
+               if detailed.get("request_throughput") else None,
+               vllm_bench={k: detailed.get(k) for k in ("output_throughput", "median_ttft_ms", "p99_ttft_ms",
+                                                         "median_itl_ms", "p99_itl_ms", "request_goodput")})
+    d = deltas(before, after)
+    out["engine"] = d
+    out["breakdown"] = ttft_breakdown(d, out)
+    out["kv"] = kv_check(run, d)
+    out["cpu_cores"] = cpu
+    return out
+
+
+def _mean(d: dict, name: str) -> float | None:
+    count = d.get(f"{name}_count", 0.0)
+    return 1e3 * d.get(f"{name}_sum", 0.0) / count if count else None
+
+
+def ttft_breakdown(d: dict[str, dict], summary: dict) -> dict:
+    """Mean ms per request of each stage, from vLLM's own histograms (queue: waiting to be scheduled;
+    prefill: scheduled to first token). For P/D: P's stages, the router's P round trip, D's stages
+    (D's queue includes waiting for the KV), and the push (ours: part not hidden behind prefill)."""
+    out = {"client_ttft_mean_ms": summary.get("ttft_mean_ms"), "client_ttft_p50_ms": summary.get("ttft_p50_ms")}
+    for role in ("plain", "prefill", "decode"):
+        if role in d:
+            for stage, metric in (("queue", "vllm:request_queue_time_seconds"),
+                                  ("prefill", "vllm:request_prefill_time_seconds"),
+                                  ("engine_ttft", "vllm:time_to_first_token_seconds")):
+                out[f"{role}_{stage}_ms"] = _mean(d[role], metric)
+    router = d.get("router", {})
+    out["router_prefill_roundtrip_ms"] = _mean(router, "vllm:disagg_router_prefill_latency_seconds")
+    pre = d.get("prefill", {})
+    out["push_exposed_ms"] = _mean(pre, "vllm:disagg_kv_exposed_transfer_seconds")
+    out["push_total_ms"] = _mean(pre, "vllm:disagg_kv_request_transfer_seconds")
+    dec = d.get("decode", {})
+    nixl = {**pre, **dec}
+    out["nixl_xfer_ms"] = _mean(nixl, "vllm:nixl_xfer_time_seconds")
+    out["nixl_post_ms"] = _mean(nixl, "vllm:nixl_post_time_seconds")
+    if out["push_exposed_ms"] is not None and out.get("prefill_prefill_ms"):
+        out["exposed_fraction_of_prefill"] = out["push_exposed_ms"] / out["prefill_prefill_ms"]
+    return out
+
+
+def kv_check(run: Running, d: dict[str, dict]) -> dict | None:
+    """Did the KV move? Bytes over the wire, and requests D prefilled itself (a histogram of computed
+    prompt tokens per request: every request above RECOMPUTE_TOKENS is a recompute)."""
+    if not run.deployment.is_pd:
+        return None
+    pre, dec = d.get("prefill", {}), d.get("decode", {})
+    hist = {k: v for k, v in dec.items() if k.startswith("vllm:request_prefill_kv_computed_tokens_bucket")}
+    under = [v for k, v in hist.items() if _le(k) is not None and _le(k) <= RECOMPUTE_TOKENS]
+    num = dec.get("vllm:request_prefill_kv_computed_tokens_count", 0.0)
+    recomputes = num - max(under, default=0.0)
+    if run.deployment.kind == "ours":
+        nbytes = pre.get("vllm:disagg_kv_bytes_pushed_total", 0.0)
+        failures = dec.get("vllm:disagg_kv_fallbacks_total", 0.0)
+    else:
+        nbytes = sum(x.get("vllm:nixl_bytes_transferred_sum", 0.0) for x in (pre, dec))
+        failures = sum(x.get(k, 0.0) for x in (pre, dec) for k in ("vllm:nixl_num_failed_transfers_total",
+                                                                    "vllm:nixl_num_kv_expired_reqs_total"))
+    local = sum(v for k, v in dec.items() if k.startswith("vllm:prompt_tokens_by_source") and "local_compute" in k)
+    return {"kv_bytes": nbytes, "decode_requests": num, "recomputes": round(recomputes), "transfer_failures": failures,
+            "decode_local_prompt_tokens": local, "verified": nbytes > 0 and round(recomputes) == 0 and not failures}
+
+
+def _le(key: str) -> float | None:
+    for part in key[key.find("{") + 1:-1].split(","):
+        if part.startswith("le="):
+            return float(part[3:])
+    return None
