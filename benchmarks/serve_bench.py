@@ -153,7 +153,7 @@ class Bench:
                                                  log_dir) as running:
             log(f"{name}: ready in {running.start_s:.0f} s")
             self.starts.setdefault(name, []).append({"start_s": running.start_s, "placement": running.placement})
-            warm_up(running)
+            warm_up(running, min(600, self.args.max_model_len // 2))
             if self.plan.predict and round_idx == 0 and name in CALIBRATED:
                 from serve_predict import calibrate
 
@@ -186,7 +186,7 @@ class Bench:
             with heavy_lock(self.args.lock), started(DEPLOYMENTS[name], self.args.model_dir,
                                                      self.args.max_model_len, self.work / "logs" / f"{name}_bisect") \
                     as running:
-                warm_up(running)
+                warm_up(running, min(600, self.args.max_model_len // 2))
 
                 def probe(rate: float, running=running) -> float:
                     return self.run_once(running, round(rate, 4), -1, "bisect")["goodput"][HEADLINE_SLO.key]
@@ -198,21 +198,27 @@ class Bench:
 
 
 @contextlib.contextmanager
-def heavy_lock(path: Path | None):
-    """On a shared box: hold `path` (flock) for one deployment's phase, start to stop (a few minutes), and
-    let others run between phases; the load average around every run is recorded either way."""
-    if path is None:
+def heavy_lock(paths: list[Path] | None):
+    """On a shared box: hold these flock files for one deployment's phase, start to stop (a few minutes),
+    and let others run between phases; the load average around every run is recorded either way. With
+    both of the box's heavy slots (/work/coord/heavy --exclusive's files) nobody else's heavy job runs."""
+    if not paths:
         yield
         return
-    with open(path, "a") as f:
-        t0 = time.monotonic()
-        fcntl.flock(f, fcntl.LOCK_EX)
+    want = paths[0].with_name("vd-exclusive.want") if len(paths) > 1 else None
+    t0 = time.monotonic()
+    with contextlib.ExitStack() as stack:
+        if want is not None:
+            want.touch()  # new jobs of others wait while this is pending (the heavy wrapper's rule)
+        for path in paths:
+            f = stack.enter_context(open(path, "a"))
+            fcntl.flock(f, fcntl.LOCK_EX)
+            stack.callback(fcntl.flock, f, fcntl.LOCK_UN)
+        if want is not None:
+            want.unlink(missing_ok=True)
         if time.monotonic() - t0 > 1:
-            log(f"waited {time.monotonic() - t0:.0f} s for {path}")
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+            log(f"waited {time.monotonic() - t0:.0f} s for {', '.join(map(str, paths))}")
+        yield
 
 
 def log(msg: str) -> None:
@@ -331,8 +337,9 @@ def main() -> int:
     parser.add_argument("--model", default="smollm2-135m", help="embedded model name or a local directory")
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--max-output-tokens", type=int, default=512)
-    parser.add_argument("--lock", type=Path, default=None,
-                        help="shared box: hold this flock file around each deployment's phase (e.g. /tmp/vd-heavy.lock)")
+    parser.add_argument("--lock", type=Path, action="append", default=None,
+                        help="shared box: hold this flock file around each deployment's phase; repeat for several "
+                             "(this box: --lock /tmp/vd-heavy.lock --lock /tmp/vd-heavy2.lock = both heavy slots)")
     parser.add_argument("--out", type=Path, default=None, help="result JSON (default results/serve_bench{_quick}.json)")
     args = parser.parse_args()
     plan = QUICK if args.quick else Plan()
@@ -379,7 +386,7 @@ def run(plan: Plan, args: argparse.Namespace) -> int:
     result = {**keys, "plan": asdict(plan), "wall_s": time.monotonic() - t0,
               "trace": {k: v for k, v in trace.items() if k != "requests"}, "max_rates": max_rates,
               "medians": medians(bench.runs), "starts": bench.starts, "prediction": prediction,
-              "runs": [{k: v for k, v in r.items() if k != "engine"} for r in bench.runs]}
+              "runs": bench.runs}
     out = args.out or RESULTS / f"serve_bench{'_quick' if args.quick else ''}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))

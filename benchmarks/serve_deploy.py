@@ -47,6 +47,8 @@ class Deployment:
     transport: str = "tcp"
     nano: bool = False
     connector: str = "NixlConnector"
+    env: tuple[tuple[str, str], ...] = ()
+    """More environment for every process of the deployment."""
 
     @property
     def is_pd(self) -> bool:
@@ -58,6 +60,7 @@ DEPLOYMENTS = {d.name: d for d in (
     Deployment("plain_bind01", "plain", omp_bind="0-1"),
     Deployment("vllm_nixl", "vllm_nixl"),
     Deployment("vllm_nixl_push", "vllm_nixl", connector="NixlPushConnector"),
+    Deployment("vllm_nixl_ucx_tcp", "vllm_nixl", env=(("UCX_TLS", "tcp,self"),)),
     Deployment("ours_tcp", "ours", transport="tcp"),
     Deployment("ours_shm", "ours", transport="shm"),
     Deployment("ours_nano", "ours", transport="tcp", nano=True),
@@ -133,7 +136,7 @@ def _start_nixl(run: Running, model: str, max_model_len: int) -> None:
         cfg = {"kv_connector": run.deployment.connector, "kv_role": role, "kv_buffer_device": "cpu",
                "kv_connector_extra_config": NIXL_EXTRA}
         env = _env(VLLM_CPU_OMP_THREADS_BIND=core, VLLM_CPU_KVCACHE_SPACE=str(KV_GIB_PER_INSTANCE),
-                   VLLM_NIXL_SIDE_CHANNEL_HOST=HOST, VLLM_NIXL_SIDE_CHANNEL_PORT=str(side))
+                   VLLM_NIXL_SIDE_CHANNEL_HOST=HOST, VLLM_NIXL_SIDE_CHANNEL_PORT=str(side), **dict(run.deployment.env))
         cmd = ["taskset", "-c", core, *_serve(model, http, [*vllm_args(max_model_len),
                                                              "--kv-transfer-config", json.dumps(cfg)])]
         run.procs.append(_spawn(cmd, env, run.log_dir / f"{role}.log"))

@@ -10,8 +10,7 @@ from vllm_disagg.planner.goodput import HEADLINE_SLO
 
 _STAGES = (("plain_queue_ms", "queue"), ("plain_prefill_ms", "prefill (+1st token)"),
            ("prefill_queue_ms", "P queue"), ("prefill_prefill_ms", "P prefill"),
-           ("push_exposed_ms", "push exposed"), ("decode_queue_ms", "D wait (KV)"),
-           ("decode_prefill_ms", "D first step"))
+           ("handoff_ms", "handoff (KV, hops, D wait)"), ("decode_prefill_ms", "D first step"))
 
 
 def plot(result: dict, path: Path) -> None:

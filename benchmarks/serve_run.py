@@ -3,8 +3,8 @@
 
 Around the client run, every instance's /metrics is read, so each run also says where TTFT went (queue
 and prefill on P, the KV handoff, D's wait and first step: vLLM's own per-request histograms, as means)
-and whether the KV really moved: bytes pushed (ours) or pulled (NIXL), and how many requests D had to
-prefill itself (`recomputes`: D computed more than one block of a prompt it should have received).
+and whether the KV really moved: bytes pushed (ours) or pulled (NIXL), and prompt tokens D computed
+itself instead of receiving them (`recomputes`).
 """
 
 from __future__ import annotations
@@ -23,8 +23,6 @@ from serve_deploy import SERVED_NAME, Running
 from vllm_disagg.launch.local import vllm_serve_prefix
 from vllm_disagg.planner.goodput import HEADLINE_SLO, from_bench_detailed, summarize
 
-RECOMPUTE_TOKENS = 100
-"""D computing more prompt tokens than this for one request means the KV did not arrive (a block is 128)."""
 _KEEP = ("vllm:request_queue_time_seconds", "vllm:request_prefill_time_seconds", "vllm:time_to_first_token_seconds",
          "vllm:prompt_tokens_by_source", "vllm:request_prefill_kv_computed_tokens", "vllm:disagg_kv_",
          "vllm:nixl_", "vllm:disagg_router_prefill_latency", "vllm:disagg_router_time_to_first_byte",
@@ -51,7 +49,7 @@ def deltas(before: dict[str, dict], after: dict[str, dict]) -> dict[str, dict[st
                    if v - before[role].get(k, 0.0)} for role in after}
 
 
-def warm_up(run: Running, num_tokens: int = 600) -> None:
+def warm_up(run: Running, num_tokens: int) -> None:
     """One request through the deployment's endpoint before anything is measured."""
     body = json.dumps({"model": SERVED_NAME, "prompt": [100 + i % 1000 for i in range(num_tokens)],
                        "max_tokens": 8, "ignore_eos": True}).encode()
@@ -167,21 +165,26 @@ def ttft_breakdown(d: dict[str, dict], summary: dict) -> dict:
     nixl = {**pre, **dec}
     out["nixl_xfer_ms"] = _mean(nixl, "vllm:nixl_xfer_time_seconds")
     out["nixl_post_ms"] = _mean(nixl, "vllm:nixl_post_time_seconds")
+    stages = [out.get(k) for k in ("prefill_queue_ms", "prefill_prefill_ms", "decode_prefill_ms")]
+    if out["client_ttft_mean_ms"] is not None and None not in stages:  # P/D, in order: P queue, P prefill,
+        out["handoff_ms"] = out["client_ttft_mean_ms"] - sum(stages)  # <- KV handoff + hops + D's wait, D's step
     if out["push_exposed_ms"] is not None and out.get("prefill_prefill_ms"):
         out["exposed_fraction_of_prefill"] = out["push_exposed_ms"] / out["prefill_prefill_ms"]
     return out
 
 
 def kv_check(run: Running, d: dict[str, dict]) -> dict | None:
-    """Did the KV move? Bytes over the wire, and requests D prefilled itself (a histogram of computed
-    prompt tokens per request: every request above RECOMPUTE_TOKENS is a recompute)."""
+    """Did the KV move? Bytes over the wire, and prompt tokens D computed itself: vLLM counts every
+    prompt token by source (`vllm:prompt_tokens_by_source`), so D's `local_compute` tokens are the
+    recomputed ones and its `external_kv_transfer` tokens must be every token P computed. (Its
+    per-request histogram of computed tokens is no help: under NixlConnector it counts pulled tokens.)"""
     if not run.deployment.is_pd:
         return None
     pre, dec = d.get("prefill", {}), d.get("decode", {})
-    hist = {k: v for k, v in dec.items() if k.startswith("vllm:request_prefill_kv_computed_tokens_bucket")}
-    under = [v for k, v in hist.items() if _le(k) is not None and _le(k) <= RECOMPUTE_TOKENS]
-    num = dec.get("vllm:request_prefill_kv_computed_tokens_count", 0.0)
-    recomputes = num - max(under, default=0.0)
+    p_tokens, d_local, d_external = (_by_source(x, src) for x, src in (
+        (pre, "local_compute"), (dec, "local_compute"), (dec, "external_kv_transfer")))
+    num = dec.get("vllm:request_success_total", 0.0) or sum(
+        v for k, v in dec.items() if k.startswith("vllm:request_success_total"))
     if run.deployment.kind == "ours":
         nbytes = pre.get("vllm:disagg_kv_bytes_pushed_total", 0.0)
         failures = dec.get("vllm:disagg_kv_fallbacks_total", 0.0)
@@ -189,13 +192,14 @@ def kv_check(run: Running, d: dict[str, dict]) -> dict | None:
         nbytes = sum(x.get("vllm:nixl_bytes_transferred_sum", 0.0) for x in (pre, dec))
         failures = sum(x.get(k, 0.0) for x in (pre, dec) for k in ("vllm:nixl_num_failed_transfers_total",
                                                                     "vllm:nixl_num_kv_expired_reqs_total"))
-    local = sum(v for k, v in dec.items() if k.startswith("vllm:prompt_tokens_by_source") and "local_compute" in k)
-    return {"kv_bytes": nbytes, "decode_requests": num, "recomputes": round(recomputes), "transfer_failures": failures,
-            "decode_local_prompt_tokens": local, "verified": nbytes > 0 and round(recomputes) == 0 and not failures}
+    # a request may compute its last prompt token locally (connector-dependent): allow one per request
+    recomputed = max(0.0, d_local - num)
+    recomputes = 0 if recomputed == 0 else max(1, round(recomputed / max(1.0, p_tokens / max(num, 1.0))))
+    return {"kv_bytes": nbytes, "decode_requests": num, "prefill_prompt_tokens": p_tokens,
+            "decode_transferred_tokens": d_external, "decode_local_prompt_tokens": d_local,
+            "recomputes": recomputes, "transfer_failures": failures,
+            "verified": nbytes > 0 and recomputes == 0 and not failures and d_external >= p_tokens - num}
 
 
-def _le(key: str) -> float | None:
-    for part in key[key.find("{") + 1:-1].split(","):
-        if part.startswith("le="):
-            return float(part[3:])
-    return None
+def _by_source(d: dict, source: str) -> float:
+    return sum(v for k, v in d.items() if k.startswith("vllm:prompt_tokens_by_source") and f"source={source}" in k)
