@@ -361,9 +361,9 @@ def main() -> int:
         plan.saturation = []
     if args.no_predict:
         plan.predict = False
-    from vllm_disagg.launch.cli import resolve_model
+    from vllm_disagg.models import launch_model
 
-    args.model_dir = resolve_model(args.model)
+    args.model_dir = launch_model(args.model)
     return run(plan, args)
 
 
