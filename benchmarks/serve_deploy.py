@@ -7,7 +7,7 @@
 - `vllm_nixl` (`vllm_nixl_push`): vLLM's NixlConnector 1P+1D, pull (push) mode, each `vllm serve` on one core
   (`taskset` + `VLLM_CPU_OMP_THREADS_BIND`), behind `vllm-disagg router --pd-protocol vllm`;
 - `ours_tcp` / `ours_shm` / `ours_nano`: `vllm-disagg up --prefill 1 --decode 1` over tcp or shm (nano:
-  `--disagg-nano-batches auto`), which binds each instance's process tree to its core.
+  `--disagg-num-nano-batches auto`), which binds each instance's process tree to its core.
 Every process (and the client) may use cores 0-1; `placement` records where each one actually sits.
 """
 
@@ -155,7 +155,7 @@ def _start_ours(run: Running, model: str, max_model_len: int) -> None:
            "--log-dir", str(run.log_dir / "instances"), "--kv-cache-gib", str(KV_GIB_PER_INSTANCE),
            "--model", model, "--served-model-name", SERVED_NAME, *vllm_args(max_model_len)]
     if dep.nano:
-        cmd += ["--disagg-nano-batches", "auto"]
+        cmd += ["--disagg-num-nano-batches", "auto"]
     run.procs.append(_spawn(cmd, _env(), run.log_dir / "up.log"))
     run.instances = {"state_file": str(state)}
 
