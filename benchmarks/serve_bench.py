@@ -26,6 +26,7 @@ import contextlib
 import fcntl
 import json
 import os
+import signal
 import statistics
 import sys
 import tempfile
@@ -76,6 +77,8 @@ class Plan:
     bisect: list[str] = field(default_factory=lambda: ["plain", "vllm_nixl", "ours_tcp"])
     """'plain' = the better plain binding."""
     bisect_steps: int = 3
+    once: list[str] = field(default_factory=list)
+    """Deployments measured in the first round only (e.g. the plain binding that is not the baseline)."""
     rate: float = HEADLINE_RATE
     saturation_rate: float = SATURATION_RATE
     predict: bool = True
@@ -131,6 +134,7 @@ class Bench:
         self.plan, self.args, self.work, self.trace = plan, args, work, trace
         self.runs: list[dict] = []  # every measured run: deployment, rate, round, metrics
         self.profiles: dict[str, dict] = {}  # planner profiles calibrated on the running deployments
+        self.after_phase = lambda: None  # called after every deployment phase (checkpoint)
 
     def run_once(self, running, rate: float, round_idx: int, kind: str) -> dict:
         path = write_trace(self.trace["requests"], rate, self.work, first_id(round_idx, kind, rate))
@@ -167,11 +171,12 @@ class Bench:
         deps = self.plan.deployments
         for r in range(self.plan.rounds):
             order = deps[r % len(deps):] + deps[:r % len(deps)]  # rotate: no deployment always runs first
-            for name in order:
+            for name in (d for d in order if r == 0 or d not in self.plan.once):
                 rates = [("headline", self.plan.rate)]
                 if name in self.plan.saturation:
                     rates.append(("saturation", self.plan.saturation_rate))
                 self.deployment(name, r, rates)
+                self.after_phase()
 
     def bisect(self, plain: str) -> dict:
         """Highest rate with >= 90 % goodput (headline SLO), one run per probe, bracket from the rounds."""
@@ -331,6 +336,7 @@ def main() -> int:
     parser.add_argument("--rate", type=float, default=None, help=f"headline rate, req/s (default {HEADLINE_RATE})")
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--deployments", default=None, help="comma-separated subset of " + ",".join(DEPLOYMENTS))
+    parser.add_argument("--once", default=None, help="comma-separated deployments measured in round 0 only")
     parser.add_argument("--no-bisect", action="store_true")
     parser.add_argument("--no-saturation", action="store_true")
     parser.add_argument("--no-predict", action="store_true", help="skip the planner's calibration and prediction")
@@ -342,6 +348,8 @@ def main() -> int:
                              "(this box: --lock /tmp/vd-heavy.lock --lock /tmp/vd-heavy2.lock = both heavy slots)")
     parser.add_argument("--out", type=Path, default=None, help="result JSON (default results/serve_bench{_quick}.json)")
     args = parser.parse_args()
+    # a `timeout` (SIGTERM) unwinds like ^C: every started deployment is stopped, the partial JSON stays
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     plan = QUICK if args.quick else Plan()
     if args.num_requests:
         plan.num_requests = args.num_requests
@@ -355,6 +363,9 @@ def main() -> int:
         plan.saturation = [d for d in plan.saturation if d in chosen]
         plan.bisect = [d for d in plan.bisect if d in chosen or (d == "plain" and any(c.startswith("plain")
                                                                                        for c in chosen))]
+    if args.once:
+        plan.once = args.once.split(",")
+        plan.deployments += [d for d in plan.once if d not in plan.deployments]
     if args.no_bisect:
         plan.bisect = []
     if args.no_saturation:
@@ -367,6 +378,14 @@ def main() -> int:
     return run(plan, args)
 
 
+def result_of(bench: Bench, args: argparse.Namespace, trace: dict, t0: float, plain: str | None, max_rates: dict,
+              prediction: dict | None) -> dict:
+    keys = summary(bench, plain, max_rates, prediction, args.quick)
+    return {**keys, "plan": asdict(bench.plan), "wall_s": time.monotonic() - t0,
+            "trace": {k: v for k, v in trace.items() if k != "requests"}, "max_rates": max_rates,
+            "medians": medians(bench.runs), "starts": bench.starts, "prediction": prediction, "runs": bench.runs}
+
+
 def run(plan: Plan, args: argparse.Namespace) -> int:
     work = Path(tempfile.mkdtemp(prefix="serve-bench-"))
     log(f"work dir (client results, instance logs) {work}")
@@ -374,6 +393,11 @@ def run(plan: Plan, args: argparse.Namespace) -> int:
     log(f"trace {trace['source']} window [{trace['start']}, +{plan.num_requests}): {trace['stats']}")
     bench = Bench(plan, args, work, trace)
     t0 = time.monotonic()
+    out = args.out or RESULTS / f"serve_bench{'_quick' if args.quick else ''}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_suffix(".partial.json")  # a run cut short keeps what it measured
+    bench.after_phase = lambda: partial.write_text(json.dumps(
+        result_of(bench, args, trace, t0, pick_plain(medians(bench.runs)), {}, None) | {"partial": True}, indent=1))
     bench.rounds()
     plain = pick_plain(medians(bench.runs))
     max_rates = bench.bisect(plain) if plan.bisect and plain else {}
@@ -382,14 +406,9 @@ def run(plan: Plan, args: argparse.Namespace) -> int:
         from serve_predict import predict
 
         prediction = predict(bench.runs, trace["requests"], bench.profiles, args.model_dir, plain)
-    keys = summary(bench, plain, max_rates, prediction, args.quick)
-    result = {**keys, "plan": asdict(plan), "wall_s": time.monotonic() - t0,
-              "trace": {k: v for k, v in trace.items() if k != "requests"}, "max_rates": max_rates,
-              "medians": medians(bench.runs), "starts": bench.starts, "prediction": prediction,
-              "runs": bench.runs}
-    out = args.out or RESULTS / f"serve_bench{'_quick' if args.quick else ''}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
+    result = result_of(bench, args, trace, t0, plain, max_rates, prediction)
     out.write_text(json.dumps(result, indent=1))
+    partial.unlink(missing_ok=True)
     from serve_plot import plot
 
     plot(result, out.with_suffix(".png"))
