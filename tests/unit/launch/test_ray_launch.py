@@ -190,3 +190,21 @@ def test_the_reaper_kills_the_server_group_when_its_owner_dies():
         for p in (server, reaper):
             if p.poll() is None:
                 p.kill()
+
+
+def test_attention_workers_are_sized_from_the_model_as_on_the_local_backend(tmp_path):
+    """SmolLM2's shape (3 KV heads, 8192 tokens, bf16) on 2 workers: request-wise, each holding one
+    request of the max length (0.176 GiB) at least; a path with no config.json here keeps the flags."""
+    config = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
+              "hidden_size": 576, "max_position_embeddings": 8192, "dtype": "bfloat16"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    args = up_args("--prefill", "0", "--decode", "0", "--attention", "2")
+    specs = plan_actor_specs(args, str(tmp_path))
+    assert args.attention_partition == "request"
+    assert specs[2].remote_attention["partition"] == "request"
+    assert all(s.kv_cache_gib >= 0.176 for s in specs[:2])
+    with pytest.raises(ValueError, match="--attention-kv-cache-gib"):
+        plan_actor_specs(up_args("--decode", "1", "--attention", "2", "--attention-kv-cache-gib", "0.1"),
+                         str(tmp_path))
+    fixed = plan_actor_specs(up_args("--decode", "1", "--attention", "2", "--attention-kv-cache-gib", "0.5"), "/m")
+    assert fixed[0].kv_cache_gib == 0.5
