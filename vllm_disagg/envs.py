@@ -22,6 +22,7 @@ VLLM_DISAGG_RDMA_GID_INDEX = "VLLM_DISAGG_RDMA_GID_INDEX"
 VLLM_DISAGG_RDMA_COMPLETION = "VLLM_DISAGG_RDMA_COMPLETION"
 VLLM_DISAGG_SEQNO_LIB = "VLLM_DISAGG_SEQNO_LIB"
 VLLM_DISAGG_MSCCLPP_CHANNEL = "VLLM_DISAGG_MSCCLPP_CHANNEL"
+VLLM_DISAGG_TRACE_ATTENTION_EVERY = "VLLM_DISAGG_TRACE_ATTENTION_EVERY"
 
 RDMA_COMPLETIONS = ("seqword", "imm")
 
@@ -82,3 +83,9 @@ def mscclpp_channel() -> str:
     if value not in ("port", "memory"):
         raise ValueError(f"{VLLM_DISAGG_MSCCLPP_CHANNEL}={value!r}: expected 'port' or 'memory'")
     return value
+
+
+def trace_attention_every() -> int:
+    """Lamina tracing: the attention-server calls of every Nth step of a traced request become spans
+    (its first step included; default 16; 0: none)."""
+    return int(os.environ.get(VLLM_DISAGG_TRACE_ATTENTION_EVERY, "16"))

@@ -174,15 +174,42 @@ def _replay_restores_after_a_decode_restart(up, plain_runs, block_nbytes: int, n
     assert pushed <= (sum(blocks) - blocks[1]) * num_layers * block_nbytes
 
 
+def _one_traced_request(state: dict, collector) -> None:
+    """Issue 20: one request through P, D (the model worker) and both attention servers is one trace
+    with spans from every process of the deployment, and its critical path covers its latency."""
+    from vllm_disagg.testing.tracing import PD_SPANS, pd_trace
+
+    prompt = [(11 * j) % 500 + 3 for j in range(70)]  # new to the servers: pushed, not restored
+    body = {"model": state["model"], "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
+    t = pd_trace(state["endpoint"], collector, body, "lamina-trace-1",
+                 names=(*PD_SPANS, "attention.step", "attention.serve"))
+    processes = {p.rsplit(":", 1)[0] for p in t.processes}
+    engines = [f"vllm-disagg-{i['name']}" for i in state["instances"] if i["role"] != "attention"]
+    expected = {"vllm-disagg-router", *engines, *(f"{e}/EngineCore" for e in engines),
+                *(f"vllm-disagg-{i['name']}" for i in state["instances"] if i["role"] == "attention")}
+    assert expected <= processes, (expected, processes)
+    assert len(t.named("attention.serve")) == 2  # head-wise: both servers serve every step
+    assert t.coverage() >= 0.95
+
+
 @pytest.mark.parametrize("partition", ["head", "request"])
 def test_prefill_pushes_into_attention_servers_and_decode_matches_plain_vllm_also_after_a_decode_restart(
-        model_dir, plain_runs, tmp_path, partition):
+        model_dir, plain_runs, tmp_path, partition, monkeypatch):
+    from vllm_disagg.observe.collector import SpanCollector
+    from vllm_disagg.testing.tracing import FAST_EXPORT
+
     plain = plain_runs[0]
     with open(os.path.join(model_dir, "config.json")) as f:
         cfg = json.load(f)
     block_nbytes = cfg["num_key_value_heads"] * BLOCK_SIZE * 2 * cfg["head_dim"] * 4  # float32
+    traced = partition == "head"  # every process exports its spans to a receiver this test runs
+    collector = SpanCollector(tmp_path / "spans.jsonl").start() if traced else None
+    for key, value in FAST_EXPORT.items():
+        monkeypatch.setenv(key, value)
+    trace_args = ["--otlp-traces-endpoint", collector.grpc_endpoint] if traced else []
     with running_up(tmp_path, "--prefill", "1", "--decode", "1", "--attention", "2", "--attention-partition",
-                    partition, "--layerwise-threshold", "64", "--model", model_dir, *ENGINE_ARGS) as up:
+                    partition, "--layerwise-threshold", "64", "--model", model_dir, *trace_args,
+                    *ENGINE_ARGS) as up:
         state = up.state
         assert [i["role"] for i in state["instances"]] == ["attention", "attention", "prefill", "decode"]
         with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
@@ -200,6 +227,8 @@ def test_prefill_pushes_into_attention_servers_and_decode_matches_plain_vllm_als
         if partition == "head":
             assert landed[0] == landed[1]  # each server got its half of every block
         _replay_restores_after_a_decode_restart(up, plain_runs, block_nbytes, cfg["num_hidden_layers"], partition)
+        if traced:  # after the restart test: its blocks stay as that test expects them
+            _one_traced_request(state, collector)
         landed = [_ingested(i["url"]) for i in state["instances"][:2]]
         # a dead prefill instance: the decode model worker recomputes the prompt onto the servers
         [prefill] = [i for i in state["instances"] if i["role"] == "prefill"]
@@ -207,3 +236,5 @@ def test_prefill_pushes_into_attention_servers_and_decode_matches_plain_vllm_als
         ids, lps, _ = _complete(state, PROMPTS[2], False)
         assert ids == plain[2][0] and lps == pytest.approx(plain[2][1], abs=1e-3)
         assert [_ingested(i["url"]) for i in state["instances"][:2]] == landed  # nothing pushed
+    if collector is not None:
+        collector.stop()

@@ -24,7 +24,9 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from vllm_disagg.observe.collector import SpanCollector
 from vllm_disagg.testing import TokenizerUnavailable, sse_events, tiny_llama_with_tokenizer, token_id_lists
+from vllm_disagg.testing.tracing import FAST_EXPORT, api_surface_mismatches, pd_trace, scraped_names
 
 pytestmark = pytest.mark.slow
 
@@ -41,12 +43,13 @@ def make_model(dest: Path) -> Path:
         pytest.skip(str(exc))
 
 
-def start_up(tmp: Path, model: Path, *up_args: str) -> tuple[subprocess.Popen, dict]:
+def start_up(tmp: Path, model: Path, *up_args: str, env: dict | None = None) -> tuple[subprocess.Popen, dict]:
     state_file = tmp / "state.json"
     cmd = [sys.executable, "-m", "vllm_disagg.cli.main", "up", "--model", str(model), "--port", "0",
            "--state-file", str(state_file), "--log-dir", str(tmp / "logs"), *up_args, *VLLM_ARGS]
     log = open(tmp / "up.log", "wb")  # noqa: SIM115
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, **(env or {})})
     deadline = time.monotonic() + 600
     while not state_file.exists():
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -77,19 +80,27 @@ def start_baseline(tmp: Path, model: Path):
 
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory):
+    """1P+1D under `up`, every process exporting its spans to a receiver this test runs, and a plain
+    `vllm serve` baseline."""
     tmp = tmp_path_factory.mktemp("router-e2e")
     model = make_model(tmp / "model")
     baseline = start_baseline(tmp, model)
     proc = None
+    collector = SpanCollector(tmp / "spans.jsonl").start()
     try:
         proc, state = start_up(tmp, model, "--prefill", "1", "--decode", "1", "--push-timeout-s", "5",
-                               "--prefill-queue-threshold", "1000000")
+                               "--prefill-queue-threshold", "1000000",
+                               "--otlp-traces-endpoint", collector.grpc_endpoint,
+                               # as users run it: API server, EngineCore and worker are three processes
+                               # (the suite's conftest runs in-process engines for speed)
+                               env={**FAST_EXPORT, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
         asyncio.run(baseline.wait_healthy(600))
-        yield {**state, "baseline": baseline.specs[0].url}
+        yield {**state, "baseline": baseline.specs[0].url, "collector": collector}
     finally:
         baseline.stop()
         if proc is not None:
             assert stop_up(proc) == 0, (tmp / "up.log").read_text()[-3000:]
+        collector.stop()
 
 
 def _url(state: dict, role: str) -> str:
@@ -174,6 +185,41 @@ def test_sixteen_concurrent_requests_equal_plain_vllm_and_leave_no_kv_blocks_on_
     time.sleep(1.0)
     assert _kv_usage(_url(deployment, "decode")) == 0.0
     assert _kv_usage(_url(deployment, "prefill")) == 0.0
+
+
+def test_one_pd_request_is_one_trace_with_spans_from_every_process(deployment, tmp_path):
+    """Router, P (API server, EngineCore, worker) and D (the same three) export to the test's OTLP
+    receiver; the request's trace holds them all, its critical path covers the end-to-end latency
+    within 5 %, and `vllm-disagg trace` renders it from the receiver's file."""
+    body = {"model": deployment["model"], "prompt": _prompts(1, LONG, 9)[0], "max_tokens": 8, "stream": True}
+    t = pd_trace(deployment["endpoint"], deployment["collector"], body, "e2e-trace-1")
+    processes = {p.rsplit(":", 1)[0] for p in t.processes}
+    assert processes >= {"vllm-disagg-router", "vllm-disagg-prefill0", "vllm-disagg-prefill0/EngineCore",
+                         "vllm-disagg-prefill0/Worker_0", "vllm-disagg-decode0", "vllm-disagg-decode0/EngineCore",
+                         "vllm-disagg-decode0/Worker_0"}, processes
+    assert t.root["name"] == "router.request" and t.coverage() >= 0.95
+    assert [s["name"] for s, _, _ in t.critical_children(t.root)] == ["router.admission", "router.decode"]
+    names = {s["name"] for s, _, _ in t.critical_path()}
+    assert {"kv.wait", "decode.first_step", "decode"} <= names, names
+    push = t.named("kv.push")[0]
+    assert push["attributes"]["disagg.bytes"] > 0 and len([e for e in push["events"] if e["name"] == "layer"]) >= 4
+    from vllm_disagg.cli.main import main
+
+    assert main(["trace", "e2e-trace-1", "--spans", str(deployment["collector"].path)]) == 0
+
+
+def test_router_answers_every_route_plain_vllm_serves_as_plain_vllm_does(deployment):
+    """Each path and method of the baseline's OpenAPI schema, sent to the router and to plain vLLM."""
+    assert api_surface_mismatches(deployment["endpoint"], deployment["baseline"], deployment["model"]) == []
+
+
+def test_every_metric_the_dashboard_and_alerts_name_is_exposed_live(deployment):
+    """The router's, P's and D's /metrics (labelled metrics show their HELP line before any series)."""
+    from vllm_disagg.testing import monitoring
+
+    urls = [deployment["endpoint"], *(i["url"] for i in deployment["instances"])]
+    exposed = scraped_names(urls) | monitoring.plugin_families()  # + the attention servers' registries
+    assert sorted(monitoring.used_families() - exposed) == []
 
 
 def test_killing_prefill_mid_run_still_completes_every_request_and_drops_it(deployment):

@@ -59,11 +59,16 @@ def add_server_args(p: argparse.ArgumentParser, with_host_port: bool = True) -> 
     p.add_argument("--ready-file", default=None, help="write the READY json here once serving")
     p.add_argument("--parent-pid", type=int, default=None,
                    help="exit when this process is gone (launchers pass their pid: no orphaned servers)")
+    if with_host_port:  # `vllm launch` has vLLM's own flag of that name
+        p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                       help="export spans of sampled attention calls over OTLP (as vLLM's flag)")
 
 
 def run(args: argparse.Namespace) -> int:
     from vllm_disagg.attention.server import DisaggAttentionServer
+    from vllm_disagg.observe import tracing
 
+    tracing.configure("vllm-disagg-attention", getattr(args, "otlp_traces_endpoint", None))
     try:
         server = DisaggAttentionServer(
             transport=args.transport, kv_cache_bytes=int(args.kv_cache_gib * (1 << 30)),
@@ -90,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
         if args.parent_pid and not _alive(args.parent_pid):
             break
     server.stop()
+    tracing.shutdown()
     return 0
 
 

@@ -22,6 +22,7 @@ from vllm.v1.attention.backend import (
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
 from vllm_disagg.attention import runtime
+from vllm_disagg.attention import spans as step_spans
 from vllm_disagg.attention.client import ClientMeta
 from vllm_disagg.attention.wire import StepMeta
 from vllm_disagg.overlap import defer_wait
@@ -77,15 +78,23 @@ class RemoteAttentionImpl(AttentionImpl):
             self._layer_idx = extract_layer_index(layer.layer_name)
         n = attn_metadata.num_actual_tokens
         client = self._client if self._client is not None else runtime.get_client()
+        step_spans.begin_step(self._layer_idx, attn_metadata)
         pending = client.submit(self._layer_idx, query[:n], key[:n], value[:n], attn_metadata, self.scale)
         hook = runtime.overlap_hook()
         if hook is not None:
             hook(pending)
         # n=2 pipeline: sent from the dense unit right after KQV, waited on the "net" unit, so
         # the other nano-batch's request is already queued at the server (overlap.deferred_waits)
-        if not defer_wait(partial(pending.wait, output[:n])):
-            pending.wait(output[:n])
+        wait = partial(_wait, pending, output[:n], self._layer_idx, client, attn_metadata)
+        if not defer_wait(wait):
+            wait()
         return output
+
+
+def _wait(pending, output, layer: int, client, meta) -> None:
+    """The layer's answer; a sampled step's span (attention/spans.py) ends with its last layer."""
+    pending.wait(output)
+    step_spans.end_step(layer, client.geometry_args["num_layers"], meta)
 
 
 class RemoteAttentionBackend(CPUAttentionBackend):

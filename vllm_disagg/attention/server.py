@@ -30,6 +30,7 @@ from vllm_disagg.attention import wire
 from vllm_disagg.attention.kernels import AttentionKernel, kv_bytes_per_block, make_kernel, preload
 from vllm_disagg.attention.retain import KVRetention
 from vllm_disagg.attention.server_http import ServerMetrics, handler_for
+from vllm_disagg.attention.spans import ServeSpans
 from vllm_disagg.errors import DisaggError, ProtocolError, TransportTimeout
 from vllm_disagg.logs import init_logger
 from vllm_disagg.transport import TransportOptions, get_transport
@@ -38,6 +39,7 @@ logger = init_logger(__name__)
 _META_CACHE = 8  # steps whose metadata we keep (pipelining keeps a few in flight)
 _QKV, _Q, _KV = ("q", "k", "v"), ("q",), ("k", "v")
 _STEP_FLAGS = wire.HAS_TRACE | wire.HAS_META
+_STEP_TYPES = frozenset((wire.ATTN, wire.QPREV, wire.KV))  # the frames of a step's layers
 
 
 _PROCESS_KERNEL_LOCK = threading.Lock()
@@ -164,6 +166,7 @@ class DisaggAttentionServer:
             logger.info("attention session ended: %s", err)
         finally:
             self.metrics.sessions.dec()
+            session.spans.close()
             ch.close()
 
     def _handle(self, ch, session: _Session, msg) -> None:
@@ -181,6 +184,7 @@ class DisaggAttentionServer:
             return
         self.metrics.bytes_in.inc(sum(msg.lengths))
         self.metrics.message(h.mtype).inc()
+        started_ns = time.time_ns()
         try:
             bufs = msg.buffers
             if h.flags & _STEP_FLAGS:  # a step (or INIT) starts: its trace, if any
@@ -193,6 +197,8 @@ class DisaggAttentionServer:
             header, tensors = reply
             ch.send(header.pack(), tensors)
             self.metrics.bytes_out.inc(sum(t.nbytes for t in tensors))  # tensors or memoryviews
+        if session.geometry is not None and h.mtype in _STEP_TYPES:
+            session.spans.frame(h, session.trace if h.has_meta else None, started_ns, session.geometry.num_layers)
 
     def _reply_error(self, ch, seq: int, text: str) -> None:
         self.metrics.errors.inc()
@@ -366,6 +372,8 @@ class _Session:
         self._metas: OrderedDict[int, list] = OrderedDict()
         self.trace = None
         """W3C trace context (`TraceContext`) of the step (or INIT) being served, if the client sent one."""
+        self.spans = ServeSpans()
+        """`attention.serve` spans of the sampled steps in flight (attention/spans.py)."""
 
     def remember(self, meta_id: int, meta: wire.StepMeta) -> None:
         self._metas[meta_id] = [meta, None]

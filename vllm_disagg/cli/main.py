@@ -23,6 +23,8 @@ SUBCOMMAND_MODULES = [
     "vllm_disagg.transport.doctor",  # doctor: which transports can run here, and why not
     "vllm_disagg.attention.cli",  # attn-server: a Lamina attention server (owns a KV shard)
     "vllm_disagg.launch.status",  # status: pools, health and load of a running deployment
+    "vllm_disagg.launch.logs",  # logs: every process's log of a deployment, merged (--follow)
+    "vllm_disagg.observe.cli",  # trace: where one request's time went (text waterfall)
 ]
 
 

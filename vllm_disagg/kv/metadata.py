@@ -64,6 +64,8 @@ class SaveSpec:
     replace_blocks: bool = False
     """True when `new_block_ids` replaces the block table (resumed after preemption)."""
     prompt_digest: str = ""
+    trace: TraceContext | None = None
+    """With `transfer_id`: the prefill.compute span, parent of the push span unless D's registration names one."""
 
 
 @dataclass
@@ -75,6 +77,8 @@ class DisaggConnectorMetadata(KVConnectorMetadata):
     cancel_specs: list[CancelSpec] = field(default_factory=list)
     reuse: Any = None
     """Lamina model worker: `kv.lamina.reuse.ReuseMeta` (restores and block registrations), else None."""
+    step_trace: TraceContext | None = None
+    """Lamina model worker: the traced request whose attention calls this step are sampled (kv/spans.py)."""
 
 
 @dataclass

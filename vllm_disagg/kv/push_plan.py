@@ -67,6 +67,9 @@ class Push:
     t_prefill_done: float | None = None
     t_created: float = field(default_factory=time.monotonic)
     t_done: float | None = None
+    """When the push completed or failed."""
+    trace: TraceContext | None = None
+    """P's prefill.compute (`SaveSpec.trace`); the push span's parent unless D's registration names one."""
 
     @property
     def pending(self) -> bool:
@@ -118,7 +121,8 @@ class PushPlan:
             transfer_id = spec.transfer_id or ""
             layerwise = spec.num_prompt_tokens >= self.cfg.layerwise_threshold_tokens
             push = Push(spec.req_id, transfer_id, spec.num_prompt_tokens, layerwise, [], [0] * len(self.layers),
-                        [0] * len(self.layers), time.monotonic() + self.cfg.push_timeout_s, spec.prompt_digest)
+                        [0] * len(self.layers), time.monotonic() + self.cfg.push_timeout_s, spec.prompt_digest,
+                        trace=spec.trace)
             self.pushes[spec.req_id] = push
             self.by_tid[transfer_id] = spec.req_id
             if not transfer_id:
@@ -280,6 +284,7 @@ class PushPlan:
     def fail(self, push: Push | None, reason: str) -> None:
         if push is not None and push.error is None and not push.done:
             push.error = reason
+            push.t_done = time.monotonic()
             logger.warning("KV push %s (request %s) abandoned: %s", push.transfer_id, push.req_id, reason)
 
     def _gc_registry(self, now: float) -> None:

@@ -29,7 +29,9 @@ from vllm_disagg.kv.handshake import (
 )
 from vllm_disagg.kv.metadata import CancelSpec, RecvSpec
 from vllm_disagg.kv.side_channel import SideChannelClient
+from vllm_disagg.kv.spans import end_receive_span, start_receive_span
 from vllm_disagg.kv.stats import StatsSink
+from vllm_disagg.observe import tracing
 from vllm_disagg.transport import KVReceiver, Transport
 
 __all__ = ["PushReceiver", "RecvState"]
@@ -60,6 +62,8 @@ class _Recv:
     error: str | None = None
     fatal: bool = False
     announced: bool = False
+    span: Any = None
+    """`kv.receive` of a traced request (kv/spans.py), ended when the receive is over."""
 
 
 class PushReceiver:
@@ -98,7 +102,8 @@ class PushReceiver:
     def start(self, specs: list[RecvSpec]) -> None:
         for spec in specs:
             expected = len(spec.block_ids) * self.handshake.num_layers * self.handshake.block_nbytes
-            recv = _Recv(spec, expected, time.monotonic() + spec.push_timeout_s)
+            recv = _Recv(spec, expected, time.monotonic() + spec.push_timeout_s,
+                         span=start_receive_span(spec, expected) if spec.trace is not None else None)
             with self._lock:
                 self._recvs[spec.req_id] = recv
                 if spec.transfer_id in self._by_tid or spec.transfer_id in self._late:
@@ -141,6 +146,8 @@ class PushReceiver:
                 if recv.state in _OVER:
                     del self._recvs[req_id]
                     (done if recv.state is RecvState.DONE else failed).add(req_id)
+                    if recv.span is not None:
+                        end_receive_span(recv.span, recv.landed_bytes, recv.error)
                     if self._by_tid.get(recv.spec.transfer_id) is recv:
                         del self._by_tid[recv.spec.transfer_id]
                         if recv.state is RecvState.FAILED:
@@ -206,7 +213,8 @@ class PushReceiver:
             body.update(self._register_fields(spec))
             reply = decode_msg(
                 self._client.call(spec.remote,
-                                  encode_msg(SideMsg(MsgType.REGISTER, body, spec.block_ids, spec.trace)),
+                                  encode_msg(SideMsg(MsgType.REGISTER, body, spec.block_ids,
+                                                     tracing.to_wire(recv.span) or spec.trace)),
                                   timeout=min(spec.push_timeout_s, 10.0)),
                 spec.remote,
             )
@@ -235,6 +243,8 @@ class PushReceiver:
         with self._lock:
             if recv.state is RecvState.REGISTERING:
                 recv.state = RecvState.REGISTERED
+        if recv.span is not None:
+            recv.span.add_event("registered", {"disagg.prefill": recv.spec.remote})
 
     def _log_refused(self, recv: _Recv, message: str) -> None:
         logger.error("KV push %s (request %s) refused by the handshake: %s",

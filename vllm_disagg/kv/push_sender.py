@@ -39,6 +39,7 @@ from vllm_disagg.kv.push_plan import (
     shard_writes,
 )
 from vllm_disagg.kv.side_channel import SideChannelServer
+from vllm_disagg.kv.spans import is_traced, record_push_span
 from vllm_disagg.kv.stats import StatsSink
 from vllm_disagg.transport import BlockWrite, KVPeer, Transport
 
@@ -94,7 +95,11 @@ class PushSender:
 
     def finished_sending(self) -> set[str]:
         with self._cond:
-            return self.plan.finished()
+            traced = [p for p in self.plan.pushes.values() if p.released and p.over and is_traced(p)]
+            over = self.plan.finished()
+        for push in traced:
+            record_push_span(push, len(self.layers))
+        return over
 
     def has_pending(self) -> bool:
         with self._cond:

@@ -21,6 +21,7 @@ from vllm_disagg.kv.metadata import (
     RecvSpec,
     SaveSpec,
 )
+from vllm_disagg.kv.spans import SchedulerSpans
 from vllm_disagg.observe.context import TraceContext
 
 if TYPE_CHECKING:
@@ -91,6 +92,8 @@ class DisaggConnectorScheduler:
         self._restored_pd: set[str] = set()  # P/D requests restored from the attention servers, not pushed
         # prefill side
         self._send_reqs: dict[str, tuple[str, int, str]] = {}  # req_id -> (transfer_id, #prompt, digest)
+        self._send_trace: dict[str, TraceContext] = {}  # req_id -> its prefill.compute span (traced requests)
+        self.spans = SchedulerSpans()
         self._send_announced: set[str] = set()
         self._pending_release: list[str] = []
         self._awaiting_send: set[str] = set()
@@ -131,13 +134,18 @@ class DisaggConnectorScheduler:
                 self._pending_cancel.append(CancelSpec(request.request_id, remote.transfer_id, remote.remote,
                                                        "decode restored the prompt from its attention servers"))
             self._recv_seen.add(request.request_id)
+            self.spans.plain_scheduled(request, restored=True)
             return
         if params.get("do_remote_decode") and request.request_id not in self._send_reqs:
             self._send_reqs[request.request_id] = (
                 str(params.get("transfer_id", "")), request.num_prompt_tokens, prompt_digest(request)
             )
+            if ctx := self.spans.prefill_scheduled(request):
+                self._send_trace[request.request_id] = ctx
             return
         remote = self._remote_prefill(request)
+        if remote is None and not params.get("do_remote_decode"):
+            self.spans.plain_scheduled(request)
         if remote is None or num_external_tokens <= 0 or request.request_id in self._recv_seen:
             return
         self._recv_seen.add(request.request_id)
@@ -153,13 +161,14 @@ class DisaggConnectorScheduler:
             num_prompt_tokens=request.num_prompt_tokens,
             push_timeout_s=remote.push_timeout_s,
             prompt_digest=prompt_digest(request),
-            trace=request_trace(request),
+            trace=self.spans.decode_allocated(request, remote.transfer_id) or request_trace(request),
         )
         self._recv_inflight[request.request_id] = spec
         self._pending_recv.append(spec)
 
     # ---------------------------------------------------------------- both sides
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> DisaggConnectorMetadata:
+        self.spans.step()
         meta = DisaggConnectorMetadata(
             recv_specs=self._pending_recv,
             save_specs=self._save_specs(scheduler_output),
@@ -167,6 +176,7 @@ class DisaggConnectorScheduler:
             preempted_req_ids=sorted(set(scheduler_output.preempted_req_ids or ()) & self._send_announced),
             cancel_specs=self._pending_cancel,
             reuse=self.reuse.build_meta(scheduler_output) if self.reuse is not None else None,
+            step_trace=self.spans.step_trace(scheduler_output.num_scheduled_tokens) if self.reuse is not None else None,
         )
         self._pending_recv, self._pending_release, self._pending_cancel = [], [], []
         return meta
@@ -201,10 +211,13 @@ class DisaggConnectorScheduler:
             transfer_id=transfer_id if announce else None,
             replace_blocks=first,
             prompt_digest=digest if announce else "",
+            trace=self._send_trace.pop(req_id, None) if announce else None,
         )
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
+        self.spans.finished(request)
+        self._send_trace.pop(req_id, None)
         if self.reuse is not None:
             self.reuse.request_finished(request, block_ids)
         self._recv_seen.discard(req_id)
@@ -237,8 +250,11 @@ class DisaggConnectorScheduler:
             self._fatal |= meta.fatal
         for req_id in connector_output.finished_sending or ():
             self._awaiting_send.discard(req_id)
+        for req_id in getattr(connector_output, "failed_recving", None) or ():
+            self.spans.kv_landed(req_id, self._recv_errors.get(req_id, "the push failed"))
         for req_id in connector_output.finished_recving or ():
             self._recv_inflight.pop(req_id, None)
+            self.spans.kv_landed(req_id)
 
     def has_pending_push_work(self) -> bool:
         return bool(self._awaiting_send or self._pending_release or self._pending_recv or self._pending_cancel)

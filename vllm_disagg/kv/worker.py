@@ -26,6 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 from vllm.logger import init_logger
 
 from vllm_disagg import envs
+from vllm_disagg.attention.spans import set_step_trace
 from vllm_disagg.config import DisaggConfigError, KVTransferSection, disagg_config_from_vllm
 from vllm_disagg.kv.handshake import local_handshake_info
 from vllm_disagg.kv.layer_events import device_events
@@ -143,6 +144,7 @@ class DisaggConnectorWorker:
             self.sender.bind(meta)
         if self.reuse is not None:  # first: registrations queued now ride on the receiver's CLAIM, ahead of it
             self.reuse.bind(meta.reuse)
+            set_step_trace(meta.step_trace)
         if self.receiver is not None and meta.recv_specs:
             self.receiver.start([rank_spec(spec, self.rank) for spec in meta.recv_specs])
         if self.receiver is not None and meta.cancel_specs:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from vllm_disagg.launch.attention_sizing import size_for_args
 from vllm_disagg.models import launch_model
-from vllm_disagg.router.cli import add_failover_args
+from vllm_disagg.router.cli import add_api_key_arg, add_failover_args, add_tracing_args, api_keys
 
 logger = logging.getLogger("vllm_disagg.launch")
 
@@ -57,6 +57,15 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--decode-queue-threshold", type=int, default=65536,
                         help="router: pending decode tokens above which requests overflow to the mixed pool")
     add_failover_args(parser.add_argument_group("router failover"))
+    obs = parser.add_argument_group("observability")
+    obs.add_argument("--trace", action="store_true",
+                     help="trace requests across every process into <log-dir>/spans.jsonl (a local OTLP receiver; "
+                          "read them with `vllm-disagg trace ID --state-file F`)")
+    add_tracing_args(obs)
+    add_api_key_arg(obs)
+    obs.add_argument("--log-format", choices=("json", "text"), default="json",
+                     help="format of every process's log in --log-dir (json: one object per line with request_id "
+                          "and trace_id; text: the classic line plus those ids); read them with `vllm-disagg logs`")
     parser.add_argument("--access-log", action="store_true",
                         help="keep vLLM's per-request access log (off: /health polls would flood the logs)")
     parser.add_argument("--health-timeout-s", type=float, default=900.0,
@@ -136,7 +145,6 @@ def run(args: argparse.Namespace) -> int:
         from vllm_disagg.launch.ray.up import run as run_ray
 
         return run_ray(args)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return asyncio.run(_up(args))
     except KeyboardInterrupt:
@@ -160,6 +168,10 @@ async def _up(args: argparse.Namespace) -> int:
     vllm_args = list(getattr(args, "vllm_args", []))
     if not args.access_log:
         vllm_args.append("--disable-uvicorn-access-log")
+    if getattr(args, "api_key", None):
+        vllm_args += ["--api-key", *args.api_key]
+    _structured_logs(args, specs, log_dir)
+    collector = _start_tracing(args, specs, log_dir, vllm_args)
     cluster = LocalCluster(specs, model_dir, args.transport, vllm_args,
                            served_name=args.model, kv_cache_gib=args.kv_cache_gib, log_dir=log_dir,
                            bind_cores=getattr(args, "bind_cores", True))
@@ -182,7 +194,7 @@ async def _up(args: argparse.Namespace) -> int:
         router = Router(cluster.router_config(push_timeout_s=args.push_timeout_s,
                                               replay_attempts=args.replay_attempts,
                                               replay_wait_s=args.replay_wait_s,
-                                              admission_wait_s=args.admission_wait_s),
+                                              admission_wait_s=args.admission_wait_s, api_keys=api_keys(args)),
                         SchedulerConfig(args.prefill_queue_threshold, args.decode_queue_threshold))
         server = RouterServer(router, "127.0.0.1", args.port)
         await server.start()
@@ -198,6 +210,7 @@ async def _up(args: argparse.Namespace) -> int:
         if server is not None:
             await server.stop()
         await asyncio.to_thread(cluster.stop)
+        await asyncio.to_thread(_stop_tracing, collector)
         print("vllm-disagg up: stopped", flush=True)
 
 
@@ -226,6 +239,50 @@ async def _until(coro, stop: asyncio.Event) -> bool:
         return False
     task.result()
     return True
+
+
+def _structured_logs(args: argparse.Namespace, specs: list, log_dir: Path) -> None:
+    """Every process logs in `--log-format` into `log_dir`: the router (this process) into router.log
+    (and the console), each instance through vLLM's `VLLM_LOGGING_CONFIG_PATH`."""
+    from vllm_disagg.observe import logs
+
+    log_dir.mkdir(parents=True, exist_ok=True)
+    logs.configure(args.log_format, service="vllm-disagg-router", path=log_dir / "router.log")
+    config = log_dir / "logging.json"
+    config.write_text(json.dumps(logs.vllm_logging_config(args.log_format)))
+    for spec in specs:
+        spec.env.setdefault("VLLM_LOGGING_CONFIG_PATH", str(config))
+        spec.env.setdefault("OTEL_SERVICE_NAME", f"vllm-disagg-{spec.name}")
+
+
+def _start_tracing(args: argparse.Namespace, specs: list, log_dir: Path, vllm_args: list[str]):
+    """`--trace` / `--otlp-traces-endpoint`: every process exports its spans (vLLM's own flag for the
+    engines, the same flag for attention servers, the router here); `--trace` runs the receiver
+    (`observe/collector.py`) writing <log-dir>/spans.jsonl. Returns that receiver, or None."""
+    from vllm_disagg.observe import tracing
+
+    endpoint, collector = args.otlp_traces_endpoint, None
+    if args.trace and not endpoint:
+        from vllm_disagg.observe.collector import SpanCollector
+
+        collector = SpanCollector(log_dir / "spans.jsonl").start()
+        endpoint = collector.grpc_endpoint
+    if not endpoint:
+        return None
+    vllm_args += ["--otlp-traces-endpoint", endpoint]
+    for spec in specs:
+        if spec.role == "attention":
+            spec.args = [*spec.args, "--otlp-traces-endpoint", endpoint]
+    tracing.configure("vllm-disagg-router", endpoint, args.trace_sample_ratio)
+    return collector
+
+
+def _stop_tracing(collector) -> None:
+    from vllm_disagg.observe import tracing
+
+    tracing.shutdown()  # flushes the router's last spans
+    if collector is not None:
+        collector.stop()
 
 
 def _write_state(cluster, url: str, state_file: str) -> dict:

@@ -216,7 +216,9 @@ class LocalCluster:
                             mixed_urls=[s.url for s in by_role["mixed"]], **overrides)
 
     def state(self, router_url: str | None) -> dict:
+        spans = self.log_dir / "spans.jsonl"
         return {"endpoint": router_url, "model": self.served_name or self.model, "log_dir": str(self.log_dir),
+                "trace_file": str(spans) if spans.exists() else None,
                 "instances": [{"name": s.name, "role": s.role, "url": s.url, "kv": s.kv_addr,
                                "cores": s.cores, "pid": self.procs[s.name].pid if s.name in self.procs else None}
                               for s in self.specs]}

@@ -10,13 +10,16 @@
 from __future__ import annotations
 
 import argparse
-import logging
+import os
 
 from vllm_disagg.router.config import RouterConfig
 
 
-def add_router_args(parser: argparse.ArgumentParser) -> None:
-    """Pool membership, timeouts and policy thresholds (no --host/--port: callers own those)."""
+def add_router_args(parser: argparse.ArgumentParser, vllm_serve_flags: bool = False) -> None:
+    """Pool membership, timeouts and policy thresholds (no --host/--port: callers own those).
+
+    `vllm_serve_flags`: the parser already has `vllm serve`'s --api-key and --otlp-traces-endpoint
+    (`vllm launch disagg-proxy`), which mean the same here."""
     g = parser.add_argument_group("disagg router")
     g.add_argument("--prefill", action="append", default=[], metavar="URL",
                    help="prefill (P) instance base URL; repeat per instance")
@@ -39,7 +42,32 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
                    help="pending prefill tokens above which prompts overflow to the mixed pool")
     g.add_argument("--decode-queue-threshold", type=int, default=65536,
                    help="pending decode tokens above which requests overflow to the mixed pool")
+    if not vllm_serve_flags:
+        add_api_key_arg(g)
+    add_tracing_args(g, with_endpoint=not vllm_serve_flags)
 
+
+def add_api_key_arg(g) -> None:
+    """`--api-key` exactly as `vllm serve` takes it (`vllm-disagg up` adds the same)."""
+    g.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
+                   help="clients must send 'Authorization: Bearer KEY' on /v1, /v2, /inference, /cohere "
+                        "(default: $VLLM_API_KEY); the header is passed on to the instances")
+
+
+def add_tracing_args(g, with_endpoint: bool = True) -> None:
+    """OpenTelemetry export of the router's spans (off by default)."""
+    from vllm_disagg.observe.tracing import DEFAULT_SAMPLE_RATIO
+
+    if with_endpoint:
+        g.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                       help="export request traces over OTLP (gRPC, or http/protobuf with "
+                            "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL); give the instances vLLM's flag of the same name")
+    g.add_argument("--trace-sample-ratio", type=float, default=DEFAULT_SAMPLE_RATIO,
+                   help="share of requests traced (an incoming traceparent's own decision is kept)")
+
+
+def api_keys(args: argparse.Namespace) -> list[str]:
+    return [k for k in (getattr(args, "api_key", None) or [os.environ.get("VLLM_API_KEY", "")]) if k]
 
 
 def add_failover_args(g) -> None:
@@ -57,7 +85,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         prefill_urls=args.prefill, prefill_kv=args.prefill_kv, decode_urls=args.decode,
         mixed_urls=args.mixed, pd_protocol=getattr(args, "pd_protocol", "push"), push_timeout_s=args.push_timeout_s, read_timeout_s=args.read_timeout_s,
         health_interval_s=args.health_interval_s, replay_attempts=args.replay_attempts,
-        replay_wait_s=args.replay_wait_s, admission_wait_s=args.admission_wait_s,
+        replay_wait_s=args.replay_wait_s, admission_wait_s=args.admission_wait_s, api_keys=api_keys(args),
         dynamic_membership=getattr(args, "discovery", "static") != "static",
     )
 
@@ -80,6 +108,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     add_discovery_args(parser)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--log-format", choices=("text", "json"), default="text",
+                        help="json: one object per line with request_id and trace_id (text appends them)")
     parser.set_defaults(func=run)
     return parser
 
@@ -87,12 +117,19 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
+    from vllm_disagg.observe import logs, tracing
     from vllm_disagg.router.server import run_router
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.configure(args.log_format, service="vllm-disagg-router")
     try:
         config = config_from_args(args)
+        tracing.configure("vllm-disagg-router", args.otlp_traces_endpoint, args.trace_sample_ratio)
     except ValidationError as err:
         msgs = "; ".join(e["msg"] for e in err.errors())
         raise SystemExit(f"vllm-disagg router: {msgs}") from None
-    return run_router(config, args.host, args.port, scheduler_config_from_args(args), args)
+    except ValueError as err:  # a bad sample ratio or OTLP protocol
+        raise SystemExit(f"vllm-disagg router: {err}") from None
+    try:
+        return run_router(config, args.host, args.port, scheduler_config_from_args(args), args)
+    finally:
+        tracing.shutdown()

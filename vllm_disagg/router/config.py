@@ -57,6 +57,9 @@ class RouterConfig(BaseModel):
     """Longest wait of a NEW request for a healthy instance when none can take it (the only decode or
     mixed instance is restarting): it is routed as soon as one joins or passes a health check, else
     it gets 503 after this long. 0 answers 503 at once."""
+    api_keys: list[str] = Field(default_factory=list)
+    """`--api-key` (else $VLLM_API_KEY), as on `vllm serve`: clients send `Authorization: Bearer KEY` on
+    /v1, /v2, /inference and /cohere; the header is passed on to the instances."""
     dynamic_membership: bool = False
     """Pools are filled at run time by a discovery source (Kubernetes, Ray); may start empty."""
 

@@ -3,7 +3,9 @@
 
 An instance is dropped after `health_failures_to_drop` consecutive failed polls (error status, refused
 connection or no answer within `health_timeout_s`), or at once when the proxy sees it refuse a
-connection. One good poll restores it. Lifecycle: `start()` -> periodic `poll_once()` -> `stop()`.
+connection, or when it has not passed a single check yet (it is still starting: the first poll runs
+before the router serves, so a request that comes early waits for admission instead of failing on
+it). One good poll restores it. Lifecycle: `start()` -> periodic `poll_once()` -> `stop()`.
 """
 
 from __future__ import annotations
@@ -69,10 +71,18 @@ class HealthChecker:
         if ok:
             inst.num_failed_checks = 0
             if self.pools.set_healthy(inst.instance_id, True):
-                logger.info("instance %s (%s) is healthy again", inst.url, inst.pool.value)
+                logger.info("instance %s (%s) is healthy%s", inst.url, inst.pool.value,
+                            " again" if inst.seen_healthy else "")
+                if inst.seen_healthy:
+                    self.pools.metrics.instance_rejoins.labels(inst.pool.value, inst.url).inc()
+            inst.seen_healthy = True
             return
         inst.num_failed_checks += 1
-        if inst.num_failed_checks >= self.config.health_failures_to_drop:
+        if not inst.seen_healthy:
+            if self.pools.set_healthy(inst.instance_id, False):
+                logger.info("instance %s (%s) is not up yet: routed once it passes a health check", inst.url,
+                            inst.pool.value)
+        elif inst.num_failed_checks >= self.config.health_failures_to_drop:
             self.drop(inst, f"{inst.num_failed_checks} failed health checks")
 
     def drop(self, inst: Instance, why: str) -> None:

@@ -47,6 +47,10 @@ class RouterMetrics:
             "vllm:disagg_router_instance_healthy", "1 if the instance passes health checks.",
             ["pool", "instance"], registry=r,
         )
+        self.instance_rejoins = Counter(
+            "vllm:disagg_router_instance_rejoins", "Instances back in routing after they had left it (a restart, "
+            "a recovered hang or network partition).", ["pool", "instance"], registry=r,
+        )
         self.latency = Histogram(
             "vllm:disagg_router_request_latency_seconds", "End-to-end latency seen by the router.",
             ["route"], buckets=_LATENCY_BUCKETS, registry=r,

@@ -28,6 +28,8 @@ class Instance:
     kv_host: str | None = None
     kv_port: int | None = None
     num_failed_checks: int = 0
+    seen_healthy: bool = False
+    """Passed a health check once: until then one failed check drops it (an instance still starting)."""
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import Counter, Histogram
 
-from vllm_disagg.router import bodies, replay
+from vllm_disagg.router import bodies, context, replay, spans
 from vllm_disagg.router.config import RouterConfig
 from vllm_disagg.router.health import HealthChecker
 from vllm_disagg.router.metrics import RouterMetrics
@@ -79,7 +79,8 @@ class Proxy:
     async def start(self) -> None:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.config.connect_timeout_s,
                                         sock_read=self.config.read_timeout_s)
-        self.session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0))
+        self.session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0),
+                                             trace_configs=[context.trace_config()])
 
     async def stop(self) -> None:
         for task in list(self._background):
@@ -116,6 +117,7 @@ class Proxy:
             except _ConnectFailed as exc:
                 self.health.drop(exc.instance, "refused a connection")
                 self.metrics.fallbacks.labels("reroute_connect_error").inc()
+                spans.event("fallback", reason="reroute_connect_error", instance=exc.instance.url)
             finally:
                 self.pools.done(route.req_id)
         self.metrics.requests.labels(endpoint, "none", "error").inc()
@@ -142,6 +144,14 @@ class Proxy:
         `why` is "timed_out" or "client_gone". `tick` runs about once a second while waiting (a
         started stream's keep-alive); False from it ends the wait as "client_gone". Waits of new
         requests (`admission`) go into the admission histogram; a replay's wait does not."""
+        with spans.phase("router.admission" if admission else "router.replay_wait") as span:
+            route, why = await self._route_when_ready(request, estimates, allow_pd, wait_s, tick, admission)
+            spans.annotate(span, outcome=why, **(spans.route_attrs(route) if route else {}))
+            return route, why
+
+    async def _route_when_ready(self, request: web.Request, estimates: Callable[[], tuple[int, int]],
+                                allow_pd: bool, wait_s: float, tick: Callable[[], Awaitable[bool]] | None,
+                                admission: bool) -> tuple[Route | None, str]:
         try:
             return self.pools.route(*estimates(), allow_pd=allow_pd), "admitted"
         except NoHealthyInstanceError:
@@ -193,7 +203,8 @@ class Proxy:
         p_task, d_body = await self.start_prefill(route, body, endpoint)
         ok = False
         try:
-            out = await self._relay(request, route, d_body, endpoint, start)
+            with spans.phase("router.decode", instance=route.target.url, route=route.kind):
+                out = await self._relay(request, route, d_body, endpoint, start)
             ok = out.status == 200 and not out.get(FAILED, False)
             return out
         finally:
@@ -206,6 +217,7 @@ class Proxy:
         if route.prefill is None:
             if route.reason:
                 self.metrics.fallbacks.labels(route.reason).inc()
+                spans.event("fallback", reason=route.reason, instance=route.target.url)
             return None, bodies.plain_body(body)
         if self.config.pd_protocol == "vllm":
             return None, await self._vllm_prefill(route, body, endpoint)
@@ -265,6 +277,10 @@ class Proxy:
         return d_body
 
     async def _prefill(self, route: Route, p_body: dict[str, Any], endpoint: str) -> None:
+        with spans.phase("router.prefill", instance=route.prefill.url):
+            await self._prefill_call(route, p_body, endpoint)
+
+    async def _prefill_call(self, route: Route, p_body: dict[str, Any], endpoint: str) -> None:
         pre = route.prefill
         t0 = time.monotonic()
         timeout = aiohttp.ClientTimeout(total=self.config.prefill_timeout_s,

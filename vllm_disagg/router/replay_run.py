@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 from aiohttp import web
 
-from vllm_disagg.router import bodies, replay
+from vllm_disagg.router import bodies, replay, spans
 from vllm_disagg.router.pools import Instance, Route
 from vllm_disagg.router.upstream import FAILED, UPSTREAM_ERRORS, error_response, route_headers, sse_error
 
@@ -71,6 +71,8 @@ class ReplayRun:
         for attempt in range(1 + self.p.config.replay_attempts):
             if attempt:
                 self.p.replays.labels(self.endpoint, last.reason).inc()
+                spans.event("replay", reason=last.reason, attempt=attempt + 1, instance=last.instance.url,
+                            num_tokens_sent=len(self.stitch.generated) if self.stitch else 0)
                 logger.warning("replaying a %s request (attempt %d, %d tokens already sent): %s", self.endpoint,
                                attempt + 1, len(self.stitch.generated) if self.stitch else 0, last)
             if self.stitch is not None and not self.stitch.continuable():
@@ -138,7 +140,8 @@ class ReplayRun:
         p_task, d_body = await self.p.start_prefill(route, body, endpoint)
         ok = False
         try:
-            out = await self._relay(route, d_body, endpoint)
+            with spans.phase("router.decode", instance=route.target.url, route=route.kind):
+                out = await self._relay(route, d_body, endpoint)
             ok = True
             return out
         finally:

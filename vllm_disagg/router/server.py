@@ -1,18 +1,27 @@
 # SPDX-License-Identifier: Apache-2.0
 """The router's aiohttp application: one OpenAI-compatible endpoint in front of the P/D pools.
 
-Routes: POST /v1/completions, POST /v1/chat/completions (streaming included), GET /v1/models,
-GET /health (200 while some instance can decode; JSON pool snapshot), GET /metrics (Prometheus).
-`RouterServer` runs it inside an existing event loop (the launcher); `run_router` blocks (the CLI).
+Routes: every route of plain `vllm serve`, by class (`api.py`): completions and chat through P/D
+(streaming included), other generation whole on one instance, stateless routes on any healthy
+instance, admin routes fanned out, stored responses sticky; plus the router's own GET /health (503
+until every pool that has members has a healthy one, then 200 while some instance can decode; JSON
+pool snapshot), /ping and /metrics. `--api-key` guards /v1, /v2, /inference and /cohere as on
+`vllm serve`. `RouterServer` runs it inside an existing event loop (the launcher); `run_router`
+blocks (the CLI).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import secrets
 
 from aiohttp import web
 
+from vllm_disagg.observe import logs, tracing
+from vllm_disagg.router import api, context
 from vllm_disagg.router.config import RouterConfig
+from vllm_disagg.router.forward import Forwarder, not_found
 from vllm_disagg.router.health import HealthChecker
 from vllm_disagg.router.metrics import CONTENT_TYPE_LATEST, RouterMetrics
 from vllm_disagg.router.policy import Pool, SchedulerConfig
@@ -22,6 +31,9 @@ from vllm_disagg.router.proxy import Proxy
 logger = logging.getLogger(__name__)
 
 _APP_KEY = web.AppKey("disagg_router", object)
+_GUARDED_PREFIX = ("/v1", "/v2", "/inference", "/cohere")
+_REQUEST_ID = web.RequestKey("disagg_request_id", str)
+_UNTRACED = frozenset(("/health", "/ping", "/metrics"))
 
 
 class Router:
@@ -33,16 +45,22 @@ class Router:
         self.pools = InstancePools(config, self.metrics, scheduler_config)
         self.health = HealthChecker(self.pools, config)
         self.proxy = Proxy(self.pools, self.health, self.metrics, config)
-        self.app = web.Application(client_max_size=64 * 1024 * 1024)
+        self.forward = Forwarder(self)
+        self._ready = False  # every pool with members had a healthy one (start-up is over)
+        self._api_keys = [hashlib.sha256(k.encode()).digest() for k in config.api_keys]
+        self.app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[self._auth])
         self.app[_APP_KEY] = self
         self.app.on_startup.append(self._on_startup)
         self.app.on_cleanup.append(self._on_cleanup)
+        self.app.on_response_prepare.append(self._on_prepare)
         self.app.add_routes([
             web.post("/v1/completions", self._completions),
             web.post("/v1/chat/completions", self._chat),
-            web.get("/v1/models", self._models),
             web.get("/health", self._health),
+            web.get("/ping", self._health),
+            web.post("/ping", self._health),
             web.get("/metrics", self._metrics),
+            web.route("*", "/{tail:.*}", self._by_class),
         ])
 
     async def _on_startup(self, _app: web.Application) -> None:
@@ -53,20 +71,78 @@ class Router:
         await self.health.stop()
         await self.proxy.stop()
 
+    @web.middleware
+    async def _auth(self, request: web.Request, handler) -> web.StreamResponse:
+        """`vllm serve --api-key`'s check: Bearer token on /v1, /v2, /inference, /cohere (not OPTIONS)."""
+        if self._api_keys and request.method != "OPTIONS" and request.path.startswith(_GUARDED_PREFIX):
+            scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+            digest = hashlib.sha256(token.encode()).digest()
+            if scheme.lower() != "bearer" or not any(secrets.compare_digest(digest, k) for k in self._api_keys):
+                return web.json_response({"error": "Unauthorized"}, status=401)
+        request[_REQUEST_ID] = context.request_id_of(request.headers)
+        context.bind(request[_REQUEST_ID], request.headers.get("Authorization"))
+        if request.path in _UNTRACED or not tracing.enabled():
+            logs.bind(request[_REQUEST_ID])
+            return await handler(request)
+        return await self._traced(request, handler)
+
+    async def _traced(self, request: web.Request, handler) -> web.StreamResponse:
+        """The request's root span (`router.request`, child of an incoming `traceparent`): every
+        upstream call made for it carries it as parent, so P, D and their engines join the trace."""
+        from opentelemetry.trace import SpanKind, Status, StatusCode
+
+        parent = tracing.context_from_headers(request.headers)
+        span = tracing.tracer().start_span("router.request", context=parent, kind=SpanKind.SERVER, attributes={
+            "disagg.request_id": request[_REQUEST_ID], "http.method": request.method, "http.route": request.path})
+        token = context.set_span(span)
+        logs.bind(request[_REQUEST_ID], tracing.trace_id_hex(span))
+        try:
+            resp = await handler(request)
+            span.set_attribute("http.status_code", resp.status)
+            if resp.status >= 500:
+                span.set_status(Status(StatusCode.ERROR, f"HTTP {resp.status}"))
+            return resp
+        except BaseException as exc:
+            span.record_exception(exc)
+            span.set_status(Status(StatusCode.ERROR, repr(exc)[:200]))
+            raise
+        finally:
+            context.reset_span(token)
+            span.end()
+
+    @staticmethod
+    async def _on_prepare(request: web.Request, response: web.StreamResponse) -> None:
+        if _REQUEST_ID in request:  # streamed answers too: set before their headers go out
+            response.headers.setdefault("X-Request-Id", request[_REQUEST_ID])
+
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         return await self.proxy.generate(request, "completions")
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         return await self.proxy.generate(request, "chat/completions")
 
-    async def _models(self, _request: web.Request) -> web.Response:
-        return await self.proxy.forward_get("/v1/models")
+    async def _by_class(self, request: web.Request) -> web.StreamResponse:
+        cls, known = api.classify(request.method, request.path)
+        if cls is None or cls in (api.RouteClass.PD, api.RouteClass.LOCAL):
+            return not_found(known)
+        return await self.forward.handle(request, cls)
 
     async def _health(self, _request: web.Request) -> web.Response:
-        live = [i for i in self.pools.healthy_instances() if i.pool in (Pool.DECODE, Pool.MIXED)]
-        status = 200 if live else 503
-        return web.json_response({"status": "ok" if live else "no decode instance",
-                                  "instances": self.pools.snapshot()}, status=status)
+        """503 until every pool that has members has a healthy one; then 200 while some instance can
+        decode (a lost prefill pool degrades to whole requests on D, it does not stop serving)."""
+        healthy = self.pools.healthy_instances()
+        pools = {i.pool for i in self.pools.instances.values()}
+        missing = sorted(p.value for p in pools - {i.pool for i in healthy})
+        self._ready = self._ready or (bool(pools) and not missing)
+        can_decode = any(i.pool in (Pool.DECODE, Pool.MIXED) for i in healthy)
+        ok = self._ready and can_decode
+        if ok:
+            status = "ok" if not missing else f"degraded: no healthy {', '.join(missing)} instance"
+        elif not pools:
+            status = "no instances"
+        else:
+            status = f"waiting for a healthy {', '.join(missing) or 'decode'} instance"
+        return web.json_response({"status": status, "instances": self.pools.snapshot()}, status=200 if ok else 503)
 
     async def _metrics(self, _request: web.Request) -> web.Response:
         resp = web.Response(body=self.metrics.render())

@@ -32,14 +32,19 @@ class DisaggProxySubcommand(LaunchSubcommandBase):
     @classmethod
     def add_cli_args(cls, parser) -> None:
         super().add_cli_args(parser)
-        add_router_args(parser)
+        add_router_args(parser, vllm_serve_flags=True)
 
     @staticmethod
     def cmd(args: argparse.Namespace) -> None:
+        from vllm_disagg.observe import tracing
         from vllm_disagg.router.server import run_router
 
-        run_router(config_from_args(args), args.host or "127.0.0.1", args.port,
-                   scheduler_config_from_args(args))
+        tracing.configure("vllm-disagg-router", args.otlp_traces_endpoint, args.trace_sample_ratio)
+        try:
+            run_router(config_from_args(args), args.host or "127.0.0.1", args.port,
+                       scheduler_config_from_args(args))
+        finally:
+            tracing.shutdown()
 
 
 class DisaggAttnServerSubcommand(LaunchSubcommandBase):

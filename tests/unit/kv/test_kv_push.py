@@ -61,8 +61,9 @@ class Pair:
         for layer in layers:
             self.sender.layer_saved(layer)
 
-    def register(self, tid, dst, timeout=5.0, num_tokens=100, start_block=0):
-        spec = RecvSpec("d-" + tid, tid, self.sender.address, tuple(dst), start_block, num_tokens, timeout)
+    def register(self, tid, dst, timeout=5.0, num_tokens=100, start_block=0, trace=None):
+        spec = RecvSpec("d-" + tid, tid, self.sender.address, tuple(dst), start_block, num_tokens, timeout,
+                        trace=trace)
         self.receiver.start([spec])
 
     def poll(self):
@@ -278,4 +279,27 @@ def test_register_carries_the_trace_context_to_the_prefill_side(pair):
     spec = RecvSpec("d-t1", "t1", pair.sender.address, tuple(range(10, 17)), 0, 100, 5.0, trace=trace)
     pair.receiver.start([spec])
     reg = _until(lambda: pair.sender.plan.registry.get("t1"))
-    assert reg.trace == trace and reg.trace.to_traceparent().startswith("00-4bf92f35")
+    # the same trace; its parent is D's kv.receive span when this process exports spans (observe)
+    assert reg.trace.trace_id == trace.trace_id and reg.trace.to_traceparent().startswith("00-4bf92f35")
+
+
+def test_a_traced_push_is_one_span_with_an_event_per_write_its_bytes_and_exposed_time(pair, spans):
+    from vllm_disagg.observe import tracing
+
+    parent = tracing.context_from_headers({"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"})
+    pair.register("t1", [10, 11, 12, 13, 14, 15, 16], trace=tracing.to_wire(parent))
+    pair.prefill_step([SaveSpec("p1", (3, 4, 5, 6, 7, 8, 9), 100, 100, "t1", True, trace=tracing.to_wire(parent))])
+    pair.sender.step_done()
+    assert _until(pair.poll) == {"d-t1"}
+    pair.prefill_step([], release=["p1"])
+    assert _until(pair.sender.finished_sending) == {"p1"}
+    receive, span = sorted(spans(), key=lambda s: s.name, reverse=True)
+    assert receive.name == "kv.receive" and receive.attributes["disagg.bytes"] == 7 * NUM_LAYERS * INFO.block_nbytes
+    assert [e.name for e in receive.events] == ["registered"]
+    assert receive.parent.span_id == int("b7ad6b7169203331", 16)
+    assert span.name == "kv.push" and span.parent.span_id == receive.context.span_id  # via REGISTER
+    layers = [e for e in span.events if e.name == "layer"]
+    assert sorted(e.attributes["disagg.layer"] for e in layers) == list(range(NUM_LAYERS))
+    assert span.attributes["disagg.bytes"] == 7 * NUM_LAYERS * INFO.block_nbytes
+    assert span.attributes["disagg.exposed_ms"] >= 0
+    assert {e.name for e in span.events} >= {"registered", "prefill_done"}

@@ -34,7 +34,12 @@ class InstanceServer:
             web.post("/v1/chat/completions", self._generate),
             web.get("/v1/models", self._models),
             web.get("/health", self._health),
+            web.route("*", "/{tail:.*}", self._echo),
         ])
+        self.headers: list[dict] = []
+        """Headers of each generation request, in the order of `bodies`."""
+        self.calls: list[tuple[str, str, dict]] = []
+        """Every request the catch-all answered: (method, path with query, headers)."""
         self._runner = web.AppRunner(self.app, shutdown_timeout=0.5, handler_cancellation=True)
         self.port = 0
 
@@ -55,12 +60,24 @@ class InstanceServer:
     async def _health(self, _req: web.Request) -> web.Response:
         return web.Response(status=200 if self.healthy else 503)
 
+    async def _echo(self, req: web.Request) -> web.Response:
+        """Any other vLLM route: answers who got it (a stored response's id on POST /v1/responses)."""
+        self.calls.append((req.method, str(req.rel_url), dict(req.headers)))
+        body = await req.read()
+        if req.path.startswith("/v1/responses/"):
+            return web.json_response({"error": {"message": "Response not found", "code": 404}}, status=404)
+        out = {"served_by": self.name, "method": req.method, "path": str(req.rel_url), "body": body.decode()}
+        if req.path == "/v1/responses":
+            out["id"] = f"resp_{self.name}_{len(self.calls)}"
+        return web.json_response(out)
+
     async def _models(self, _req: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": "fake", "object": "model"}]})
 
     async def _generate(self, req: web.Request) -> web.StreamResponse:
         body = await req.json()
         self.bodies.append(body)
+        self.headers.append(dict(req.headers))
         self.arrivals.append(time.monotonic())
         if self.mode == "error" or (self.mode == "error_once" and len(self.bodies) == 1):
             return web.json_response({"error": {"message": "boom", "code": 500}}, status=500)
