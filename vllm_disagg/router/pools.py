@@ -55,6 +55,7 @@ class InstancePools:
     def __init__(self, config: RouterConfig, metrics: RouterMetrics,
                  scheduler_config: SchedulerConfig | None = None) -> None:
         self.metrics = metrics
+        self.static = not config.dynamic_membership
         self.scheduler = ClusterScheduler(scheduler_config or SchedulerConfig())
         self.instances: dict[str, Instance] = {}
         kv_addrs = config.prefill_kv or [None] * len(config.prefill_urls)  # vLLM's protocol: no KV address
@@ -125,6 +126,15 @@ class InstancePools:
 
     def healthy_instances(self) -> list[Instance]:
         return [i for i in self.instances.values() if self.is_healthy(i.instance_id)]
+
+    def starting(self) -> bool:
+        """Some pool of a static deployment has members and none ever passed a health check: it is still
+        coming up (by hand, D may be up before P), and /health answers 503. Discovery (Kubernetes, Ray)
+        adds members once they are ready."""
+        if not self.static:
+            return False
+        pools = {i.pool for i in self.instances.values()}
+        return bool(pools - {i.pool for i in self.instances.values() if i.seen_healthy})
 
     def any_healthy(self) -> Instance | None:
         """For endpoints any instance can answer (/v1/models): decode/mixed first."""

@@ -152,11 +152,11 @@ class Proxy:
     async def _route_when_ready(self, request: web.Request, estimates: Callable[[], tuple[int, int]],
                                 allow_pd: bool, wait_s: float, tick: Callable[[], Awaitable[bool]] | None,
                                 admission: bool) -> tuple[Route | None, str]:
-        try:
-            return self.pools.route(*estimates(), allow_pd=allow_pd), "admitted"
-        except NoHealthyInstanceError:
-            if wait_s <= 0:
-                return None, "timed_out"
+        route = self._try_route(estimates, allow_pd, wait_for_start=admission and wait_s > 0)
+        if route is not None:
+            return route, "admitted"
+        if wait_s <= 0:
+            return None, "timed_out"
         t0 = time.monotonic()
         deadline = t0 + wait_s
         logger.debug("no healthy instance for a request: waiting up to %.0f s for one", wait_s)
@@ -170,15 +170,29 @@ class Proxy:
             if gone:
                 why = "client_gone"
             else:
-                try:
-                    route, why = self.pools.route(*estimates(), allow_pd=allow_pd), "admitted"
-                except NoHealthyInstanceError:
-                    if time.monotonic() >= deadline:
-                        why = "timed_out"
+                late = time.monotonic() >= deadline
+                route = self._try_route(estimates, allow_pd, wait_for_start=admission and not late)
+                if route is not None:
+                    why = "admitted"
+                elif late:
+                    why = "timed_out"
             if why is not None:
                 if admission:
                     self.admission_waits.labels(why).observe(time.monotonic() - t0)
                 return route, why
+
+    def _try_route(self, estimates: Callable[[], tuple[int, int]], allow_pd: bool,
+                   wait_for_start: bool) -> Route | None:
+        """A route, or None while no instance can take the request. `wait_for_start`: also None while
+        the deployment is still starting (a pool never had a healthy member), so the first requests
+        take the P/D path instead of going whole to a D that came up before P; when the admission wait
+        runs out they go wherever they can."""
+        if wait_for_start and self.pools.starting():
+            return None
+        try:
+            return self.pools.route(*estimates(), allow_pd=allow_pd)
+        except NoHealthyInstanceError:
+            return None
 
     def no_route_response(self, endpoint: str, why: str) -> web.Response:
         """503 for a request no instance took (after the admission wait)."""

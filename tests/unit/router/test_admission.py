@@ -176,6 +176,61 @@ def test_losing_only_the_prefill_instance_does_not_cut_the_decode_answer():
     run(scenario())
 
 
+async def _by_hand_start(admission_wait_s: float):
+    """P still starting (its /health 503) and D up, as when both are started by hand."""
+    from instance_server import InstanceServer
+
+    p = InstanceServer("p0")
+    p.healthy = False
+    await p.start()
+    d = await InstanceServer("d0").start()
+    config = RouterConfig(prefill_urls=[p.url], prefill_kv=["127.0.0.1:9100"], decode_urls=[d.url],
+                          health_interval_s=0.1, admission_wait_s=admission_wait_s)
+    router = Router(config)
+    server = RouterServer(router, "127.0.0.1", 0)
+    await server.start()
+    return p, d, router, server
+
+
+def test_at_start_up_the_first_request_waits_for_the_prefill_pool_and_takes_the_pd_path():
+    """Not whole on D because D came up first; once P was up, losing it degrades to D at once."""
+    async def scenario():
+        p, d, router, server = await _by_hand_start(admission_wait_s=30)
+        body = {"model": "m", "prompt": [1, 2, 3], "max_tokens": 2}
+        try:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+                task = asyncio.create_task(_post(session, server.url, body))
+                await asyncio.sleep(0.5)
+                assert not task.done() and d.bodies == [] and router.pools.starting()
+                p.healthy = True
+                status, headers, _ = await task
+                assert status == 200 and headers["x-disagg-route"] == "pd" and len(p.bodies) == 1
+                p.healthy = False
+                await _until(lambda: not router.pools.is_healthy(p.url))
+                status, headers, _ = await asyncio.wait_for(_post(session, server.url, body), 2)
+                assert status == 200 and headers["x-disagg-route"] != "pd" and len(p.bodies) == 1
+        finally:
+            await server.stop()
+            await p.stop()
+            await d.stop()
+    run(scenario())
+
+
+def test_at_start_up_a_prefill_pool_that_never_comes_up_costs_one_admission_wait_not_a_503():
+    async def scenario():
+        p, d, router, server = await _by_hand_start(admission_wait_s=0.5)
+        try:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+                status, headers, _ = await _post(session, server.url, {"model": "m", "prompt": [1], "max_tokens": 2})
+                assert status == 200 and headers["x-disagg-route"] != "pd" and len(d.bodies) == 1
+                assert _waits(router, "admitted") == 1 and p.bodies == []
+        finally:
+            await server.stop()
+            await p.stop()
+            await d.stop()
+    run(scenario())
+
+
 _SERVE = r"""
 import asyncio, sys
 sys.path.insert(0, sys.argv[1])
