@@ -73,7 +73,9 @@ class Plan:
     rounds: int = 3
     deployments: list[str] = field(default_factory=lambda: ["plain_default", "plain_bind01", "vllm_nixl", "ours_tcp",
                                                             "ours_shm", "ours_nano"])
-    saturation: list[str] = field(default_factory=lambda: ["plain_default", "plain_bind01", "vllm_nixl", "ours_tcp"])
+    saturation: list[str] = field(default_factory=lambda: ["plain_default", "plain_bind01", "vllm_nixl", "ours_tcp",
+                                                           "ours_traced"])
+    """Also run at the saturation rate when chosen (ours_traced: only with --deployments ...,ours_traced)."""
     bisect: list[str] = field(default_factory=lambda: ["plain", "vllm_nixl", "ours_tcp"])
     """'plain' = the better plain binding."""
     bisect_steps: int = 3
@@ -308,6 +310,8 @@ def summary(bench: Bench, plain: str | None, max_rates: dict, prediction: dict |
         "exposed_transfer_ms": statistics.median([e for e in exposed if e is not None]) if any(
             e is not None for e in exposed) else None,
         **dict.fromkeys(TRANSPORT_KEYS),
+        # issue 20: throughput with tracing on (default sampling) over off, paired by round at saturation
+        "tracing_overhead_ratio": ratio("ours_traced", ours, "output_tok_s", "saturation"),
     }
     plain_goodput = med.get(plain, {}).get("headline", {}).get("goodput") if plain else None
     secondary = {f"{k}_{a}_vs_{b}": ratio(a, b, m, kind) for a, b in ((o, plain) for o in (
@@ -412,7 +416,7 @@ def run(plan: Plan, args: argparse.Namespace) -> int:
     from serve_plot import plot
 
     plot(result, out.with_suffix(".png"))
-    print(json.dumps({k: result[k] for k in (*GOAL_KEYS, "quick", "plain_baseline", "rate_in_goal_band",
+    print(json.dumps({k: result[k] for k in (*GOAL_KEYS, "tracing_overhead_ratio", "quick", "plain_baseline", "rate_in_goal_band",
                                               "nixl_verified", "ours_verified", "load_first", "load_last")}))
     if result["nixl_verified"] is False or result["ours_verified"] is False:
         log("FAILED: a P/D deployment did not move its KV (see runs[].kv)")

@@ -49,6 +49,9 @@ class Deployment:
     connector: str = "NixlConnector"
     env: tuple[tuple[str, str], ...] = ()
     """More environment for every process of the deployment."""
+    traced: bool = False
+    """ours only: `up --trace` (every process exports its spans at the default sampling to a receiver in
+    `up`'s process, on the same cores): what tracing costs (issue 20's tracing_overhead_ratio)."""
 
     @property
     def is_pd(self) -> bool:
@@ -64,6 +67,7 @@ DEPLOYMENTS = {d.name: d for d in (
     Deployment("ours_tcp", "ours", transport="tcp"),
     Deployment("ours_shm", "ours", transport="shm"),
     Deployment("ours_nano", "ours", transport="tcp", nano=True),
+    Deployment("ours_traced", "ours", transport="tcp", traced=True),
 )}
 
 
@@ -156,6 +160,8 @@ def _start_ours(run: Running, model: str, max_model_len: int) -> None:
            "--model", model, "--served-model-name", SERVED_NAME, *vllm_args(max_model_len)]
     if dep.nano:
         cmd += ["--disagg-num-nano-batches", "auto"]
+    if dep.traced:
+        cmd += ["--trace"]
     run.procs.append(_spawn(cmd, _env(), run.log_dir / "up.log"))
     run.instances = {"state_file": str(state)}
 
