@@ -166,14 +166,15 @@ def block_descs(
     return out
 
 
-class Backoff:
-    """Poll pacing for NIXL without a progress thread: spin while busy, then yield the CPU
-    (sleep(0)) for a while, then sleep up to 1 ms when idle so an idle peer costs little."""
+class Poller:
+    """Poll pacing for NIXL without a progress thread (nothing to block on): spin for `spin_s`
+    after the last activity, then poll with a `sched_yield` between polls (a pure spin on a 2-core
+    box takes the core the peer needs) for `yield_s`, then sleep in naps growing to `max_nap_s`.
+    A waiting caller (the message channel) yields long; a background thread (the KV sender and
+    receiver, sharing the GIL with the engine) naps soon."""
 
-    YIELD_S = 0.02
-
-    def __init__(self, spin_s: float):
-        self.spin_s = spin_s
+    def __init__(self, spin_s: float, yield_s: float = 0.02, max_nap_s: float = 0.001):
+        self.spin_s, self.yield_s, self.max_nap_s = spin_s, yield_s, max_nap_s
         self.last_active = time.perf_counter()
 
     def active(self) -> None:
@@ -183,7 +184,10 @@ class Backoff:
         idle = time.perf_counter() - self.last_active
         if idle < self.spin_s:
             return
-        time.sleep(0 if idle < self.YIELD_S else min(0.001, idle / 20))
+        if idle < self.yield_s:
+            os.sched_yield()
+        else:
+            time.sleep(min(self.max_nap_s, idle / 20))
 
 
 @contextlib.contextmanager

@@ -21,7 +21,7 @@ from vllm_disagg.transport.base import (
 from vllm_disagg.transport.kv_common import MAX_NAME_BYTES, NotificationInbox, PeerSequencer, WriteMeta
 from vllm_disagg.transport.nixl.agent import (
     KV_SERVICE,
-    Backoff,
+    Poller,
     make_agent,
     pack_regions,
     parse_notif,
@@ -119,13 +119,13 @@ class NixlKVReceiver(NotificationInbox, KVReceiver):
                     self._lost.append(seqr.name)
 
     def _poll_loop(self) -> None:
-        backoff = Backoff(self.options.spin_us * 1e-6)
+        poller = Poller(self.options.spin_us * 1e-6)
         while not self._closed.is_set():
             got = self._agent.get_new_notifs()
             if not got:
-                backoff.pause()
+                poller.pause()
                 continue
-            backoff.active()
+            poller.active()
             for agent_name, msgs in got.items():
                 for raw in msgs:
                     self._on_notif(agent_name, raw)

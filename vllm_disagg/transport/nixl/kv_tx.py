@@ -27,7 +27,7 @@ from vllm_disagg.transport.base import (
 from vllm_disagg.transport.kv_common import joint_runs
 from vllm_disagg.transport.nixl.agent import (
     KV_SERVICE,
-    Backoff,
+    Poller,
     block_descs,
     make_agent,
     mem_type,
@@ -163,7 +163,7 @@ class NixlKVSender(KVSender):
 
     def _run(self) -> None:
         inflight: deque = deque()  # (peer, handle, xfer handle, deadline)
-        backoff = Backoff(self.options.spin_us * 1e-6)
+        poller = Poller(self.options.spin_us * 1e-6)
         next_check = 0.0
         while True:
             try:
@@ -178,10 +178,10 @@ class NixlKVSender(KVSender):
             if job == "stop":
                 return
             if job is not None:
-                backoff.active()
+                poller.active()
                 self._handle_job(job, inflight)
             if inflight and not self._progress(inflight):
-                backoff.pause()
+                poller.pause()
 
     def _handle_job(self, job: tuple, inflight: deque) -> None:
         if job[0] == "add_remote":

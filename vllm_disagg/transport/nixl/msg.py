@@ -3,9 +3,11 @@
 framed message (the same MSG frame as tcp/shm) into the peer's next slot with a notif
 ("D", seq, slot, size); the receiver validates the frame in place, copies the payloads into the
 caller's buffers and returns a credit notif ("C", slot). Setup and liveness use an authenticated
-TCP control socket (service "nixl-msg") that stays open: EOF there means the peer is gone.
+TCP control socket (service "nixl-msg") that stays open: EOF means the peer is gone.
 
-Limit: one message (frame + payloads) must fit a slot (`SLOT_BYTES`), else ValueError.
+Hot path as raw NIXL runs it: a transfer handle per (slot, size) is made once and re-posted
+(`transfer(handle, notif)`), and waits poll without sleeping while the channel is busy
+(`agent.Poller`). Limit: one message (frame + payloads) must fit a slot (`SLOT_BYTES`).
 """
 
 from __future__ import annotations
@@ -14,13 +16,14 @@ import logging
 import struct
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
 from vllm_disagg.errors import PeerLostError, ProtocolError, TransportTimeout
 from vllm_disagg.transport.base import Message, MsgChannel, TransportOptions, TransportStats
 from vllm_disagg.transport.msg import pack_msg, parse_msg_meta
-from vllm_disagg.transport.nixl.agent import Backoff, make_agent, nixl_errors, release_agent
+from vllm_disagg.transport.nixl.agent import Poller, make_agent, nixl_errors, park_agent, release_agent
 from vllm_disagg.transport.wire import (
     FRAME_HDR,
     T_MSG,
@@ -38,6 +41,8 @@ _DATA = struct.Struct("<cQII")  # b"D", seq, slot, size
 _CREDIT = struct.Struct("<cI")  # b"C", slot
 _LIVENESS_EVERY_S = 0.01
 _DRIVE_AFTER_SEND_S = 0.005
+_YIELD_S, _MAX_NAP_S = 0.5, 0.0002  # a waiting recv/send polls hard: it has nothing else to do
+MAX_HANDLES = 64  # prepared WRITE handles kept per channel, keyed by (slot, size), LRU
 
 
 class NixlEndpoint:
@@ -80,12 +85,13 @@ class NixlMsgChannel(MsgChannel):
         self._credits = NUM_SLOTS
         self._tx_seq = self._rx_seq = 0
         self._inbox: dict[int, tuple[int, int]] = {}
-        self._pending: list = []  # posted WRITEs not yet seen DONE
+        self._handles: OrderedDict[tuple[int, int], Any] = OrderedDict()  # (slot, size) -> handle
+        self._pending: dict[int, Any] = {}  # slot -> posted WRITE not yet seen DONE
         self._send_view = memoryview(ep.send_buf.numpy())
         self._recv_view = memoryview(ep.recv_buf.numpy())
-        self._backoff = Backoff(options.spin_us * 1e-6)
+        self._poller = Poller(options.spin_us * 1e-6, yield_s=_YIELD_S, max_nap_s=_MAX_NAP_S)
         self._next_liveness = 0.0
-        self._closed = False
+        self._closed = self._failed = False
 
     # Sending
 
@@ -101,24 +107,22 @@ class NixlMsgChannel(MsgChannel):
         with self._lock, nixl_errors(self._stream.peer):
             self._wait(lambda: self._credits > 0, deadline, "a free slot at the peer")
             slot = self._tx_seq % NUM_SLOTS
-            off = base = slot * SLOT_BYTES
+            off = slot * SLOT_BYTES
             for part in (memoryview(frame), *views):
                 self._send_view[off : off + part.nbytes] = part
                 off += part.nbytes
-            self._write(base, total, _DATA.pack(b"D", self._tx_seq, slot, total), deadline)
+            self._write(slot, total, _DATA.pack(b"D", self._tx_seq, slot, total), deadline)
             self._credits -= 1
             self._tx_seq += 1
         self.stats.record_op(nbytes, 0.0)
 
-    def _write(self, offset: int, size: int, notif: bytes, deadline: float) -> None:
+    def _write(self, slot: int, size: int, notif: bytes, deadline: float) -> None:
         """Post the WRITE and return; completion is polled by `_pump` (the staging slot is not
         reused before the peer's credit, which it sends only after the data landed)."""
-        agent = self._ep.agent
-        local = agent.get_xfer_descs([(self._ep.send_buf.data_ptr() + offset, size, 0)], "DRAM")
-        remote = agent.get_xfer_descs([(self._remote_addr + offset, size, 0)], "DRAM")
-        xh = agent.initialize_xfer("WRITE", local, remote, self._remote, notif)
-        self._pending.append(xh)
-        if agent.transfer(xh) == "ERR":
+        self._wait(lambda: slot not in self._pending, deadline, "the previous WRITE from this slot")
+        xh = self._handle(slot, size)
+        self._pending[slot] = xh
+        if self._ep.agent.transfer(xh, notif) == "ERR":
             raise PeerLostError(f"nixl WRITE to {self._stream.peer} failed to start")
         # Without a progress thread only our polling moves the WRITE: drive it briefly here so a
         # caller that goes off computing after send() does not stall the peer.
@@ -126,18 +130,38 @@ class NixlMsgChannel(MsgChannel):
         while self._pending and time.perf_counter() < until:
             self._poll_pending()
 
+    def _handle(self, slot: int, size: int) -> Any:
+        """The WRITE handle of `size` bytes from our send slot into the peer's receive slot, made
+        once and re-posted (messages of one shape repeat every step)."""
+        key = (slot, size)
+        xh = self._handles.pop(key, None)
+        if xh is None:
+            agent, offset = self._ep.agent, slot * SLOT_BYTES
+            local = agent.get_xfer_descs([(self._ep.send_buf.data_ptr() + offset, size, 0)], "DRAM")
+            remote = agent.get_xfer_descs([(self._remote_addr + offset, size, 0)], "DRAM")
+            xh = agent.initialize_xfer("WRITE", local, remote, self._remote, b"")
+            if len(self._handles) >= MAX_HANDLES:
+                self._drop_oldest_handle()
+        self._handles[key] = xh
+        return xh
+
+    def _drop_oldest_handle(self) -> None:
+        for key, xh in self._handles.items():
+            if xh not in self._pending.values():
+                del self._handles[key]
+                self._ep.agent.release_xfer_handle(xh)
+                return
+
     def _poll_pending(self) -> None:
-        agent, still = self._ep.agent, []
-        for xh in self._pending:
+        agent = self._ep.agent
+        for slot, xh in list(self._pending.items()):
             state = agent.check_xfer_state(xh)
             if state == "PROC":
-                still.append(xh)
                 continue
-            agent.release_xfer_handle(xh)
             if state != "DONE":
-                self._pending = still
+                self._failed = True  # close() parks the agent: UCX may abort on releasing it now
                 raise PeerLostError(f"nixl WRITE to {self._stream.peer} ended in state {state}")
-        self._pending = still
+            del self._pending[slot]
 
     # Receiving
 
@@ -183,13 +207,13 @@ class NixlMsgChannel(MsgChannel):
     # Progress and liveness
 
     def _wait(self, ready, deadline: float, what: str) -> None:
-        while True:
+        while not ready():
             self._pump()
             if ready():
-                self._backoff.active()
-                return
+                break
             self._check_alive(deadline, what)
-            self._backoff.pause()
+            self._poller.pause()
+        self._poller.active()
 
     def _pump(self) -> None:
         if self._pending:
@@ -235,12 +259,17 @@ class NixlMsgChannel(MsgChannel):
         self._stream.close()  # EOF on the control socket is the goodbye
         if self._lock.acquire(timeout=1.0):  # a recv in another thread gives up within its timeout
             try:
-                for xh in self._pending:
+                if self._failed or self._pending:  # the peer died with our WRITEs on its memory
+                    park_agent(self._ep.agent, (self._ep, list(self._handles.values())))
+                    self._ep.agent = None
+                    return
+                for xh in self._handles.values():
                     try:
                         self._ep.agent.release_xfer_handle(xh)
                     except Exception as err:  # a failed or still-running transfer
                         logger.debug("nixl release_xfer_handle failed: %s", err)
-                self._pending = []
+                self._handles.clear()
+                self._pending.clear()
                 release_agent(self._ep.agent, [self._ep.reg])
                 self._ep.agent = None
             finally:
