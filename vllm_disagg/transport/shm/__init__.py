@@ -1,19 +1,21 @@
 # SPDX-License-Identifier: Apache-2.0
 """`shm` backend: same-host transfers through shared memory.
 
-KV push: the receiver moves each registered tensor's storage into shared memory *in place*
-(torch's `share_memory_` machinery swaps the storage's data pointer, so every existing view,
-including vLLM's, stays valid) and passes the fds over its unix socket (SCM_RIGHTS). The sender
-maps them and copies blocks straight into the receiver's KV cache: one memcpy, no staging. The
-small KV_WRITE frame that follows carries ids and the notification, on the same socket, in order.
+KV push, one copy: the receiver moves each registered tensor's storage into shared memory *in
+place* (torch's `share_memory_` machinery swaps the storage's data pointer, so every existing
+view, including vLLM's, stays valid) and passes the fds over its unix socket (SCM_RIGHTS). The
+sender maps them and copies blocks straight into the receiver's KV cache; the small KV_WRITE frame
+that follows carries ids and the notification, on the same socket, in order. Where the kernel
+refuses (no room in /dev/shm, fds dropped, mmap fails) that region's bytes travel inline on the
+socket instead (two copies, as tcp), with a warning; nothing fails.
 
 Messages: a ring pair in a memfd with eventfd wake-ups (`ring.py`); the unix socket stays open as
 the liveness signal. Addresses are abstract unix socket names (`@vllm-disagg-...`).
-GPU tensors would need CUDA IPC handles instead of fds; not implemented (raises ValueError).
 """
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import socket
@@ -47,12 +49,13 @@ from vllm_disagg.transport.wire import (
 )
 
 __all__ = ["ShmTransport"]
+logger = logging.getLogger(__name__)
 MAX_FDS = 250  # below the kernel's SCM_MAX_FD (253)
 _REGION_MAP = struct.Struct("<IQQ")  # fd index, byte offset in that fd, nbytes
+NOT_SHARED = 0xFFFFFFFF  # fd index of a region that stayed in private memory: send it inline
 
 
 class ShmKVReceiver(StreamKVReceiver):
-    inline_data = False
     unix = True
 
     def __init__(self, options, name):
@@ -64,38 +67,48 @@ class ShmKVReceiver(StreamKVReceiver):
     def _prepare_tensor(self, tensor: Any) -> Any:
         if tensor.device.type != "cpu":
             raise ValueError(f"shm backend needs CPU tensors, got {tensor.device} (GPU would need CUDA IPC)")
+        nbytes = tensor.numel() * tensor.element_size()
         storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        if key not in self._fd_of_storage and len(self._fds) >= MAX_FDS:
+            raise ValueError(f"shm backend supports at most {MAX_FDS} distinct storages")
         try:
-            fd, size = storage._share_fd_cpu_()  # moves the storage into shared memory in place
-        except RuntimeError as err:
-            raise ValueError(f"cannot move tensor storage into shared memory: {err}") from None
+            fd, _ = storage._share_fd_cpu_()  # moves the storage into shared memory in place
+        except RuntimeError as err:  # e.g. /dev/shm too small (containers default to 64 MiB)
+            logger.warning("shm: region stays in private memory, its KV travels inline (2 copies): %s", err)
+            self._maps.append((NOT_SHARED, 0, nbytes))
+            return tensor
         key = storage.data_ptr()
         if key not in self._fd_of_storage:
-            if len(self._fds) >= MAX_FDS:
-                raise ValueError(f"shm backend supports at most {MAX_FDS} distinct storages")
             self._fd_of_storage[key] = len(self._fds)
             self._fds.append(fd)
-        offset = tensor.data_ptr() - storage.data_ptr()
-        self._maps.append((self._fd_of_storage[key], offset, tensor.numel() * tensor.element_size()))
+        self._maps.append((self._fd_of_storage[key], tensor.data_ptr() - key, nbytes))
         return tensor
 
     def _after_welcome(self, stream: SockStream, stream_idx: int) -> None:
         meta = struct.pack("<I", len(self._fds)) + b"".join(_REGION_MAP.pack(*m) for m in self._maps)
         socket.send_fds(stream.sock, [pack_frame(T_SHM_SETUP, meta)], self._fds)
 
+    def _accepted_payloads(self, region_idx: int, nbytes: int) -> tuple[int, ...]:
+        """0: the sender copied the blocks into our shared region; nbytes: it could not map it."""
+        return (0, nbytes) if self._maps[region_idx][0] != NOT_SHARED else (nbytes,)
+
 
 class ShmKVPeer(StreamKVPeer):
-    def __init__(self, address, streams, infos, options, stats, dst_blocks: list[np.ndarray]):
+    def __init__(self, address, streams, infos, options, stats, dst_blocks: list[np.ndarray | None]):
         self._dst = dst_blocks
+        self.inline_regions = [info.name for info, dst in zip(infos, dst_blocks, strict=True) if dst is None]
         super().__init__(address, streams, infos, options, stats)
 
     def _send_chunk(
         self, stream: SockStream, seq, chunk_idx, num_chunks, layer, transfer_id_bytes, c: PlannedWrite
     ) -> None:
-        if len(c.src_ids):
-            dst = self._dst[c.region_idx]
-            for s, d, n in joint_runs(c.src_ids, c.dst_ids):
-                np.copyto(dst[d : d + n], c.src[s : s + n])
+        dst = self._dst[c.region_idx]
+        if dst is None:  # the receiver's region is not mapped here: bytes inline, as tcp
+            super()._send_chunk(stream, seq, chunk_idx, num_chunks, layer, transfer_id_bytes, c)
+            return
+        for s, d, n in joint_runs(c.src_ids, c.dst_ids):
+            np.copyto(dst[d : d + n], c.src[s : s + n])
         meta = pack_write_meta(seq, chunk_idx, num_chunks, layer, c.region_idx, transfer_id_bytes, c.dst_ids)
         stream.send_parts([pack_frame(T_KV_WRITE, meta, 0)])
 
@@ -112,8 +125,9 @@ class ShmKVSender(StreamKVSender):
 
 
 def _recv_region_maps(stream: SockStream, num_regions: int) -> tuple[list[int], list[tuple[int, int, int]]]:
+    """The receiver's SHM_SETUP: region maps, and the fds (as many as the kernel let through)."""
     try:
-        data, fds, _, _ = socket.recv_fds(stream.sock, FRAME_HDR.size + MAX_META_BYTES, MAX_FDS)
+        data, fds, flags, _ = socket.recv_fds(stream.sock, FRAME_HDR.size + MAX_META_BYTES, MAX_FDS)
     except (TimeoutError, BlockingIOError):
         raise TransportTimeout(f"no shm region fds from {stream.peer}") from None
     except OSError as err:
@@ -127,10 +141,20 @@ def _recv_region_maps(stream: SockStream, num_regions: int) -> tuple[list[int], 
             meta += stream.recv_exact(meta_len - len(meta))
         (num_fds,) = struct.unpack_from("<I", meta)
         maps = [_REGION_MAP.unpack_from(meta, 4 + i * _REGION_MAP.size) for i in range(num_regions)]
-        if ftype != T_SHM_SETUP or num_fds != len(fds) or any(m[0] >= num_fds for m in maps):
+        bad_index = any(m[0] >= num_fds and m[0] != NOT_SHARED for m in maps)
+        if ftype != T_SHM_SETUP or len(fds) > num_fds or bad_index:
             raise ProtocolError(
                 f"bad shm setup from {stream.peer}: {num_fds} fds announced, {len(fds)} received"
             )
+        if len(fds) < num_fds:  # MSG_CTRUNC: we are out of fds, or an LSM dropped them
+            logger.warning(
+                "shm: %d of %d region fds from %s arrived (flags %#x); its KV travels inline",
+                len(fds),
+                num_fds,
+                stream.peer,
+                flags,
+            )
+            maps = [(NOT_SHARED, 0, m[2]) for m in maps]
     except (struct.error, ProtocolError):
         for fd in fds:
             os.close(fd)
@@ -138,17 +162,26 @@ def _recv_region_maps(stream: SockStream, num_regions: int) -> tuple[list[int], 
     return fds, maps
 
 
-def _map_regions(fds_maps, infos: list[RegionInfo], peer: str) -> list[np.ndarray]:
+def _map_regions(fds_maps, infos: list[RegionInfo], peer: str) -> list[np.ndarray | None]:
+    """Numpy block views of the receiver's regions; None where a region must travel inline."""
     fds, maps = fds_maps
     try:
         mms = [mmap.mmap(fd, os.fstat(fd).st_size) for fd in fds]
+    except OSError as err:  # ENOMEM, RLIMIT_AS, ...
+        logger.warning("shm: cannot map the KV regions of %s (%s); its KV travels inline", peer, err)
+        mms, maps = [], [(NOT_SHARED, 0, m[2]) for m in maps]
     finally:
         for fd in fds:
             os.close(fd)
-    out = []
+    out: list[np.ndarray | None] = []
     for info, (fd_idx, offset, nbytes) in zip(infos, maps, strict=True):
+        if nbytes != info.num_blocks * info.block_nbytes:
+            raise ProtocolError(f"shm region {info.name!r} from {peer}: {nbytes} bytes, table says otherwise")
+        if fd_idx == NOT_SHARED:
+            out.append(None)
+            continue
         mm = mms[fd_idx]
-        if nbytes != info.num_blocks * info.block_nbytes or offset + nbytes > len(mm):
+        if offset + nbytes > len(mm):
             raise ProtocolError(f"shm region {info.name!r} from {peer} does not fit its mapping")
         flat = np.frombuffer(mm, dtype=np.uint8, count=nbytes, offset=offset)
         out.append(flat.reshape(info.num_blocks, info.block_nbytes))

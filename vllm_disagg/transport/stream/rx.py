@@ -35,7 +35,6 @@ _IDLE_POLL_S = 0.5
 
 
 class StreamKVReceiver(NotificationInbox, KVReceiver):
-    inline_data = True
     unix = False
 
     def __init__(self, options: TransportOptions, name: str):
@@ -135,6 +134,11 @@ class StreamKVReceiver(NotificationInbox, KVReceiver):
     def _after_welcome(self, stream: SockStream, stream_idx: int) -> None:
         """Backend hook run right after authentication (shm passes region fds here)."""
 
+    def _accepted_payloads(self, region_idx: int, nbytes: int) -> tuple[int, ...]:
+        """Payload sizes a KV_WRITE of `nbytes` into this region may carry: the bytes inline
+        (tcp), or 0 where the sender already copied them into the region (shm overrides)."""
+        return (nbytes,)
+
     def _readable(self, stream: SockStream) -> bool:
         """Wait for the next frame in slices, so an idle sender is not an error but close() is seen."""
         try:
@@ -147,12 +151,12 @@ class StreamKVReceiver(NotificationInbox, KVReceiver):
         m = parse_write_meta(meta, self._infos, stream.peer)
         block_nbytes = self._infos[m.region_idx].block_nbytes if len(m.dst_ids) else 0
         nbytes = len(m.dst_ids) * block_nbytes
-        expected = nbytes if self.inline_data else 0
-        if payload_len != expected:
+        if payload_len not in self._accepted_payloads(m.region_idx, nbytes):
             raise ProtocolError(
-                f"KV_WRITE from {stream.peer}: payload {payload_len} bytes, expected {expected}"
+                f"KV_WRITE from {stream.peer}: payload {payload_len} bytes, expected "
+                f"{' or '.join(map(str, self._accepted_payloads(m.region_idx, nbytes)))}"
             )
-        if self.inline_data and nbytes:
+        if payload_len:
             blocks = self._regions[m.region_idx].blocks
             for _, first, length in runs(m.dst_ids):
                 stream.recv_into(memoryview(blocks[first : first + length]).cast("B"))
