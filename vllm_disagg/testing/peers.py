@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import time
 import traceback
+import zlib
 from typing import Any
 
 import numpy as np
@@ -22,6 +23,14 @@ def layer_data(seed: int, layer: int, num_blocks: int, block_elems: int) -> Any:
 
     gen = torch.Generator().manual_seed(seed * 1000 + layer)
     return torch.randn(num_blocks, block_elems, generator=gen)
+
+
+def crc32_of(tensors: list) -> int:
+    """CRC-32 over the tensors' bytes, in order (the benchmark's proof that bytes landed)."""
+    crc = 0
+    for t in tensors:
+        crc = zlib.crc32(t.contiguous().numpy().view(np.uint8), crc)
+    return crc
 
 
 def _transport(kind: str, token: str, **over: Any):
@@ -80,7 +89,8 @@ def kv_receiver_child(
     kind: str, token: str, conn, num_layers: int, num_blocks: int, block_elems: int, report_every: int = 1
 ) -> None:
     """Registers regions `layer.{i}`, sends ("addr", address), then consumes notifications until
-    told to exit, reporting every `report_every`-th one (by seq) to the parent."""
+    told to exit, reporting every `report_every`-th one (by seq) to the parent with the time it
+    was seen; ("crc",) answers ("crc", CRC-32 of all regions)."""
     import torch
 
     from vllm_disagg.errors import TransportTimeout
@@ -91,13 +101,19 @@ def kv_receiver_child(
         for i, t in enumerate(caches):
             rx.register_region(f"layer.{i}", t)
         conn.send(("addr", rx.start()))
-        while not (conn.poll(0) and conn.recv()[0] == "exit"):
+        while True:
+            if conn.poll(0):
+                cmd = conn.recv()[0]
+                if cmd == "exit":
+                    break
+                if cmd == "crc":
+                    conn.send(("crc", crc32_of(caches)))
             try:
                 n = rx.wait_notification(timeout=0.05)
             except TransportTimeout:
                 continue
             if (n.seq + 1) % report_every == 0:
-                conn.send(("notif", n.transfer_id, n.layer, n.seq))
+                conn.send(("notif", n.transfer_id, n.layer, n.seq, time.perf_counter()))
         rx.close()
     except Exception:
         conn.send(("error", traceback.format_exc()))
@@ -119,37 +135,6 @@ def msg_echo_child(kind: str, token: str, conn, options: dict | None = None, out
             conn.send(("end", type(err).__name__))
         except OSError:
             pass
-
-
-def raw_tcp_child(conn, nbytes: int, repeats: int, pong_bytes: int) -> None:
-    """Baseline for the benchmark: a plain socket. Phase 1: `repeats` times recv_into a
-    preallocated `nbytes` buffer, then a 1-byte ack. Phase 2: echo `pong_bytes` messages until EOF."""
-    import socket
-
-    srv = socket.socket()
-    srv.bind(("127.0.0.1", 0))
-    srv.listen(1)
-    conn.send(("addr", srv.getsockname()[1]))
-    sock, _ = srv.accept()
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    buf = memoryview(np.empty(nbytes, dtype=np.uint8))
-    for _ in range(repeats):
-        if not _recv_exact(sock, buf):
-            return
-        sock.sendall(b"k")
-    pong = memoryview(bytearray(pong_bytes))
-    while _recv_exact(sock, pong):
-        sock.sendall(pong)
-
-
-def _recv_exact(sock, view: memoryview) -> bool:
-    got = 0
-    while got < view.nbytes:
-        k = sock.recv_into(view[got:], view.nbytes - got)
-        if k == 0:
-            return False
-        got += k
-    return True
 
 
 def wait_for(conn, tag: str, timeout: float = 60.0) -> tuple:
