@@ -81,6 +81,26 @@ def test_many_small_writes_arrive_complete_and_in_issue_order(transport, kind, s
     rx.close()
 
 
+def test_a_sender_that_closes_as_soon_as_its_writes_are_done_loses_no_notification(transport, kind, spawn):
+    """The goodbye may overtake the last notifications (nixl: they travel apart from the control
+    socket); the receiver still delivers every one, and does not call a clean goodbye a loss."""
+    rx, caches = _receiver(transport, num_layers=3)
+    child = _connected_sender(spawn, kind, rx.address)
+    plan = [_write(f"layer.{i}", i, range(NUM_BLOCKS), range(NUM_BLOCKS), "bulk") for i in range(3)]
+    plan += [_write("layer.1", 1, [k], [k], f"tail{k}") for k in range(32)]  # same bytes again
+    plan.append(_write("layer.2", 2, [], [], "empty"))  # a notification without data
+    child.conn.send(("write", 5, plan))
+    child.conn.send(("exit",))  # queued: the child closes the moment its handles are DONE
+    assert wait_for(child.conn, "done")[1] == ["done"] * len(plan)
+    wait_for(child.conn, "bye")
+    notifs = [rx.wait_notification(timeout=20) for _ in plan]
+    assert [(n.transfer_id, n.layer, n.seq) for n in notifs] == [(w[-1], w[1], i) for i, w in enumerate(plan)]
+    for i, cache in enumerate(caches):
+        assert torch.equal(cache, layer_data(5, i, NUM_BLOCKS, BLOCK_ELEMS))
+    assert rx.lost_peers() == [] and rx.stats.num_rejected_frames == 0
+    rx.close()
+
+
 def test_each_notification_arrives_only_after_its_data_has_landed(transport, kind, spawn):
     rx, caches = _receiver(transport, num_layers=2)
     child = _connected_sender(spawn, kind, rx.address)

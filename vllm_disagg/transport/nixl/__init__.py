@@ -8,7 +8,8 @@ TransportUnavailable naming what is missing; there is no fallback.
 KV push (`kv_rx.py`, `kv_tx.py`): the sender's hello on the control channel (service "nixl-kv") is
 its NIXL agent name; the receiver's welcome carries the region table, base addresses and its agent
 metadata, and only authenticated agent names are accepted as notification sources. The socket
-stays open: EOF means the peer is gone.
+stays open: EOF means the peer is gone; BYE carries the number of writes issued, and notifications
+still behind it are accepted until that many arrived (else the sender is lost after timeout_s).
 """
 
 from __future__ import annotations

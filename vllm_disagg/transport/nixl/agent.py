@@ -29,6 +29,7 @@ KV_SERVICE = b"nixl-kv"  # control-channel service tag of the KV push
 _ADDR = struct.Struct("<QI")  # base address, device id
 _NOTIF = struct.Struct("<QiQH")  # seq, layer, nbytes, tid_len; then tid
 _LEN = struct.Struct("<I")
+_BYE = struct.Struct("<Q")  # BYE meta: how many write_blocks the sender issued to this receiver
 
 
 def import_reason() -> str | None:
@@ -153,6 +154,19 @@ def parse_notif(raw: bytes, peer: str) -> tuple[int, int, int, str]:
         return seq, layer, nbytes, raw[_NOTIF.size :].decode()
     except UnicodeDecodeError:
         raise ProtocolError(f"nixl notification from {peer}: transfer_id is not UTF-8") from None
+
+
+def pack_bye(num_writes: int) -> bytes:
+    return _BYE.pack(num_writes)
+
+
+def parse_bye(meta: bytes, peer: str) -> int | None:
+    """The number of writes a clean goodbye announces; None from a sender that does not say."""
+    if not meta:
+        return None
+    if len(meta) != _BYE.size:
+        raise ProtocolError(f"malformed nixl BYE from {peer}: {len(meta)} bytes")
+    return _BYE.unpack(meta)[0]
 
 
 def block_descs(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import select
 import threading
+import time
 from typing import Any
 
 from vllm_disagg.errors import DisaggError, ProtocolError
@@ -24,6 +25,7 @@ from vllm_disagg.transport.nixl.agent import (
     Poller,
     make_agent,
     pack_regions,
+    parse_bye,
     parse_notif,
     release_agent,
     tensor_region,
@@ -47,6 +49,7 @@ class NixlKVReceiver(NotificationInbox, KVReceiver):
         self._infos: list[RegionInfo] = []
         self._addrs: list[tuple[int, int]] = []
         self._peers: dict[str, PeerSequencer] = {}
+        self._departing: dict[str, tuple[int, float]] = {}  # agent -> (writes announced by BYE, deadline)
         self._closed = threading.Event()
         self._server: AuthServer | None = None
 
@@ -104,25 +107,59 @@ class NixlKVReceiver(NotificationInbox, KVReceiver):
     def _serve_ctrl(self, stream: SockStream, hello: bytes) -> None:
         """Hold the control socket: BYE is a clean goodbye, EOF means the sender died."""
         agent_name = hello.decode().partition("\n")[0]
+        num_writes: int | None = None
         clean = False
         try:
             while not self._closed.is_set():
                 if select.select([stream.sock], [], [], 0.5)[0]:
-                    clean = read_frame(stream)[0] == T_BYE
+                    ftype, meta, _ = read_frame(stream)
+                    clean = ftype == T_BYE
+                    num_writes = parse_bye(meta, stream.peer) if clean else None
                     break
         except DisaggError as err:
+            clean = False
             logger.info("nixl KV sender %s control channel: %s", stream.peer, err)
         finally:
-            with self._lock:
-                seqr = self._peers.pop(agent_name, None)
-                if seqr and not clean and not self._closed.is_set():
+            self._depart(agent_name, clean, num_writes)
+
+    def _depart(self, agent_name: str, clean: bool, num_writes: int | None) -> None:
+        """A clean BYE may overtake the sender's last notifications (they come through NIXL, not
+        this socket): its agent stays accepted until all `num_writes` arrived, or `timeout_s`."""
+        with self._lock:
+            seqr = self._peers.get(agent_name)
+            if seqr is None:
+                return
+            if clean and num_writes is not None and seqr.next_seq < num_writes:
+                deadline = time.monotonic() + self.options.timeout_s
+                self._departing[agent_name] = (num_writes, deadline)
+                return
+            del self._peers[agent_name]
+            if not clean and not self._closed.is_set():
+                self._lost.append(seqr.name)
+
+    def _expire_departed(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            for agent_name, (num_writes, deadline) in list(self._departing.items()):
+                if now > deadline:
+                    seqr = self._peers.pop(agent_name)
+                    del self._departing[agent_name]
                     self._lost.append(seqr.name)
+                    logger.warning(
+                        "nixl KV sender %s said goodbye after %d writes; %d were notified within %.0fs",
+                        seqr.name,
+                        num_writes,
+                        seqr.next_seq,
+                        self.options.timeout_s,
+                    )
 
     def _poll_loop(self) -> None:
         poller = Poller(self.options.spin_us * 1e-6)
         while not self._closed.is_set():
             got = self._agent.get_new_notifs()
             if not got:
+                if self._departing:
+                    self._expire_departed()
                 poller.pause()
                 continue
             poller.active()
@@ -145,6 +182,12 @@ class NixlKVReceiver(NotificationInbox, KVReceiver):
         for n in ready:
             self.stats.record_received(n.nbytes, notifications=1)
             self._notifs.put(n)
+        if ready and agent_name in self._departing:
+            with self._lock:
+                num_writes, _ = self._departing.get(agent_name, (None, 0.0))
+                if num_writes is not None and seqr.next_seq >= num_writes:  # the last one: gone now
+                    del self._departing[agent_name]
+                    self._peers.pop(agent_name, None)
 
     def close(self) -> None:
         if self._closed.is_set():

@@ -31,6 +31,7 @@ from vllm_disagg.transport.nixl.agent import (
     block_descs,
     make_agent,
     mem_type,
+    pack_bye,
     pack_notif,
     park_agent,
     parse_regions,
@@ -115,7 +116,8 @@ class NixlKVPeer(KVPeer):
         self._sender._drain(self)
         if self.error is None:
             try:
-                self._stream.send_parts([pack_frame(T_BYE)], timeout=1.0)
+                # The count lets the receiver wait for notifications still behind the BYE.
+                self._stream.send_parts([pack_frame(T_BYE, pack_bye(self._seq))], timeout=1.0)
             except DisaggError:
                 pass
         self._stream.close()
