@@ -9,7 +9,7 @@ raw NIXL at its best. Every receiver's CRC must match, or the run fails. Round t
 Goals (issue 14): push_vs_raw_tcp_same_streams >= 0.8, shm_vs_memcpy >= 0.7.
 
     python benchmarks/transport_bench.py --quick   # ~1 min, prints one JSON object with every key
-    python benchmarks/transport_bench.py           # full: results/transport_bench.json + .png
+    python benchmarks/transport_bench.py           # full, 3 runs: results/transport_bench.json + .png
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ BLOCK_ELEMS = 8 * 32 * 32  # 32 KiB float32 blocks: [kv_heads=8, block_size=32, 
 MSG_BYTES = 16 << 10
 RESULTS = Path(__file__).parent / "results"
 GOALS = {"push_vs_raw_tcp_same_streams": 0.8, "shm_vs_memcpy": 0.7}
+HEADLINES = [*GOALS, "nixl_push_vs_raw_nixl", "rtt_nixl_msg_vs_raw_nixl", "rtt_tcp_vs_raw_tcp"]
 
 
 class Memcpy:
@@ -236,6 +237,27 @@ def measure(quick: bool, mib: int, num_streams: int) -> dict:
     }
 
 
+def measure_runs(quick: bool, mib: int, num_streams: int, num_runs: int) -> dict:
+    """`num_runs` independent runs (fresh processes, connections, buffers); their paired rounds
+    are pooled for the headlines, and each run's own headlines are kept to show the spread."""
+    runs = [measure(quick, mib, num_streams) for _ in range(num_runs)]
+    per_run = [summarize(r) for r in runs]
+    m = runs[0]
+    for r in runs[1:]:
+        for table in ("gbps", "rtts"):
+            for name, rounds in r[table].items():
+                m[table][name] += rounds
+    m["load"] = {
+        "loadavg_before": runs[0]["load"]["loadavg_before"],
+        "loadavg_after": runs[-1]["load"]["loadavg_after"],
+        "loadavg_after_each_run": [r["load"]["loadavg_after"] for r in runs],
+        "load1_per_round": [x for r in runs for x in r["load"]["load1_per_round"]],
+    }
+    m["config"]["runs"] = num_runs
+    m["per_run"] = {k: [s[k] for s in per_run] for k in HEADLINES}
+    return m
+
+
 def summarize(m: dict) -> dict:
     """Headlines: medians over rounds of per-round ratios (paired); never a best-of."""
     gbps, rtts = m["gbps"], m["rtts"]
@@ -278,6 +300,7 @@ def summarize(m: dict) -> dict:
                 "polls with sched_yield, round trip spins (each its faster mode here)",
             },
             **m["config"],
+            **({"per_run": m["per_run"]} if "per_run" in m else {}),
             "skipped": m["skipped"],
             "load": m["load"],
             "box": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__},
@@ -311,7 +334,7 @@ def plot(result: dict, path: Path) -> None:
     b.set_yscale("log")
     load = result["load"]
     fig.suptitle(
-        f"grey: baselines, same run; {result['rounds']} paired rounds; "
+        f"grey: baselines, same run; {result.get('runs', 1)} runs x {result['rounds']} paired rounds; "
         f"load1 {load['loadavg_before'][0]} -> {load['loadavg_after'][0]}; "
         f"push/raw tcp ({result['num_streams']} streams) {result['push_vs_raw_tcp_same_streams']:.2f}, "
         f"shm/memcpy {result['shm_vs_memcpy']:.2f}"
@@ -330,9 +353,13 @@ def main() -> int:
         default=TransportOptions(auth_token="x").num_streams,
         help="streams of the tcp push and of its raw TCP baseline (default: the transport's default)",
     )
+    parser.add_argument(
+        "--runs", type=int, default=None, help="independent runs, rounds pooled (default 1 quick, 3 full)"
+    )
     parser.add_argument("--out", type=Path, default=None, help="write the JSON (+ .png) here")
     args = parser.parse_args()
-    result = summarize(measure(args.quick, args.mib, args.streams))
+    num_runs = args.runs or (1 if args.quick else 3)
+    result = summarize(measure_runs(args.quick, args.mib, args.streams, num_runs))
     out = args.out or (None if args.quick else RESULTS / "transport_bench.json")
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
