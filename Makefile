@@ -19,7 +19,7 @@ PYTEST_ARGS ?= --durations=10
 # otherwise the tests that need them skip with the reason.
 SYSDEPS ?= qemu-system-x86 cpio iproute2
 
-.PHONY: setup sysdeps demo test lint unit model clean gpu-check gpu-wheels
+.PHONY: setup sysdeps demo test lint unit model compat-table clean gpu-check gpu-wheels
 
 setup: $(STAMP)
 
@@ -78,6 +78,11 @@ gpu-wheels: .whl/.built
 .whl/.built: benchmarks/gpu/wheels.txt benchmarks/gpu/wheels.py
 	$(PY) benchmarks/gpu/wheels.py build
 	touch $@
+
+# The README's model-family x mechanism table, from the committed matrix result
+# (`python benchmarks/model_matrix.py` reruns the matrix; tests/unit/test_compat_table.py catches drift).
+compat-table:
+	$(PY) -m vllm_disagg.testing.matrix --write-readme README.md
 
 clean:
 	rm -rf $(VENV) build *.egg-info

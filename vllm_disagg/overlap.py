@@ -100,3 +100,16 @@ def defer_wait(fn: Callable[[], Any]) -> bool:
         return False
     waits.append(fn)
     return True
+
+
+def wait_network(fn: Callable[[], Any]) -> Any:
+    """Run a network-bound op's blocking wait `fn()`. In a turn-taking step (`nanoflow/pingpong.py`:
+    models off the Llama op path) the thread gives up its turn while it is blocked, so another
+    nano-batch computes meanwhile (its dense layers, MoE experts included), and takes it back afterwards."""
+    turn = getattr(_local, "turn", None)
+    return fn() if turn is None else turn.wait(fn)
+
+
+def set_turn(turn: Any) -> None:
+    """This thread's `pingpong` turn (None: not in a turn-taking step)."""
+    _local.turn = turn

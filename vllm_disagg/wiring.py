@@ -99,5 +99,11 @@ def wire_engine_args(engine_args: Any) -> DisaggConfig | None:
     worker = worker_cls_for(cfg)
     if worker is not None and engine_args.worker_cls == "auto":
         engine_args.worker_cls = worker
+    remote_attention = cfg.remote_attention
+    if (remote_attention is not None and remote_attention.partition == "request"
+            and engine_args.disable_hybrid_kv_cache_manager is None):
+        # request-wise placement cannot follow sliding-window groups' recycled blocks
+        # (attention/variants.check_request_wise_groups): allocate hybrid models' windows in full
+        engine_args.disable_hybrid_kv_cache_manager = True
     apply_discrete_batching(engine_args, cfg)
     return cfg

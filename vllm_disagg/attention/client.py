@@ -167,11 +167,15 @@ class DisaggAttentionClient:
         self.placer = RequestPlacer(len(servers)) if partition == "request" else None
 
     def connect(self, num_layers: int, num_heads: int, num_kv_heads: int, head_size: int,
-                block_size: int, dtype: str, max_num_tokens: int, trace: TraceContext | None = None) -> int:
-        """Connect and INIT every server (with `trace`, if given); returns the usable number of blocks."""
+                block_size: int, dtype: str, max_num_tokens: int, trace: TraceContext | None = None,
+                kv_cache_dtype: str = "auto", layers: tuple = ()) -> int:
+        """Connect and INIT every server (with `trace`, if given); returns the usable number of blocks.
+        `layers`: one `variants.LayerAttrs` per layer (window, soft-cap, ALiBi, sinks, fp8 scales),
+        empty = plain; head-wise each server gets its query heads' slice of the per-head values."""
         self.geometry_args = dict(num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads,
                                   head_size=head_size, block_size=block_size, dtype=dtype,
-                                  max_num_tokens=max_num_tokens)
+                                  max_num_tokens=max_num_tokens, kv_cache_dtype=kv_cache_dtype,
+                                  layers=tuple(layers))
         n = len(self.conns)
         if self.partition == "auto":
             self.partition = resolve_partition("auto", n, num_kv_heads)
@@ -179,10 +183,11 @@ class DisaggAttentionClient:
         if self.partition == "head":
             self.shards = head_shards(n, num_heads, num_kv_heads)
             geoms = [wire.Geometry(num_layers, s.num_heads, s.num_kv_heads, head_size, block_size, dtype,
-                                   max_num_tokens) for s in self.shards]
+                                   max_num_tokens, kv_cache_dtype, tuple(a.for_heads(s.q_heads) for a in layers))
+                     for s in self.shards]
         else:
             geoms = [wire.Geometry(num_layers, num_heads, num_kv_heads, head_size, block_size, dtype,
-                                   max_num_tokens)] * n
+                                   max_num_tokens, kv_cache_dtype, tuple(layers))] * n
         resume = self.num_blocks > 0  # connected before: the recovery reconnects, not a restart
         infos = [c.connect(g, resume, trace) for c, g in zip(self.conns, geoms)]
         self.num_blocks = min(int(i["num_blocks"]) for i in infos)

@@ -58,8 +58,11 @@ class AttentionKernel(ABC):
                 c.select(self.block_dim, d).copy_(c.select(self.block_dim, s))
 
     @abstractmethod
-    def prepare(self, meta: StepMeta) -> object:
-        """Per-step state shared by all layers (e.g. the CPU scheduler metadata)."""
+    def prepare(self, meta: StepMeta, sched_window: int = -1) -> object:
+        """Per-step state shared by the layers of one scheduler window (the CPU scheduler metadata)."""
+
+    def sched_window(self, layer: int) -> int:
+        return self.geometry.layer(layer).sched_window
 
     @abstractmethod
     def write_kv(self, layer: int, key: torch.Tensor, value: torch.Tensor, meta: StepMeta) -> None: ...
@@ -76,49 +79,57 @@ class AttentionKernel(ABC):
 
 
 def kv_bytes_per_block(g: Geometry) -> int:
-    """Bytes of one block id across all layers of this shard (K and V)."""
-    elt = torch.empty((), dtype=g.torch_dtype).element_size()
+    """Bytes of one block id across all layers of this shard (K and V; fp8 caches store bytes)."""
+    elt = torch.empty((), dtype=g.cache_torch_dtype).element_size()
     return g.num_layers * g.num_kv_heads * g.block_size * 2 * g.head_size * elt
 
 
 class CpuAttentionKernel(AttentionKernel):
-    """vLLM's CPU attention (`CPUAttentionBackendImpl`) on a cache `[L][NB, Hkv, bs, 2D]`."""
+    """vLLM's CPU attention (`CPUAttentionBackendImpl`) on a cache `[L][NB, Hkv, bs, 2D]`, each layer
+    with its own variant (`Geometry.layers`: window, soft-cap, ALiBi, sinks, fp8 scales) exactly as
+    vLLM builds that layer's impl."""
 
     def __init__(self, geometry: Geometry, num_blocks: int):
         super().__init__(geometry, num_blocks)
         from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl, _get_attn_isa
 
         g = geometry
-        self.isa = _get_attn_isa(g.torch_dtype, g.block_size, g.head_size, "auto")
-        self.layer = types.SimpleNamespace(isa=self.isa, _k_scale_float=1.0, _v_scale_float=1.0)
+        self.isa = _get_attn_isa(g.torch_dtype, g.block_size, g.head_size, g.kv_cache_dtype)
+        # the stub layers the impl reads: ISA and the fp8 scales (1.0 unless the checkpoint has them)
+        self.layers = [types.SimpleNamespace(isa=self.isa, _k_scale_float=g.layer(i).k_scale,
+                                             _v_scale_float=g.layer(i).v_scale) for i in range(g.num_layers)]
         self.caches = [
-            torch.zeros(num_blocks, g.num_kv_heads, g.block_size, 2 * g.head_size, dtype=g.torch_dtype)
+            torch.zeros(num_blocks, g.num_kv_heads, g.block_size, 2 * g.head_size, dtype=g.cache_torch_dtype)
             for _ in range(g.num_layers)
         ]
         # the impl's key/value halves of each layer's cache, made once instead of per call
         self._kv_halves = [c.view(num_blocks, g.num_kv_heads, 2 * g.block_size, g.head_size).chunk(2, dim=2)
                            for c in self.caches]
         self._impl_cls = CPUAttentionBackendImpl
-        self._impls: dict[float, CPUAttentionBackendImpl] = {}
-        self.supports_lse = _probe_layout(self.isa, g)
+        self._impls: dict[tuple[int, float], CPUAttentionBackendImpl] = {}
+        # the torch LSE path (send-Q-early) implements plain attention on a model-dtype cache only
+        self.supports_lse = g.plain and _probe_layout(self.isa, g)
 
-    def _impl(self, scale: float):
-        impl = self._impls.get(scale)
+    def _impl(self, layer: int, scale: float):
+        impl = self._impls.get((layer, scale))
         if impl is None:
             from vllm.config import set_current_vllm_config
 
-            g = self.geometry
+            g, a = self.geometry, self.geometry.layer(layer)
             # The impl reads two fields of the engine config; the server has no engine.
             stub = types.SimpleNamespace(
                 model_config=types.SimpleNamespace(dtype=g.torch_dtype),
                 parallel_config=types.SimpleNamespace(decode_context_parallel_size=1),
             )
+            sinks = None if a.sinks is None else torch.tensor(a.sinks, dtype=getattr(torch, a.sinks_dtype))
             with set_current_vllm_config(stub):  # type: ignore[arg-type]
-                impl = self._impl_cls(g.num_heads, g.head_size, scale, g.num_kv_heads, None, None, "auto")
-            self._impls[scale] = impl
+                impl = self._impl_cls(g.num_heads, g.head_size, scale, g.num_kv_heads,
+                                      None if a.alibi_slopes is None else list(a.alibi_slopes), a.sliding_window,
+                                      g.kv_cache_dtype, a.logits_soft_cap, sinks=sinks)
+            self._impls[(layer, scale)] = impl
         return impl
 
-    def prepare(self, meta: StepMeta):
+    def prepare(self, meta: StepMeta, sched_window: int = -1):
         from vllm import _custom_ops as ops
         from vllm import envs
         from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadata
@@ -127,8 +138,8 @@ class CpuAttentionKernel(AttentionKernel):
         sched = ops.cpu_attn_get_scheduler_metadata(
             num_reqs=meta.num_reqs, num_heads=g.num_heads, num_kv_heads=g.num_kv_heads,
             head_dim=g.head_size, seq_lens=meta.seq_lens, dtype=g.torch_dtype,
-            query_start_loc=meta.query_start_loc, causal=True, sliding_window_size=-1,
-            isa=self.isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
+            query_start_loc=meta.query_start_loc, causal=True, sliding_window_size=sched_window,
+            isa=self.isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV, kv_cache_dtype=g.kv_cache_dtype,
         )
         qsl = meta.query_start_loc
         max_q = int((qsl[1:] - qsl[:-1]).max()) if meta.num_reqs else 0
@@ -140,15 +151,16 @@ class CpuAttentionKernel(AttentionKernel):
         )
 
     def write_kv(self, layer, key, value, meta):
-        # = CPUAttentionBackendImpl.do_kv_cache_update (decoder, kv dtype auto) without its per-call views
+        # = CPUAttentionBackendImpl.do_kv_cache_update (decoder) without its per-call views
         from vllm import _custom_ops as ops
 
         kc, vc = self._kv_halves[layer]
-        ops.cpu_attn_reshape_and_cache(key, value, kc, vc, meta.slot_mapping, self.isa, k_scale=1.0, v_scale=1.0,
-                                       kv_cache_dtype="auto")
+        stub = self.layers[layer]
+        ops.cpu_attn_reshape_and_cache(key, value, kc, vc, meta.slot_mapping, self.isa, k_scale=stub._k_scale_float,
+                                       v_scale=stub._v_scale_float, kv_cache_dtype=self.geometry.kv_cache_dtype)
 
     def attend(self, layer, query, meta, state, scale, out):
-        self._impl(scale).forward(self.layer, query, None, None, self.caches[layer], state, out)
+        self._impl(layer, scale).forward(self.layers[layer], query, None, None, self.caches[layer], state, out)
 
     def attend_prev(self, layer, query, meta, scale):
         if not self.supports_lse:
@@ -218,6 +230,9 @@ class FlashAttentionKernel(AttentionKernel):
         from vllm.vllm_flash_attn import flash_attn_varlen_func  # noqa: F401  (fail early)
 
         g = geometry
+        if not g.plain:  # FlashAttention has these variants; wiring them is untested without a GPU
+            raise NotImplementedError("the GPU attention kernel computes plain attention only (no window, "
+                                      "soft-cap, ALiBi, sinks or fp8 KV cache): not wired here, no GPU to test it")
         self.device = torch.device(device)
         self.caches = [
             torch.zeros(2, num_blocks, g.block_size, g.num_kv_heads, g.head_size,
@@ -225,7 +240,7 @@ class FlashAttentionKernel(AttentionKernel):
             for _ in range(g.num_layers)
         ]
 
-    def prepare(self, meta):
+    def prepare(self, meta, sched_window=-1):
         qsl = meta.query_start_loc.to(self.device)
         return types.SimpleNamespace(
             qsl=qsl, seq_lens=meta.seq_lens.to(self.device), bt=meta.block_table.to(self.device),
@@ -281,11 +296,14 @@ class TorchPagedKernel(AttentionKernel):
     def __init__(self, geometry: Geometry, num_blocks: int, device: str | None = None):
         super().__init__(geometry, num_blocks)
         g = geometry
+        if not g.plain:  # windows, soft-cap, ALiBi, sinks and fp8 caches are vLLM's CPU kernel's (--kernel cpu)
+            raise NotImplementedError("the torch attention kernel computes plain attention only (no window, "
+                                      "soft-cap, ALiBi, sinks or fp8 KV cache); use --kernel cpu for this model")
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.caches = [torch.zeros(2, num_blocks, g.block_size, g.num_kv_heads, g.head_size,
                                    dtype=g.torch_dtype, device=self.device) for _ in range(g.num_layers)]
 
-    def prepare(self, meta):
+    def prepare(self, meta, sched_window=-1):
         qsl = meta.query_start_loc.tolist()
         return types.SimpleNamespace(qsl=qsl, seq_lens=meta.seq_lens.tolist(), bt=meta.block_table.to(self.device),
                                      decode=all(b - a == 1 for a, b in zip(qsl, qsl[1:])))
@@ -353,7 +371,7 @@ class NullKernel(AttentionKernel):
     code (framing, checks, metadata, metrics), i.e. what Lamina's 33 us figure measures. Never
     for serving: its outputs are garbage."""
 
-    def prepare(self, meta):
+    def prepare(self, meta, sched_window=-1):
         return None
 
     def write_kv(self, layer, key, value, meta):

@@ -65,25 +65,29 @@ def reconnect(client: DisaggAttentionClient, required_blocks: int, wait_s: float
     return live
 
 
-def rebuild_kv(runner, attn_layer_names: list[str]) -> int:
-    """Recompute the KV of every request in the runner's batch; returns the number of tokens."""
+def rebuild_kv(runner, group_layer_names: list[list[str]]) -> int:
+    """Recompute the KV of every request in the runner's batch; returns the number of tokens.
+    `group_layer_names[g]`: the layers of KV cache group g, which write through group g's block
+    table (a hybrid model's sliding-window and full layers hold different blocks)."""
     from vllm.forward_context import create_forward_context, override_forward_context
 
     ib = runner.input_batch
     bs = runner.cache_config.block_size
-    table = ib.block_table[0].get_numpy_array()
+    tables = [ib.block_table[g].get_numpy_array() for g in range(len(group_layer_names))]
     total = 0
     for i, req_id in enumerate(ib.req_ids):
         n = int(ib.num_computed_tokens_cpu[i])
         if n == 0:
             continue  # nothing computed yet: this step prefills it
-        blocks = torch.from_numpy(np.ascontiguousarray(table[i, : -(-n // bs)])).to(torch.int32)
         pos = torch.arange(n)
-        step = StepMeta(torch.tensor([0, n], dtype=torch.int32), torch.tensor([n], dtype=torch.int32),
-                        blocks[None].contiguous(), (blocks[pos // bs].long() * bs + pos % bs).contiguous())
-        meta = ClientMeta(step, max_query_len=n, num_actual_tokens=n)
+        metas = {}
+        for table, names in zip(tables, group_layer_names):
+            blocks = torch.from_numpy(np.ascontiguousarray(table[i, : -(-n // bs)])).to(torch.int32)
+            step = StepMeta(torch.tensor([0, n], dtype=torch.int32), torch.tensor([n], dtype=torch.int32),
+                            blocks[None].contiguous(), (blocks[pos // bs].long() * bs + pos % bs).contiguous())
+            metas.update(dict.fromkeys(names, ClientMeta(step, max_query_len=n, num_actual_tokens=n)))
         ids = torch.from_numpy(ib.token_ids_cpu[i, :n].astype(np.int64))
-        ctx = create_forward_context(dict.fromkeys(attn_layer_names, meta), runner.vllm_config)
+        ctx = create_forward_context(metas, runner.vllm_config)
         with override_forward_context(ctx), torch.inference_mode():
             runner.model(input_ids=ids, positions=pos)
         total += n
@@ -111,7 +115,7 @@ def recover(runner, err: AttentionServerLost) -> int:
     ctx = get_forward_context()
     reconnect(_client_of(runner), runner.kv_cache_config.num_blocks)
     forget_splits(ctx.attn_metadata)
-    names = [n for groups in runner.attn_groups for g in groups for n in g.layer_names]
+    names = [list(g.layer_names) for g in runner.kv_cache_config.kv_cache_groups]
     tokens = rebuild_kv(runner, names)
     forget_splits(ctx.attn_metadata)
     runner.remote_recovery_log = [*getattr(runner, "remote_recovery_log", []), {

@@ -24,8 +24,9 @@ from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 from vllm_disagg.attention import runtime
 from vllm_disagg.attention import spans as step_spans
 from vllm_disagg.attention.client import ClientMeta
+from vllm_disagg.attention.variants import check_impl_args
 from vllm_disagg.attention.wire import StepMeta
-from vllm_disagg.overlap import defer_wait
+from vllm_disagg.overlap import defer_wait, wait_network
 
 
 class RemoteAttentionMetadataBuilder(AttentionMetadataBuilder[ClientMeta]):
@@ -47,15 +48,15 @@ class RemoteAttentionImpl(AttentionImpl):
     def __init__(self, num_heads, head_size, scale, num_kv_heads=None, alibi_slopes=None,
                  sliding_window=None, kv_cache_dtype="auto", logits_soft_cap=None,
                  attn_type=AttentionType.DECODER, kv_sharing_target_layer_name=None, **extra):
-        unsupported = {
-            "alibi_slopes": alibi_slopes is not None, "sliding_window": sliding_window is not None,
-            "logits_soft_cap": bool(logits_soft_cap), "attn_type": attn_type != AttentionType.DECODER,
-            "kv_sharing": kv_sharing_target_layer_name is not None,
-            "kv_cache_dtype": kv_cache_dtype not in ("auto", None), "sinks": extra.get("sinks") is not None,
-        }
-        bad = [k for k, v in unsupported.items() if v]
-        if bad:
-            raise NotImplementedError(f"remote attention does not support {', '.join(bad)} yet")
+        # what no server computes is refused here; the rest is read off the loaded layer and
+        # travels in the INIT (variants.collect_layer_attrs), unknown attributes refused there
+        check_impl_args(attn_type, kv_sharing_target_layer_name, kv_cache_dtype, extra)
+        self.alibi_slopes = alibi_slopes
+        self.sliding_window = sliding_window
+        self.logits_soft_cap = logits_soft_cap
+        self.kv_cache_dtype = kv_cache_dtype
+        self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+        self.sinks = extra.get("sinks")  # a parameter: its values are loaded after this
         self.num_heads = num_heads
         self.head_size = head_size
         self.scale = float(scale)
@@ -87,7 +88,9 @@ class RemoteAttentionImpl(AttentionImpl):
         # the other nano-batch's request is already queued at the server (overlap.deferred_waits)
         wait = partial(_wait, pending, output[:n], self._layer_idx, client, attn_metadata)
         if not defer_wait(wait):
-            wait()
+            # in a turn-taking step (models off the Llama op path) another nano-batch computes
+            # while this one waits (nanoflow/pingpong.py)
+            wait_network(wait)
         return output
 
 

@@ -109,6 +109,7 @@ class DisaggAttentionServer:
             "status": "ok", "http": f"{host}:{port}", "address": self.listener.address if self.listener else None,
             "transport": self.transport_kind, "kernel": self.kernel_kind,
             "num_blocks": self.kernel.num_blocks if self.kernel else None,
+            "kv_cache_dtype": self.kernel.geometry.kv_cache_dtype if self.kernel else None,
             "protocol": wire.PROTOCOL_VERSION, "retain_ttl_s": self.retention.ttl_s,
             **(self.ingest.info() if self.ingest else {}),
         }
@@ -283,7 +284,7 @@ class DisaggAttentionServer:
         (q, k, v), meta, _ = self._tensors(session, h, bufs, _QKV)
         out = session.out[: h.num_tokens]
         with self._lock, self._timed(h.layer):
-            state = session.state_for(h.meta_id, self.kernel)
+            state = session.state_for(h.meta_id, self.kernel, h.layer)
             self.kernel.write_kv(h.layer, k, v, meta)
             self.kernel.attend(h.layer, q, meta, state, h.scale, out)
         return (wire.Header(wire.OUT, seq=h.seq, layer=h.layer, num_tokens=h.num_tokens),
@@ -351,7 +352,7 @@ class DisaggAttentionServer:
         """The body of `GET /kv/retained`."""
         keys, ttl = self.retention.keys()
         g = self.kernel.geometry if self.kernel else None
-        return {"block_size": g.block_size if g else None, "geometry": dict(g.__dict__) if g else None,
+        return {"block_size": g.block_size if g else None, "geometry": g.as_dict() if g else None,
                 "keys": [k.hex() for k in keys], "ttl_s": round(ttl, 3), "retain_ttl_s": self.retention.ttl_s}
 
     def authorized(self, header: str | None) -> bool:
@@ -376,7 +377,7 @@ class _Session:
         """`attention.serve` spans of the sampled steps in flight (attention/spans.py)."""
 
     def remember(self, meta_id: int, meta: wire.StepMeta) -> None:
-        self._metas[meta_id] = [meta, None]
+        self._metas[meta_id] = [meta, {}]
         self._metas.move_to_end(meta_id)
         while len(self._metas) > _META_CACHE:
             self._metas.popitem(last=False)
@@ -387,11 +388,14 @@ class _Session:
             raise ProtocolError(f"unknown meta_id {meta_id}: send the step metadata with HAS_META first")
         return entry
 
-    def state_for(self, meta_id: int, kernel: AttentionKernel):
-        entry = self.lookup(meta_id)
-        if entry[1] is None:
-            entry[1] = kernel.prepare(entry[0])
-        return entry[1]
+    def state_for(self, meta_id: int, kernel: AttentionKernel, layer: int):
+        """The step's kernel state for `layer`: one per scheduler window (a hybrid model's groups)."""
+        meta, states = self.lookup(meta_id)
+        window = kernel.sched_window(layer)
+        state = states.get(window)
+        if state is None:
+            state = states[window] = kernel.prepare(meta, window)
+        return state
 
 
 class _Timer:

@@ -14,11 +14,12 @@ import ctypes
 import enum
 import json
 import struct
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import NamedTuple
 
 import torch
 
+from vllm_disagg.attention.variants import KV_CACHE_DTYPES, LayerAttrs
 from vllm_disagg.errors import ProtocolError
 from vllm_disagg.observe.context import TRACE_CONTEXT_BYTES, TraceContext
 
@@ -141,7 +142,9 @@ def decode_trace(h: Header, bufs: list[memoryview]) -> tuple[TraceContext | None
 
 @dataclass(frozen=True)
 class Geometry:
-    """What one server's shard looks like; sent in INIT, fixed for the session."""
+    """What one server's shard looks like; sent in INIT, fixed for the session. `kv_cache_dtype`
+    and `layers` (one `LayerAttrs` per layer; empty = plain attention everywhere) say which
+    attention variant each layer is (`variants.py`); an older server refuses them by name."""
 
     num_layers: int
     num_heads: int  # query heads of this shard
@@ -150,6 +153,8 @@ class Geometry:
     block_size: int
     dtype: str
     max_num_tokens: int
+    kv_cache_dtype: str = "auto"
+    layers: tuple[LayerAttrs, ...] = ()
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -165,21 +170,58 @@ class Geometry:
         out_bytes = self.max_num_tokens * self.num_heads * self.head_size * _ITEMSIZE[self.torch_dtype]
         if out_bytes > _MAX_OUT_BYTES:  # the server allocates one reply buffer of this size per session
             raise ProtocolError(f"geometry asks for a {out_bytes}-byte output buffer (max {_MAX_OUT_BYTES})")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ProtocolError(f"kv_cache_dtype {self.kv_cache_dtype!r} not one of {KV_CACHE_DTYPES}")
+        layers = tuple(a if isinstance(a, LayerAttrs) else LayerAttrs.from_dict(a) for a in self.layers)
+        object.__setattr__(self, "layers", layers)
+        if layers and len(layers) != self.num_layers:
+            raise ProtocolError(f"{len(layers)} layer attribute sets for {self.num_layers} layers")
+        for i, a in enumerate(layers):
+            if a.num_head_values() - {self.num_heads}:
+                raise ProtocolError(f"layer {i}: per-head attributes must have {self.num_heads} values")
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
 
+    @property
+    def cache_torch_dtype(self) -> torch.dtype:
+        """What the KV cache stores: the model dtype, or bytes for an fp8 cache (as vLLM's CPU cache)."""
+        return self.torch_dtype if self.kv_cache_dtype == "auto" else torch.uint8
+
+    def layer(self, index: int) -> LayerAttrs:
+        return self.layers[index] if self.layers else _PLAIN
+
+    @property
+    def plain(self) -> bool:
+        """Plain causal attention on every layer, model-dtype cache (what the torch paths implement)."""
+        return self.kv_cache_dtype == "auto" and all(a.is_plain for a in self.layers)
+
+    def as_dict(self) -> dict:
+        """JSON-ready fields (a plain geometry without the keys older peers do not know)."""
+        out = dict(self.__dict__)
+        out["layers"] = [asdict(a) for a in self.layers]
+        if not self.layers:  # keep a plain INIT what it always was
+            del out["layers"]
+        if self.kv_cache_dtype == "auto":
+            del out["kv_cache_dtype"]
+        return out
+
     def to_json(self) -> bytes:
-        return json.dumps(self.__dict__).encode()
+        return json.dumps(self.as_dict()).encode()
 
     @classmethod
     def from_json(cls, raw: bytes | memoryview) -> Geometry:
         try:
             fields = json.loads(bytes(raw))
+            if not isinstance(fields, dict):
+                raise ValueError("not a JSON object")
             return cls(**fields)
         except (ValueError, TypeError) as err:
             raise ProtocolError(f"bad INIT geometry: {err}") from None
+
+
+_PLAIN = LayerAttrs()
 
 
 @dataclass

@@ -1,11 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 """Model-worker side of Lamina: a CPU worker and runner that hold no KV cache.
 
-`DisaggAttentionWorker(CPUWorker)` connects the process-wide attention client in `init_device`
-(after the model runner exists), reports the servers' capacity as its "available memory" (so the
-scheduler's number of blocks is what the servers hold, not local RAM) and swaps in
-`DisaggAttentionRunner`, which binds zero-byte placeholders (`meta` device) instead of allocating
-the cache and never zeroes blocks locally.
+`DisaggAttentionWorker(CPUWorker)` installs the process-wide attention client in `init_device` and
+connects it in `determine_available_memory` (model loaded, KV layout resolved: each layer's variant
+travels in the INIT), reports the servers' capacity as its "available memory" (so the scheduler's
+number of blocks is what the servers hold, not local RAM) and swaps in `DisaggAttentionRunner`,
+which binds zero-byte placeholders (`meta` device) instead of allocating the cache and never
+zeroes blocks locally.
 
 More: README.md, "worker.py".
 """
@@ -20,6 +21,11 @@ from vllm.v1.worker.cpu_worker import CPUWorker
 from vllm_disagg.attention import backend, recovery, register
 from vllm_disagg.attention.client import DisaggAttentionClient
 from vllm_disagg.attention.partition import resolved_section
+from vllm_disagg.attention.variants import (
+    check_request_wise_groups,
+    collect_layer_attrs,
+    pool_bytes_per_block,
+)
 from vllm_disagg.config import disagg_config_from_vllm
 from vllm_disagg.patches import require
 from vllm_disagg.patches.attn_backend_cache import clear_attn_backend_cache
@@ -44,14 +50,30 @@ def client_from_config(vllm_config) -> DisaggAttentionClient | None:
     return client
 
 
-def connect_client(client: DisaggAttentionClient, vllm_config) -> int:
+def connect_client(client: DisaggAttentionClient, vllm_config, runner) -> int:
+    """INIT the servers once the model is loaded: each layer's variant (window, soft-cap, ALiBi,
+    sinks, fp8 scales) is read off the loaded layers, and anything unknown refuses to start."""
     mc, parallel_config = vllm_config.model_config, vllm_config.parallel_config
+    specs = runner.get_kv_cache_spec()
+    layers = collect_layer_attrs(vllm_config, specs)
+    if client.partition == "request":
+        check_request_wise_groups(vllm_config, specs)
     return client.connect(
         num_layers=mc.get_num_layers(parallel_config), num_heads=mc.get_num_attention_heads(parallel_config),
         num_kv_heads=mc.get_num_kv_heads(parallel_config), head_size=mc.get_head_size(),
         block_size=vllm_config.cache_config.block_size, dtype=str(mc.dtype).removeprefix("torch."),
         max_num_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
+        kv_cache_dtype=str(vllm_config.cache_config.cache_dtype), layers=layers,
     )
+
+
+def _forget_client() -> None:
+    """A refused start leaves no half-set client (or cached remote backend) for a next in-process engine."""
+    client = backend.current_client()
+    if client is not None:
+        client.close()
+        backend.set_client(None)
+        clear_attn_backend_cache()
 
 
 class DisaggAttentionWorker(CPUWorker):
@@ -69,27 +91,33 @@ class DisaggAttentionWorker(CPUWorker):
             raise ValueError("remote_attention.pipeline=2 runs on the nano-batch executor: use worker_cls "
                              "'vllm_disagg.nanoflow.remote.NanoFlowRemoteAttentionWorker' with "
                              '"nanoflow": {"num_nano_batches": 2}')
-        connect_client(client, self.vllm_config)
-        backend.set_client(client)
+        backend.set_client(client)  # before the model builds: its attention impls keep this client
         swap_runner_class(self.model_runner, DisaggAttentionRunner)
+
+    def load_model(self) -> None:
+        try:  # a layer remote attention cannot compute refuses here (variants.check_impl_args)
+            super().load_model()
+        except BaseException:
+            _forget_client()
+            raise
 
     def determine_available_memory(self) -> int:
         client = backend.current_client()
         if client is None:
             return super().determine_available_memory()
+        try:  # the model is loaded and the KV layout resolved: its layers' variants and groups are known
+            connect_client(client, self.vllm_config, self.model_runner)
+        except BaseException:
+            _forget_client()
+            raise
         if self._should_warm_up_model():
             self.model_runner.warming_up_model()
-        specs = self.model_runner.get_kv_cache_spec()
-        per_block = sum(spec.page_size_bytes for spec in specs.values())
+        per_block = pool_bytes_per_block(self.vllm_config, self.model_runner.get_kv_cache_spec())
         logger.info("remote attention: %d blocks on the attention servers", client.num_blocks)
         return client.num_blocks * per_block
 
     def shutdown(self) -> None:
-        client = backend.current_client()
-        if client is not None:
-            client.close()
-            backend.set_client(None)
-            clear_attn_backend_cache()
+        _forget_client()
         super().shutdown()
 
 

@@ -20,6 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from vllm_disagg.kv.layer_specs import check_push_specs
 from vllm_disagg.kv.metadata import DisaggConnectorMetadata
 from vllm_disagg.kv.stats import DisaggKVConnectorStats, DisaggKVPromMetrics
 from vllm_disagg.patches import require
@@ -43,6 +44,7 @@ CONSUMER_PATCHES = ("scheduler_fatal_kv_failure",)
 class DisaggConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
         super().__init__(vllm_config, role, kv_cache_config)
+        check_push_specs(kv_cache_config)  # refuses KV groups, specs and fields the push does not know
         self.connector_scheduler = None
         self.connector_worker = None
         if role == KVConnectorRole.SCHEDULER:

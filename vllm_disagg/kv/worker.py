@@ -30,6 +30,7 @@ from vllm_disagg.attention.spans import set_step_trace
 from vllm_disagg.config import DisaggConfigError, KVTransferSection, disagg_config_from_vllm
 from vllm_disagg.kv.handshake import local_handshake_info
 from vllm_disagg.kv.layer_events import device_events
+from vllm_disagg.kv.layer_specs import check_uniform_layers
 from vllm_disagg.kv.metadata import CancelSpec, DisaggConnectorMetadata, DisaggWorkerMetadata, RecvSpec
 from vllm_disagg.kv.stats import DisaggKVConnectorStats
 from vllm_disagg.transport import Transport, TransportOptions, get_transport
@@ -97,6 +98,7 @@ class DisaggConnectorWorker:
         for name, tensor in zip(names, layers, strict=True):
             if not tensor.is_contiguous():
                 raise ValueError(f"DisaggConnector ships whole blocks and needs contiguous KV; {name} is not")
+        check_uniform_layers(names, layers)
         self.events = device_events(layers[0].device) if layers else self.events
         info = local_handshake_info(self.vllm_config, layers)
         stats = (self._stats, self._stats_lock)

@@ -26,10 +26,12 @@ from vllm_disagg.nanoflow.auto import has_network_op
 from vllm_disagg.nanoflow.executor import OpGraphExecutor
 from vllm_disagg.nanoflow.graph import ATTN, DENSE, NET, build_graph, list_schedule
 from vllm_disagg.nanoflow.kv_save import nano_batched_saves
+from vllm_disagg.nanoflow.pingpong import pingpong_forward
 from vllm_disagg.nanoflow.pipeline import LlamaPipeline, sequential_forward
 from vllm_disagg.nanoflow.plan import NanoFlowPlan, resolve_plan
 from vllm_disagg.nanoflow.throughput import PairedSteps, ThroughputLog
 from vllm_disagg.nanoflow.units import make_units, set_num_threads
+from vllm_disagg.overlap import is_network_bound
 from vllm_disagg.patches import require
 from vllm_disagg.patches.worker_ubatching import set_worker_ubatching
 
@@ -92,8 +94,15 @@ def reset_runner_stats(runner: Any) -> None:
         runner._nano_ab = PairedSteps()
 
 
+def _has_network_bound_attention(vllm_config: Any) -> bool:
+    layers = vllm_config.compilation_config.static_forward_context.values()
+    return any(is_network_bound(ly) for ly in layers if hasattr(ly, "impl"))
+
+
 def runner_stats(runner: Any) -> dict:
     stats = dict(getattr(runner, "nano_stats", {}) or {})
+    if getattr(runner, "nano_plan", None) is not None and hasattr(runner, "nano_overlap"):
+        stats["overlap"] = runner.nano_overlap()
     tput = getattr(runner, "_nano_tput", None)
     if tput is not None:
         stats.update(tput.summary())
@@ -124,6 +133,7 @@ class NanoFlowRunnerMixin:
         self.nano_plan = nanoflow_plan_of(vllm_config)
         self.nano_pipeline: LlamaPipeline | None = None
         self.nano_executor: OpGraphExecutor | None = None
+        self._nano_turns = False
         self.nano_stats = dict.fromkeys(
             (
                 "steps",
@@ -135,6 +145,7 @@ class NanoFlowRunnerMixin:
                 "mixed_steps",
                 "split_attention_steps",  # network attention sent from KQV, waited on the net unit
                 "plain_steps",  # below the plan's break-even (or n=1): vLLM's plain forward
+                "turn_steps",  # off the Llama op path: nano-batch threads taking turns (pingpong.py)
             ),
             0,
         )
@@ -152,11 +163,11 @@ class NanoFlowRunnerMixin:
             return
         self.model = _unwrap_ubatch_wrapper(self.model)
         self.nano_pipeline = LlamaPipeline.try_bind(self.model)
+        self._nano_turns = self.nano_pipeline is None and _has_network_bound_attention(self.vllm_config)
         if self.nano_pipeline is None:
-            logger.warning(
-                "nanoflow: %s is not on the Llama op path; nano-batches run sequentially (no overlap)",
-                type(self.model).__name__,
-            )
+            # the overlap this step can have, stated once (also nanoflow_stats()["overlap"])
+            logger.warning("nanoflow: %s is not on the Llama op path; %s", type(self.model).__name__,
+                           self.nano_overlap())
         shares = self._nano_unit_shares()
         self.nano_executor = OpGraphExecutor(
             make_units(shares, self.device),
@@ -171,6 +182,16 @@ class NanoFlowRunnerMixin:
             shares,
             " (inline)" if self.nano_executor.inline else "",
         )
+
+    def nano_overlap(self) -> str:
+        """What overlaps in a nano-batched step of this model (the plan, in words)."""
+        if self.nano_pipeline is not None:
+            return "op graph: ops of different nano-batches overlap on execution units (pipeline.py)"
+        if self._nano_turns:
+            return ("turn taking: a nano-batch's dense layers (MoE experts included) run while another waits "
+                    "for its network-bound attention (pingpong.py)")
+        return ("sequential: nano-batches run one after another (no network-bound op to overlap; on CPU "
+                "local attention and GEMMs share the cores)")
 
     def _nano_unit_shares(self) -> dict[str, int]:
         plan, pipe = self.nano_plan, self.nano_pipeline
@@ -279,7 +300,11 @@ class NanoFlowRunnerMixin:
         contexts = _slice_contexts(ctx, self.vllm_config)
         with nano_batched_saves(len(fine)):  # a KV connector saves a layer once all nano-batches wrote it
             if self.nano_pipeline is None or intermediate_tensors is not None or model_kwargs:
-                out = sequential_forward(self.model, contexts, fine, input_ids, positions, inputs_embeds)
+                if self._nano_turns and intermediate_tensors is None and not model_kwargs:
+                    out = pingpong_forward(self.model, contexts, fine, input_ids, positions, inputs_embeds)
+                    self.nano_stats["turn_steps"] += 1
+                else:
+                    out = sequential_forward(self.model, contexts, fine, input_ids, positions, inputs_embeds)
                 self.nano_stats["fallback_steps"] += 1
             else:
                 out = self._run_pipeline(fine, contexts, input_ids, positions, inputs_embeds)

@@ -45,15 +45,18 @@ class Family:
     config: dict = field(default_factory=dict)
     features: tuple[str, ...] = ()
     sliding_window: int | None = None  # the window of its windowed layers (None: full attention)
+    # weight on the blocks' output projections: Bloom ties its LM head to embeddings it layer-norms
+    # back to unit scale, so without it the residual is mostly the token itself (it repeats its input)
+    context_gain: float = 1.0
+    bias_scale: float = 0.5  # Bloom's many biases add one constant direction to every token
 
     def full_attention_overrides(self) -> dict:
-        """Config overrides that turn every layer into full attention (same weights): the run that
-        proves the window mattered."""
+        """Config overrides under which no window cuts the matrix's prompts (same weights): the run
+        that proves the window mattered. A window as long as the positions, because vLLM's GPT-OSS
+        picks its windowed layers itself (even layers) instead of reading `layer_types`."""
         if self.sliding_window is None:
             return {}
-        if self.model_type == "mistral":
-            return {"sliding_window": None}
-        return {"layer_types": ["full_attention"] * self.config.get("num_hidden_layers", 2)}
+        return {"sliding_window": _COMMON["max_position_embeddings"]}
 
 
 _ALTERNATING = ["sliding_attention", "full_attention"]
@@ -74,8 +77,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("gpt_oss", "gpt_oss", {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": WINDOW,
                                   "layer_types": _ALTERNATING, "head_dim": 32},
            ("attention sinks", "alternating sliding/global layers", "MoE with biases"), WINDOW),
-    Family("bloom", "bloom", {"n_head": 4, "n_layer": 2, "layer_norm_epsilon": 1e-5, "tie_word_embeddings": False},
-           ("ALiBi",)),
+    Family("bloom", "bloom", {"n_head": 4, "n_layer": 2, "layer_norm_epsilon": 1e-5}, ("ALiBi", "tied embeddings"),
+           context_gain=16.0, bias_scale=0.05),
 )}
 
 
@@ -122,7 +125,7 @@ def _save_hf(fam: Family, config: dict, out: Path, seed: int, weights: bool) -> 
         return
     with torch.device("cpu"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    _seed_weights(model, seed)
+    _seed_weights(model, seed, fam.context_gain, fam.bias_scale)
     model.save_pretrained(out, safe_serialization=True)
     for extra in ("generation_config.json",):  # not needed; keeps the directory minimal
         (out / extra).unlink(missing_ok=True)
@@ -130,7 +133,10 @@ def _save_hf(fam: Family, config: dict, out: Path, seed: int, weights: bool) -> 
     json.loads((out / "config.json").read_text())  # written and readable
 
 
-def _seed_weights(model, seed: int) -> None:
+_OUTPUT_PROJECTIONS = ("self_attention.dense.weight",)  # not the GELU MLP: its output has a constant part
+
+
+def _seed_weights(model, seed: int, context_gain: float = 1.0, bias_scale: float = 0.5) -> None:
     """Redraw every parameter (in name order, one seeded generator): unit-variance embeddings,
     1/sqrt(fan_in) matrices (experts' fan-in is their input dim), O(1) biases and sinks, norms as the
     family initialises them (ones, or zeros for Gemma's 1 + w). HF's own init (std 0.02) makes
@@ -152,9 +158,10 @@ def _seed_weights(model, seed: int) -> None:
                 # (at unit scale the model predicts its own input token, whatever came before)
                 p.copy_(torch.randn(p.shape, generator=gen) * (0.1 / hidden**0.5 if tied else 1.0))
             elif leaf in ("sinks",) or "bias" in leaf:
-                p.copy_(0.5 * torch.randn(p.shape, generator=gen))
+                p.copy_((0.5 if leaf == "sinks" else bias_scale) * torch.randn(p.shape, generator=gen))
             elif p.dim() == 2:
-                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[1] ** 0.5)
+                gain = context_gain if name.endswith(_OUTPUT_PROJECTIONS) else 1.0
+                p.copy_(torch.randn(p.shape, generator=gen) * gain / p.shape[1] ** 0.5)
             elif p.dim() == 3:  # fused experts [E, in, out] (GPT-OSS)
                 p.copy_(torch.randn(p.shape, generator=gen) / p.shape[1] ** 0.5)
             else:

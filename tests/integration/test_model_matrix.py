@@ -1,0 +1,122 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The model matrix: every tiny family (`vllm_disagg/testing/families.py`) through every mechanism
+gives plain vLLM's greedy float32 tokens on multi-block prompts, and each cell proves its mechanism
+ran (attention servers answered ATTN frames, nano-batched steps ran, layer-wise pushes landed with
+no recompute). Where a prompt is longer than a family's sliding window, the window is shown to
+matter (the same weights with full attention give other tokens). Cells that refuse check the one
+line they refuse with (`REFUSED`). CI runs one family per attention feature (`CI_CELLS`, ~2 min);
+`VLLM_DISAGG_FULL_MATRIX=1` runs every cell here, and `benchmarks/model_matrix.py` runs every cell
+and writes the result that makes the README's compatibility table."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from vllm_disagg.testing.families import FAMILIES, make_tiny_model
+from vllm_disagg.testing.matrix import PROMPTS, CellRefused, generate, run_in_process, run_pd
+
+pytestmark = pytest.mark.slow
+os.environ.setdefault("VLLM_DISAGG_AUTH_TOKEN", "test-token")
+
+FULL = os.environ.get("VLLM_DISAGG_FULL_MATRIX") == "1"
+IN_PROCESS = ("remote_head", "remote_request", "nano2")
+# one family per attention feature: soft-cap + alternating windows (gemma2, also off the Llama op
+# path for nano-batches), ALiBi (bloom), sinks + MoE request-wise (gpt_oss), the refused window cell
+CI_CELLS = (("gemma2", "remote_head"), ("gemma2", "nano2"), ("bloom", "remote_head"),
+            ("gpt_oss", "remote_request"), ("mistral", "remote_request"))
+CELLS = [(f, m) for f in sorted(FAMILIES) for m in IN_PROCESS] if FULL else list(CI_CELLS)
+PD_FAMILIES = sorted(FAMILIES) if FULL else ["gemma2"]  # hybrid windows + soft-cap through the push
+WINDOW_FAMILIES = sorted(f for f, fam in FAMILIES.items() if fam.sliding_window) if FULL else ["gemma2"]
+# cells that refuse at start, and the reason they must give
+REFUSED = {
+    ("mistral", "remote_request"): "request-wise remote attention cannot place sliding-window KV groups",
+}
+
+_models: dict[str, str] = {}
+_plain: dict[str, list] = {}
+
+
+@pytest.fixture(scope="module")
+def model_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("matrix")
+
+
+def _model(root, family: str) -> str:
+    if family not in _models:
+        _models[family] = str(make_tiny_model(family, root / family))
+    return _models[family]
+
+
+def _baseline(root, family: str) -> list:
+    if family not in _plain:
+        _plain[family] = generate(_model(root, family))
+    return _plain[family]
+
+
+@pytest.fixture(scope="module")
+def servers():
+    from vllm_disagg.testing.attention import start_local_servers
+
+    srv = start_local_servers(2, transport="shm", kv_cache_gib=0.0625)
+    yield [s.http for s in srv]
+    for s in srv:
+        s.stop()
+
+
+@pytest.mark.parametrize(("family", "mechanism"), CELLS)
+def test_family_through_mechanism_gives_plain_vllms_tokens(model_root, servers, family, mechanism):
+    refused = REFUSED.get((family, mechanism))
+    if refused is not None:
+        with pytest.raises(CellRefused, match=refused):
+            run_in_process(mechanism, _model(model_root, family), servers)
+        return
+    want = _baseline(model_root, family)
+    got, evidence = run_in_process(mechanism, _model(model_root, family), servers)
+    assert got == want, f"{family} / {mechanism}: {evidence}"
+    if mechanism.startswith("remote_"):
+        assert evidence["attn_messages"] > 0, "the attention servers computed nothing"
+    else:
+        assert evidence["stats"]["nano_steps"] > 0, f"no nano-batched step ran: {evidence}"
+
+
+@pytest.mark.parametrize("family", WINDOW_FAMILIES)
+def test_the_sliding_window_matters_on_these_prompts(model_root, family):
+    fam = FAMILIES[family]
+    assert max(len(p) for p in PROMPTS) > fam.sliding_window
+    full = make_tiny_model(family, model_root / f"{family}-full", **fam.full_attention_overrides())
+    assert generate(full) != _baseline(model_root, family), "the same weights without the window: same tokens"
+
+
+@pytest.mark.parametrize("family", PD_FAMILIES)
+def test_prefill_decode_push_gives_plain_vllms_tokens(model_root, tmp_path, family):
+    from vllm_disagg.launch.instances import free_ports
+
+    got, evidence = run_pd(_model(model_root, family), tmp_path, free_ports(1)[0])
+    assert got == _baseline(model_root, family), evidence
+    assert evidence["layerwise"] == len(PROMPTS) and not evidence["recomputed"], evidence
+
+
+def test_an_fp8_kv_cache_on_the_attention_servers_gives_local_fp8s_tokens(model_root, servers):
+    import json
+    import urllib.request
+
+    from vllm_disagg.testing.matrix import remote_kwargs
+
+    llama = _model(model_root, "llama")
+    want = generate(llama, kv_cache_dtype="fp8")
+    assert generate(llama, kv_cache_dtype="fp8", **remote_kwargs(servers, "head")) == want
+    for http in servers:  # the servers really stored fp8 (one byte per value)
+        with urllib.request.urlopen(f"http://{http}/health", timeout=10) as r:
+            assert json.loads(r.read())["kv_cache_dtype"] == "fp8"
+
+
+def test_moe_nano_batches_take_turns_around_remote_attention(model_root, servers):
+    """Off the Llama op path (here MoE), one nano-batch's experts run while the other waits for its
+    attention servers (nanoflow/pingpong.py), and the tokens stay plain vLLM's."""
+    from vllm_disagg.testing.matrix import remote_nano2
+
+    got, evidence = remote_nano2(_model(model_root, "qwen3_moe"), servers)
+    assert got == _baseline(model_root, "qwen3_moe")
+    assert evidence["stats"]["turn_steps"] > 0 and "turn taking" in evidence["stats"]["overlap"], evidence

@@ -1,0 +1,28 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The README's model-family x mechanism table is what `make compat-table` makes of the committed
+matrix result (benchmarks/results/model_matrix.json): edit neither by hand."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from vllm_disagg.testing.families import FAMILIES
+from vllm_disagg.testing.matrix import MECHANISMS, RESULT_PATH, compat_table, readme_table
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_readme_table_is_generated_from_the_matrix_result():
+    result = json.loads(RESULT_PATH.read_text())
+    assert readme_table((ROOT / "README.md").read_text()) == compat_table(result), (
+        "README's compatibility table drifted from benchmarks/results/model_matrix.json: run `make compat-table`")
+
+
+def test_the_committed_result_covers_every_family_and_mechanism():
+    result = json.loads(RESULT_PATH.read_text())
+    assert set(result["families"]) == set(FAMILIES)
+    for family in FAMILIES:
+        assert set(MECHANISMS) <= set(result["cells"][family]), family
+        for cell in result["cells"][family].values():
+            assert cell["status"] in ("ok", "refused"), f"{family}: a failed cell was committed: {cell}"
