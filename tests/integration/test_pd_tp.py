@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from test_pd_connector import Engine, _pd_params
 
-from vllm_disagg.launch.local import free_ports
+from vllm_disagg.launch.instances import free_port_runs
 from vllm_disagg.testing import token_prompts
 
 pytestmark = [
@@ -32,32 +32,12 @@ MAX_TOKENS = 6
 PROMPT_LENS = (700, 333, 130, 45)
 
 
-def _consecutive_ports(num: int) -> int:
-    """A base port whose next `num - 1` ports are free too (rank r listens on base + r)."""
-    for _ in range(50):
-        base = free_ports(1)[0]
-        if base + num < 65536 and all(_free(base + i) for i in range(1, num)):
-            return base
-    raise RuntimeError("no run of free ports")
-
-
-def _free(port: int) -> bool:
-    import socket
-
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
-
-
 @pytest.fixture(scope="module")
 def engines(tiny_model_dir, tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("pd-tp-logs")
     saved = os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU")
     os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
-    p_port, d_port = _consecutive_ports(TP), _consecutive_ports(TP)
+    p_port, d_port = free_port_runs([TP, TP])  # rank r listens on port + r
     started = []
     try:
         with ThreadPoolExecutor(2) as pool:  # both start at once: their imports and loads overlap

@@ -99,14 +99,20 @@ def plan_from_args(args: argparse.Namespace, model_dir: str | None = None) -> li
     one (both phases), which then becomes the model worker of the K attention servers. With `model_dir`,
     the servers' partition and KV size are resolved for that model (`attention_sizing.py`; raises
     `SizingError`, a ValueError, when they cannot hold one request of the max length)."""
-    from vllm_disagg.launch.instances import AttentionPlan, attach_attention, plan_instances
+    from vllm_disagg.launch.instances import (
+        AttentionPlan,
+        attach_attention,
+        plan_instances,
+        tensor_parallel_size,
+    )
 
     resolve_prefill(args)
     num_attention = getattr(args, "attention", 0)
     num_decode, num_mixed = args.decode, args.mixed
     if num_attention and not args.prefill:
         num_decode, num_mixed = 0, num_mixed + num_decode
-    specs = plan_instances(args.prefill, num_decode, num_mixed, args.cores_per_instance, num_attention=num_attention)
+    specs = plan_instances(args.prefill, num_decode, num_mixed, args.cores_per_instance, num_attention=num_attention,
+                           tp_size=tensor_parallel_size(list(getattr(args, "vllm_args", []))))
     if args.layerwise_threshold is not None:
         for spec in specs:
             spec.kv_extra["layerwise_threshold_tokens"] = args.layerwise_threshold

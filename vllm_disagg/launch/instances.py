@@ -64,27 +64,59 @@ def free_ports(num: int) -> list[int]:
     """Ports free right now (held open together so they are distinct), chosen below the kernel's
     ephemeral range: a bind(0) port is the kind a vLLM engine starting beside ours takes for its own
     sockets before our instance binds it (seen in CI: a prefill's KV port, "Address already in use")."""
+    return free_port_runs([1] * num)
+
+
+def free_port_runs(lengths: list[int]) -> list[int]:
+    """One base port per entry of `lengths`, each the first of that many consecutive free ports,
+    all distinct (TP rank r of a P/D instance serves KV on its kv_port + r). As `free_ports`."""
     low, high = _static_port_range()
     socks: list[socket.socket] = []
+    bases: list[int] = []
     try:
-        for port in secrets.SystemRandom().sample(range(low, high), k=min(high - low, 64 * num)):
-            if len(socks) == num:
-                break
-            s = socket.socket()
-            try:
-                s.bind((HOST, port))
-            except OSError:
-                s.close()
-                continue
-            socks.append(s)
-        while len(socks) < num:  # no static range on this host: the OS's pick
-            s = socket.socket()
-            s.bind((HOST, 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
+        candidates = iter(secrets.SystemRandom().sample(range(low, high), k=min(high - low, 64 * len(lengths))))
+        for length in lengths:
+            for base in candidates:
+                run = _bind_run(base, length)
+                if run:
+                    socks += run
+                    bases.append(base)
+                    break
+            else:  # no static range on this host (or it is full): the OS's pick, then its neighbours
+                bases.append(_os_run(length, socks))
+        return bases
     finally:
         for s in socks:
             s.close()
+
+
+def _bind_run(base: int, length: int) -> list[socket.socket]:
+    """Sockets bound to base .. base + length - 1, or [] (none left open) when one is taken."""
+    run: list[socket.socket] = []
+    for port in range(base, base + length):
+        s = socket.socket()
+        try:
+            s.bind((HOST, port))
+        except (OSError, OverflowError):
+            s.close()
+            for r in run:
+                r.close()
+            return []
+        run.append(s)
+    return run
+
+
+def _os_run(length: int, socks: list[socket.socket]) -> int:
+    for _ in range(100):
+        first = socket.socket()
+        first.bind((HOST, 0))
+        base = first.getsockname()[1]
+        rest = _bind_run(base + 1, length - 1) if length > 1 else []
+        if length == 1 or rest:
+            socks += [first, *rest]
+            return base
+        first.close()
+    raise OSError(f"no run of {length} consecutive free ports")
 
 
 def _static_port_range() -> tuple[int, int]:
@@ -108,20 +140,38 @@ def core_slices(num_instances: int, cores_per_instance: int, cores: list[int] | 
     return out
 
 
+def rank_core_slices(num_instances: int, cores_per_instance: int, tp_size: int = 1,
+                     cores: list[int] | None = None) -> list[str]:
+    """`core_slices` for instances of `tp_size` ranks: "a|b" (VLLM_CPU_OMP_THREADS_BIND, rank by rank).
+
+    Each rank gets its own slice when there are cores enough; else the ranks of an instance share
+    the instance's slice: two P/D engines whose ranks spread over each other's cores made the prefill
+    forward ~37x slower in test_pd_tp.py (the decode side busy-polls while it waits for KV)."""
+    cpus = sorted(cores if cores is not None else os.sched_getaffinity(0))
+    if num_instances * tp_size * cores_per_instance <= len(cpus):
+        flat = core_slices(num_instances * tp_size, cores_per_instance, cpus)
+        return ["|".join(flat[i * tp_size:(i + 1) * tp_size]) for i in range(num_instances)]
+    return ["|".join([s] * tp_size) for s in core_slices(num_instances, cores_per_instance, cpus)]
+
+
 def plan_instances(num_prefill: int, num_decode: int, num_mixed: int, cores_per_instance: int = 1,
-                   ports: list[int] | None = None, num_attention: int = 0) -> list[InstanceSpec]:
+                   ports: list[int] | None = None, num_attention: int = 0, tp_size: int = 1) -> list[InstanceSpec]:
     """Ports and cores for every instance; with no P/D and no mixed, one plain (mixed) instance.
 
-    Attention servers come first (they must be up before their model worker starts)."""
+    Attention servers come first (they must be up before their model worker starts). With
+    `tp_size` > 1 each P/D instance's kv_port is the first of `tp_size` free ports (rank r serves on
+    kv_port + r, where the other side's rank r finds it) and each rank gets its own core slice."""
     if num_prefill and not num_decode:
         raise ValueError("--prefill needs at least one --decode instance to push to")
+    if tp_size > 1 and num_attention:
+        raise ValueError(f"--attention with --tensor-parallel-size {tp_size}: remote attention runs at TP=1 only")
     if not (num_prefill or num_decode or num_mixed):
         num_mixed = 1
     roles = (["attention"] * num_attention + ["prefill"] * num_prefill + ["decode"] * num_decode
              + ["mixed"] * num_mixed)
     num_kv = num_prefill + num_decode
-    ports = ports or free_ports(len(roles) + num_kv)
-    cores = core_slices(len(roles), cores_per_instance)
+    ports = ports or free_port_runs([1] * len(roles) + [tp_size] * num_kv)
+    cores = rank_core_slices(len(roles), cores_per_instance, tp_size)
     counts = dict.fromkeys(("attention", "prefill", "decode", "mixed"), 0)
     specs, kv_ports = [], iter(ports[len(roles):])
     for i, role in enumerate(roles):
@@ -129,6 +179,24 @@ def plan_instances(num_prefill: int, num_decode: int, num_mixed: int, cores_per_
         specs.append(InstanceSpec(role, counts[role], ports[i], kv_port, cores[i]))
         counts[role] += 1
     return specs
+
+
+_TP_FLAGS = ("--tensor-parallel-size", "--tensor_parallel_size", "-tp")
+
+
+def tensor_parallel_size(vllm_args: list[str]) -> int:
+    """The `--tensor-parallel-size` (`-tp`) among the arguments `up` passes to vLLM, else 1."""
+    size = "1"
+    for i, arg in enumerate(vllm_args):
+        name, eq, value = arg.partition("=")
+        if name in _TP_FLAGS:
+            size = value if eq else (vllm_args[i + 1] if i + 1 < len(vllm_args) else "")
+    try:
+        if int(size) >= 1:
+            return int(size)
+    except ValueError:
+        pass
+    raise ValueError(f"--tensor-parallel-size {size!r}: expected a positive integer")
 
 
 def serve_command(spec: InstanceSpec, model: str, transport: str, extra_args: list[str],
@@ -199,9 +267,10 @@ def attach_attention(specs: list[InstanceSpec], plan: AttentionPlan) -> Instance
 
 
 def parse_cores(cores: str) -> set[int]:
-    """"0", "2-3" or "0,2-3" (VLLM_CPU_OMP_THREADS_BIND syntax) -> {0}, {2, 3}, {0, 2, 3}."""
+    """"0", "2-3", "0,2-3" or "0|1" (VLLM_CPU_OMP_THREADS_BIND syntax; "|" between TP ranks) -> {0},
+    {2, 3}, {0, 2, 3}, {0, 1}: every core of the instance."""
     out: set[int] = set()
-    for part in cores.split(","):
+    for part in cores.replace("|", ",").split(","):
         lo, _, hi = part.partition("-")
         out.update(range(int(lo), int(hi or lo) + 1))
     return out

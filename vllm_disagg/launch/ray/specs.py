@@ -14,7 +14,7 @@ from pathlib import Path
 
 from vllm_disagg.envs import VLLM_DISAGG_AUTH_TOKEN
 from vllm_disagg.launch.attention_sizing import size_for_args
-from vllm_disagg.launch.instances import CONNECTOR
+from vllm_disagg.launch.instances import CONNECTOR, tensor_parallel_size
 from vllm_disagg.router.ray_registry import ACTOR_PREFIX, NAMESPACE
 
 POOLS = ("prefill", "decode", "mixed", "attention")
@@ -76,6 +76,9 @@ def plan_actor_specs(args: argparse.Namespace, model: str) -> list[ActorSpec]:
     if args.prefill and not args.decode:
         raise ValueError("--prefill needs at least one --decode instance to push to")
     mixed = args.mixed if (args.prefill or args.decode or args.mixed) else 1
+    if tensor_parallel_size(list(getattr(args, "vllm_args", []))) > 1:
+        raise ValueError("--tensor-parallel-size > 1 runs with --backend local only: a Ray actor gets one "
+                         "KV port and one core slice, not one per TP rank")
     token = os.environ.get(VLLM_DISAGG_AUTH_TOKEN) or secrets.token_hex(16)
     common = dict(model=model, served_name=args.model, transport=args.transport,
                   vllm_args=list(getattr(args, "vllm_args", [])), kv_cache_gib=args.kv_cache_gib,
