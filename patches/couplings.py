@@ -75,6 +75,13 @@ COUPLINGS = [
     Coupling("vllm._custom_ops:cpu_attn_reshape_and_cache", ("attention.kernels.CpuAttentionKernel.write_kv",), "called",
              ("key", "value", "key_cache", "value_cache", "slot_mapping", "isa", "k_scale", "v_scale",
               "kv_cache_dtype"), "0.32.0"),
+    Coupling("vllm.v1.core.kv_cache_utils:get_kv_cache_groups", ("attention.variants.kv_groups",),
+             "called on a copy of the runner's specs: each layer's scheduler window and block cost follow "
+             "vLLM's own KV groups", ("vllm_config", "kv_cache_spec"), "0.32.0"),
+    Coupling("vllm.model_executor.models.utils:extract_layer_index", ("attention.variants.collect_layer_attrs",),
+             "called; also reads each Attention's impl.sliding_window/sinks/alibi_slopes/logits_soft_cap and the "
+             "private layer._k_scale_float/_v_scale_float (instance attributes: re-read by hand)",
+             ("layer_name", "num_attn_module"), "0.32.0"),
     Coupling("vllm._custom_ops:reshape_and_cache_flash", ("attention.kernels.FlashAttentionKernel.write_kv",),
              "called positionally (GPU only)",
              ("key", "value", "key_cache", "value_cache", "slot_mapping", "kv_cache_dtype", "k_scale", "v_scale"),
