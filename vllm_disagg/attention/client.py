@@ -74,6 +74,8 @@ class ServerConn:
         self._sent_metas: OrderedDict[int, None] = OrderedDict()
         self._regs: dict[int, bytes] = {}  # block -> key, sent with the next step metadata
         self._regs_lock = threading.Lock()
+        self._late: dict[int, int] = {}  # seq -> type of replies given up on (timeout), dropped when they come
+        self.num_late_replies = 0
 
     def queue_registrations(self, pairs) -> None:
         with self._regs_lock:
@@ -122,12 +124,25 @@ class ServerConn:
         return seq
 
     def recv(self, seq: int, mtype: int, timeout: float | None = None, out: list | None = None):
-        """The reply to `seq`; `out` (optional) receives its payloads in place (checked by size)."""
-        try:
-            msg = self.channel.recv(out, timeout=timeout or self.timeout_s)
-            h = wire.unpack_header(msg.header)
-        except (PeerLostError, TransportTimeout, ProtocolError, ValueError) as err:  # ValueError: out too small
-            raise AttentionServerLost(self.http_addr, err) from err
+        """The reply to `seq`; `out` (optional) receives its payloads in place (checked by size).
+
+        A reply that did not come in time is remembered (`_late`): when it does arrive, ahead of the
+        replies sent after it, it is read and dropped here, so a slow CLAIM or RESTORE never answers
+        the next call in its place."""
+        while True:
+            try:
+                msg = self.channel.recv(out, timeout=timeout or self.timeout_s)
+                h = wire.unpack_header(msg.header)
+            except TransportTimeout as err:
+                self._late[seq] = mtype
+                raise AttentionServerLost(self.http_addr, err) from err
+            except (PeerLostError, ProtocolError, ValueError) as err:  # ValueError: out too small
+                raise AttentionServerLost(self.http_addr, err) from err
+            if self._late.pop(h.seq, None) is None or h.seq == seq:
+                break
+            logger.info("attention server %s: dropped the late %s reply to seq %d", self.http_addr, h.mtype.name,
+                        h.seq)
+            self.num_late_replies += 1
         if h.mtype == wire.ERROR:
             self._sent_metas.clear()  # the server may have dropped what we think it holds
             raise AttentionServerLost(self.http_addr, ProtocolError(wire.error_text(msg.buffers)))

@@ -203,3 +203,29 @@ def test_the_decode_receiver_claims_a_push_before_registering_it_and_never_regis
     finally:
         unclaimed.close()
         c.close()
+
+
+def test_a_claim_and_a_restore_that_time_out_drop_their_late_replies_and_the_channel_goes_on(server, monkeypatch):
+    """A slow server (a delayed peer) answers a CLAIM and a RESTORE after the client gave up on them: the
+    client drops those late replies when they arrive instead of taking them for the next answers."""
+    srv, info = server
+    c = _client(info)
+    claim, restore = srv._claim, srv._restore
+
+    def slow(fn):
+        def wrapped(*args):
+            time.sleep(0.8)
+            return fn(*args)
+        return wrapped
+
+    monkeypatch.setattr(srv, "_claim", slow(claim))
+    monkeypatch.setattr(srv, "_restore", slow(restore))
+    assert c.claim([3, 4], timeout_s=0.2) == {3, 4}  # timed out: reported failed, no raise
+    assert c.restore([(_key(9), 5)], timeout_s=0.2) == {5}
+    monkeypatch.setattr(srv, "_claim", claim)
+    monkeypatch.setattr(srv, "_restore", restore)
+    q, k, v = torch.randn(BS, 4, 32), torch.randn(BS, 2, 32), torch.randn(BS, 2, 32)
+    out = _attend(c, _step([1], 0, BS), q, k, v)  # the next step reads past both late replies
+    assert torch.isfinite(out).all() and c.conns[0].num_late_replies == 2
+    assert c.claim([6], timeout_s=5) == set()
+    c.close()
