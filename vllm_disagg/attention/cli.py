@@ -56,6 +56,9 @@ def add_server_args(p: argparse.ArgumentParser, with_host_port: bool = True) -> 
     p.add_argument("--retain-copy-gib", type=float, default=None,
                    help="memory for retained blocks the new session overwrites (copied aside first); past it "
                         "they are dropped (default: a quarter of --kv-cache-gib)")
+    p.add_argument("--kv-ingest-ttl-s", type=float, default=120.0,
+                   help="with --kv-transport: forget the landed-byte count of a push no decode worker collected "
+                        "after this long (keep it above the prefill push timeout)")
     p.add_argument("--ready-file", default=None, help="write the READY json here once serving")
     p.add_argument("--parent-pid", type=int, default=None,
                    help="exit when this process is gone (launchers pass their pid: no orphaned servers)")
@@ -74,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
             transport=args.transport, kv_cache_bytes=int(args.kv_cache_gib * (1 << 30)),
             kernel=args.kernel, http_host=args.host, http_port=args.http_port, num_threads=args.threads,
             data_port=args.data_port, kv_transport=args.kv_transport, kv_port=args.kv_port, spin_us=args.spin_us,
-            retain_ttl_s=args.retain_ttl_s,
+            retain_ttl_s=args.retain_ttl_s, kv_ingest_ttl_s=args.kv_ingest_ttl_s,
             retain_copy_bytes=None if args.retain_copy_gib is None else int(args.retain_copy_gib * (1 << 30)),
         )
     except (ValueError, OSError) as err:

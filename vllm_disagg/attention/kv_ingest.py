@@ -10,7 +10,9 @@ Lifecycle: `attach(caches)` once the first client's INIT fixed the geometry (aga
 the old receiver closes, its in-flight writes fail at the sender), a thread drains the transport's
 landing notifications into per-transfer byte counts, the decode model worker polls them with
 `GET /kv/landed?ids=T1,T2` (JSON `{transfer_id: bytes}`, `-1` while nothing landed) and drops them
-with `&forget=1` once it has counted them. Counts unclaimed for 10 minutes are dropped.
+with `&forget=1` once it has counted them. Counts nobody collects (the decode worker died, or the push
+was cancelled) are reclaimed after `ttl_s` (default 120 s, above any push timeout) and beyond
+`_MAX_ENTRIES`, oldest first; gauge `vllm:disagg_attention_kv_ingest_unclaimed`.
 """
 
 from __future__ import annotations
@@ -19,14 +21,15 @@ import threading
 import time
 from urllib.parse import parse_qs, urlsplit
 
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Gauge
 from vllm.logger import init_logger
 
 from vllm_disagg.errors import DisaggError
 from vllm_disagg.transport import TransportOptions, get_transport
 
 logger = init_logger(__name__)
-_FORGET_AFTER_S = 600.0
+TTL_S = 120.0
+_MAX_ENTRIES = 4096
 _MAX_IDS = 256  # per poll; a decode worker has at most a batch of pending pushes
 _ID_CHARS = frozenset("0123456789abcdefABCDEF-_")
 
@@ -35,7 +38,7 @@ class KVIngest:
     """The KV receiver of one attention server (`transport` must be the prefill side's kv.transport)."""
 
     def __init__(self, transport: str, auth_token: str, host: str = "127.0.0.1", port: int = 0,
-                 registry: CollectorRegistry | None = None, poll_s: float = 0.001):
+                 registry: CollectorRegistry | None = None, poll_s: float = 0.001, ttl_s: float = TTL_S):
         self.kind = transport
         self._transport = get_transport(transport, TransportOptions(auth_token=auth_token, host=host, port=port))
         self._receiver = None
@@ -43,6 +46,8 @@ class KVIngest:
         self._lock = threading.Lock()
         self._landed: dict[str, list[float]] = {}  # transfer_id -> [bytes, last update]
         self._poll_s = poll_s
+        self.ttl_s = ttl_s
+        self.num_reclaimed = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.bytes_landed = Counter("vllm:disagg_attention_kv_ingest_bytes",
@@ -50,6 +55,9 @@ class KVIngest:
                                     registry=registry)
         self.writes = Counter("vllm:disagg_attention_kv_ingest_writes", "Prefill KV writes that landed",
                               registry=registry)
+        self.unclaimed = Gauge("vllm:disagg_attention_kv_ingest_unclaimed",
+                               "Landed-byte counts of pushes no decode worker has collected yet", registry=registry)
+        self.unclaimed.set_function(lambda: len(self._landed))
 
     def attach(self, caches: list) -> str:
         """Expose `caches` (one tensor per layer, `[num_blocks, ...]`) as regions "0".."L-1"."""
@@ -98,8 +106,13 @@ class KVIngest:
 
     def _gc(self, now: float) -> None:
         with self._lock:
-            for transfer_id in [t for t, (_, seen) in self._landed.items() if now - seen > _FORGET_AFTER_S]:
-                del self._landed[transfer_id]
+            stale = [t for t, (_, seen) in self._landed.items() if now - seen > self.ttl_s]
+            stale += list(self._landed)[:max(0, len(self._landed) - len(stale) - _MAX_ENTRIES)]
+            for transfer_id in stale:
+                self._landed.pop(transfer_id, None)
+        if stale:
+            self.num_reclaimed += len(stale)
+            logger.info("KV ingest: reclaimed %d push counts nobody collected", len(stale))
 
     def landed(self, ids: list[str], forget: bool = False) -> dict[str, int]:
         with self._lock:

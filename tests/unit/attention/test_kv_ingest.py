@@ -86,3 +86,25 @@ def test_malformed_landing_polls_are_refused(path):
         assert ing.http_landed("/kv/landed?ids=ab-1,cd_2") == {"ab-1": -1, "cd_2": -1}
     finally:
         ing.close()
+
+
+def test_push_counts_nobody_collects_are_reclaimed_after_the_ttl_and_past_the_cap(monkeypatch):
+    """The decode worker that should collect a push's count died (or cancelled the push): the server
+    does not keep the count forever."""
+    from types import SimpleNamespace
+
+    from vllm_disagg.attention import kv_ingest
+
+    ing = KVIngest("tcp", TOKEN, ttl_s=0.2)
+    try:
+        ing._count([SimpleNamespace(transfer_id="orphan", nbytes=64)])
+        assert ing.landed(["orphan"]) == {"orphan": 64} and len(ing._landed) == 1
+        time.sleep(0.3)
+        ing._gc(time.monotonic())
+        assert ing.landed(["orphan"]) == {"orphan": -1} and ing.num_reclaimed == 1
+        monkeypatch.setattr(kv_ingest, "_MAX_ENTRIES", 3)
+        ing._count([SimpleNamespace(transfer_id=f"t{i}", nbytes=1) for i in range(5)])
+        ing._gc(time.monotonic())
+        assert sorted(ing._landed) == ["t2", "t3", "t4"]  # the oldest went first
+    finally:
+        ing.close()
