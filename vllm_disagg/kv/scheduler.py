@@ -22,6 +22,7 @@ from vllm_disagg.kv.metadata import (
     SaveSpec,
 )
 from vllm_disagg.kv.spans import SchedulerSpans
+from vllm_disagg.liveness import StepBeacon
 from vllm_disagg.observe.context import TraceContext
 
 if TYPE_CHECKING:
@@ -97,6 +98,8 @@ class DisaggConnectorScheduler:
         self._send_announced: set[str] = set()
         self._pending_release: list[str] = []
         self._awaiting_send: set[str] = set()
+        self._beacon = StepBeacon()
+        """Tells this instance's API server that a step started (its `/live`, vllm_disagg/liveness.py)."""
 
     # ---------------------------------------------------------------- decode side
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
@@ -168,6 +171,7 @@ class DisaggConnectorScheduler:
 
     # ---------------------------------------------------------------- both sides
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> DisaggConnectorMetadata:
+        self._beacon.beat(int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0))
         self.spans.step()
         meta = DisaggConnectorMetadata(
             recv_specs=self._pending_recv,

@@ -57,6 +57,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--decode-queue-threshold", type=int, default=65536,
                         help="router: pending decode tokens above which requests overflow to the mixed pool")
     add_failover_args(parser.add_argument_group("router failover"))
+    parser.add_argument("--restart-limit", type=int, default=5,
+                        help="local backend: restarts of each instance that dies after it was healthy, over the "
+                             "deployment's life (Ray: --max-restarts)")
     obs = parser.add_argument_group("observability")
     obs.add_argument("--trace", action="store_true",
                      help="trace requests across every process into <log-dir>/spans.jsonl (a local OTLP receiver; "
@@ -84,6 +87,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--attention-kv-cache-gib", type=float, default=None,
                    help="KV memory of each attention server (default: sized from the model, --max-model-len and "
                         "the partition, at least the decode instance's --kv-cache-gib share, within free memory)")
+    g.add_argument("--restart-attention", action="store_true",
+                   help="restart a dead attention server too (same ports): its model worker waits for it "
+                        "(--attention-replacement-wait-s) and rebuilds the lost KV")
+    g.add_argument("--attention-replacement-wait-s", type=float, default=30.0,
+                   help="with --restart-attention: how long the model worker waits for the restarted server")
     g.add_argument("--send-q-early", action=argparse.BooleanOptionalAction, default=None,
                    help="send Q first and merge the partial softmax (default: the config's default)")
     from vllm_disagg.launch.ray.specs import add_ray_args
@@ -120,9 +128,19 @@ def plan_from_args(args: argparse.Namespace, model_dir: str | None = None) -> li
     if num_attention and model_dir is not None:
         sizing = size_for_args(args, model_dir)
         partition, kv_gib = sizing.partition, sizing.kv_cache_gib
-    attach_attention(specs, AttentionPlan(num_attention, partition, args.pipeline, args.attention_transport,
-                                          kv_gib, args.send_q_early, args.transport))
+    worker = attach_attention(specs, AttentionPlan(num_attention, partition, args.pipeline, args.attention_transport,
+                                                   kv_gib, args.send_q_early, args.transport))
+    if worker is not None and getattr(args, "restart_attention", False):
+        worker.disagg_extra["remote_attention"]["replacement_wait_s"] = args.attention_replacement_wait_s
     return specs
+
+
+def restart_policy(args: argparse.Namespace):
+    """Which dead instances `up` restarts: P, D and mixed (and attention servers with --restart-attention)."""
+    from vllm_disagg.launch.local import RestartPolicy
+
+    roles = RestartPolicy().roles + (("attention",) if getattr(args, "restart_attention", False) else ())
+    return RestartPolicy(max_restarts=getattr(args, "restart_limit", 5), roles=roles)
 
 
 def _keep_unknown_args(parser: argparse.ArgumentParser) -> None:
@@ -180,7 +198,7 @@ async def _up(args: argparse.Namespace) -> int:
     collector = _start_tracing(args, specs, log_dir, vllm_args)
     cluster = LocalCluster(specs, model_dir, args.transport, vllm_args,
                            served_name=args.model, kv_cache_gib=args.kv_cache_gib, log_dir=log_dir,
-                           bind_cores=getattr(args, "bind_cores", True))
+                           bind_cores=getattr(args, "bind_cores", True), restart=restart_policy(args))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -200,7 +218,9 @@ async def _up(args: argparse.Namespace) -> int:
         router = Router(cluster.router_config(push_timeout_s=args.push_timeout_s,
                                               replay_attempts=args.replay_attempts,
                                               replay_wait_s=args.replay_wait_s,
-                                              admission_wait_s=args.admission_wait_s, api_keys=api_keys(args)),
+                                              admission_wait_s=args.admission_wait_s,
+                                              max_waiting=args.max_waiting,
+                                              stall_timeout_s=args.stall_timeout_s, api_keys=api_keys(args)),
                         SchedulerConfig(args.prefill_queue_threshold, args.decode_queue_threshold))
         server = RouterServer(router, "127.0.0.1", args.port)
         await server.start()

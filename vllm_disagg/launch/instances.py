@@ -199,12 +199,16 @@ def tensor_parallel_size(vllm_args: list[str]) -> int:
     raise ValueError(f"--tensor-parallel-size {size!r}: expected a positive integer")
 
 
+LIVE_MIDDLEWARE = "vllm_disagg.liveness.LiveMiddleware"
+
+
 def serve_command(spec: InstanceSpec, model: str, transport: str, extra_args: list[str],
                   served_name: str | None = None, vllm_cmd: list[str] | None = None) -> list[str]:
     """The `vllm serve` command line of one instance (native flags; unknown args passed through)."""
     if spec.role == "attention":
         return attn_server_command(spec)
-    cmd = [*(vllm_cmd or vllm_serve_prefix()), model, "--host", HOST, "--port", str(spec.http_port)]
+    cmd = [*(vllm_cmd or vllm_serve_prefix()), model, "--host", HOST, "--port", str(spec.http_port),
+           "--middleware", LIVE_MIDDLEWARE]  # GET /live: the engine's step progress (the router's hang detection)
     if served_name and "--served-model-name" not in extra_args:
         cmd += ["--served-model-name", served_name]
     disagg = dict(spec.disagg_extra)

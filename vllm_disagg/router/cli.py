@@ -78,6 +78,11 @@ def add_failover_args(g) -> None:
                    help="longest wait for a healthy instance (e.g. a restart) before a replay")
     g.add_argument("--admission-wait-s", type=float, default=120.0,
                    help="longest wait of a new request for a healthy instance (e.g. a restart) before 503 (0: at once)")
+    g.add_argument("--max-waiting", type=int, default=256,
+                   help="new requests that may wait for admission at once; past it 503 with Retry-After")
+    g.add_argument("--stall-timeout-s", type=float, default=10.0,
+                   help="cut an instance whose requests make no progress this long (stuck step, SIGSTOP, "
+                        "partition) and replay them elsewhere")
 
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
@@ -85,7 +90,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         prefill_urls=args.prefill, prefill_kv=args.prefill_kv, decode_urls=args.decode,
         mixed_urls=args.mixed, pd_protocol=getattr(args, "pd_protocol", "push"), push_timeout_s=args.push_timeout_s, read_timeout_s=args.read_timeout_s,
         health_interval_s=args.health_interval_s, replay_attempts=args.replay_attempts,
-        replay_wait_s=args.replay_wait_s, admission_wait_s=args.admission_wait_s, api_keys=api_keys(args),
+        replay_wait_s=args.replay_wait_s, admission_wait_s=args.admission_wait_s,
+        max_waiting=args.max_waiting, stall_timeout_s=args.stall_timeout_s, api_keys=api_keys(args),
         dynamic_membership=getattr(args, "discovery", "static") != "static",
     )
 
@@ -108,6 +114,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     add_discovery_args(parser)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--reuse-port", action="store_true",
+                        help="SO_REUSEPORT: several routers on one address share the connections, so "
+                             "losing one costs only the streams it carried")
     parser.add_argument("--log-format", choices=("text", "json"), default="text",
                         help="json: one object per line with request_id and trace_id (text appends them)")
     parser.set_defaults(func=run)

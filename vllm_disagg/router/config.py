@@ -57,6 +57,13 @@ class RouterConfig(BaseModel):
     """Longest wait of a NEW request for a healthy instance when none can take it (the only decode or
     mixed instance is restarting): it is routed as soon as one joins or passes a health check, else
     it gets 503 after this long. 0 answers 503 at once."""
+    stall_timeout_s: float = Field(10.0, gt=0)
+    """An instance with requests in flight that shows no progress this long (its `/live` reports a stuck
+    engine step, or it stops answering) is cut from routing, and its requests are replayed or failed
+    over (non-replayable ones, when they cannot be re-sent, end with an error naming the stall)."""
+    max_waiting: int = Field(256, ge=0)
+    """New requests that may wait for admission at once (no healthy instance); past it a request gets
+    503 with Retry-After at once. 0: none waits."""
     api_keys: list[str] = Field(default_factory=list)
     """`--api-key` (else $VLLM_API_KEY), as on `vllm serve`: clients send `Authorization: Bearer KEY` on
     /v1, /v2, /inference and /cohere; the header is passed on to the instances."""

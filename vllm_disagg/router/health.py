@@ -1,11 +1,15 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Health checks: poll every instance's GET /health and drop dead ones from their pool.
+"""Health checks: poll every instance's GET /health and GET /live, drop dead and stuck ones.
 
-An instance is dropped after `health_failures_to_drop` consecutive failed polls (error status, refused
-connection or no answer within `health_timeout_s`), or at once when the proxy sees it refuse a
-connection, or when it has not passed a single check yet (it is still starting: the first poll runs
-before the router serves, so a request that comes early waits for admission instead of failing on
-it). One good poll restores it. Lifecycle: `start()` -> periodic `poll_once()` -> `stop()`.
+Dropped after `health_failures_to_drop` consecutive failed polls (error status, refused connection, no
+answer within `health_timeout_s`), after ONE when it never passed a check (still starting: an early
+request waits for admission instead of failing on it), or at once when the proxy sees it refuse a
+connection. One good poll restores it. Instances are polled independently.
+
+Hang detection (`stall_timeout_s`): `/live` (vllm_disagg/liveness.py) reports how long the engine has
+owed progress. An instance with requests booked on it that shows no progress for `stall_timeout_s` is
+dropped by the watchdog; the proxy then cuts and replays its requests. A stalled engine is not restored
+by a good `/health` while `/live` still reports the stall. Lifecycle: `start()` -> polls -> `stop()`.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 
 import aiohttp
 
@@ -28,30 +33,45 @@ class HealthChecker:
     def __init__(self, pools: InstancePools, config: RouterConfig) -> None:
         self.pools = pools
         self.config = config
-        self._task: asyncio.Task | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._polls: dict[str, asyncio.Task] = {}
         self._session: aiohttp.ClientSession | None = None
+        self.on_stall: list = []
+        """Callbacks `(instance, stalled_s)` when the watchdog cuts an instance (metrics)."""
 
     async def start(self) -> None:
         timeout = aiohttp.ClientTimeout(total=self.config.health_timeout_s)
         self._session = aiohttp.ClientSession(timeout=timeout)
         await self.poll_once()
-        self._task = asyncio.create_task(self._loop(), name="disagg-router-health")
+        self._tasks = [asyncio.create_task(self._loop(), name="disagg-router-health"),
+                       asyncio.create_task(self._watchdog(), name="disagg-router-stall-watchdog")]
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        tasks = [*self._tasks, *self._polls.values()]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+                await task
         if self._session is not None:
             await self._session.close()
 
     async def _loop(self) -> None:
+        """Every `health_interval_s`, poll each instance that has no poll in flight."""
         while True:
             await asyncio.sleep(self.config.health_interval_s)
-            try:
-                await self.poll_once()
-            except Exception:  # keep polling whatever one round hit
-                logger.exception("health poll failed")
+            for inst in list(self.pools.instances.values()):
+                task = self._polls.get(inst.instance_id)
+                if task is None or task.done():
+                    self._polls[inst.instance_id] = asyncio.create_task(self._poll(inst))
+            for iid in [i for i, t in self._polls.items() if t.done() and i not in self.pools.instances]:
+                del self._polls[iid]
+
+    async def _poll(self, inst: Instance) -> None:
+        try:
+            self.record(inst, await self._check(inst))
+        except Exception:  # keep polling whatever one round hit
+            logger.exception("health poll of %s failed", inst.url)
 
     async def poll_once(self) -> None:
         instances = list(self.pools.instances.values())
@@ -60,12 +80,40 @@ class HealthChecker:
             self.record(inst, ok)
 
     async def _check(self, inst: Instance) -> bool:
+        """`/health` answers 200 and `/live` (where served) reports no stall past `stall_timeout_s`."""
         assert self._session is not None
         try:
-            async with self._session.get(f"{inst.url}/health") as resp:
-                return resp.status == 200
+            health, live = await asyncio.gather(self._get(inst, "/health"), self._live(inst))
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
             return False
+        if not health:
+            return False
+        now = time.monotonic()
+        stalled = live.get("stalled_s") if live else None
+        if isinstance(stalled, (int, float)):
+            inst.last_progress = now - float(stalled)
+            return stalled <= self.config.stall_timeout_s
+        inst.last_progress = now  # answering is all we can see of an instance that does not beat
+        return True
+
+    async def _get(self, inst: Instance, path: str) -> bool:
+        async with self._session.get(f"{inst.url}{path}") as resp:
+            return resp.status == 200
+
+    async def _live(self, inst: Instance) -> dict | None:
+        """The instance's `/live` report; None when it has no such endpoint (no liveness middleware)."""
+        if inst.has_live is False:
+            return None
+        async with self._session.get(f"{inst.url}/live") as resp:
+            if resp.status == 404:
+                inst.has_live = False
+                return None
+            inst.has_live = True
+            try:
+                report = await resp.json(content_type=None)
+            except ValueError:
+                return None
+            return report if isinstance(report, dict) else None
 
     def record(self, inst: Instance, ok: bool) -> None:
         if ok:
@@ -90,3 +138,24 @@ class HealthChecker:
         inst.num_failed_checks = max(inst.num_failed_checks, self.config.health_failures_to_drop)
         if self.pools.set_healthy(inst.instance_id, False):
             logger.warning("dropping instance %s (%s) from its pool: %s", inst.url, inst.pool.value, why)
+
+    # ------------------------------------------------------------- stall watchdog
+    async def _watchdog(self) -> None:
+        period = min(0.5, self.config.stall_timeout_s / 4)
+        while True:
+            await asyncio.sleep(period)
+            self.check_stalls(time.monotonic())
+
+    def check_stalls(self, now: float) -> list[Instance]:
+        """Drop every routable instance that has requests booked and no progress for stall_timeout_s."""
+        cut = []
+        for inst in list(self.pools.instances.values()):
+            num = self.pools.num_booked(inst.instance_id)
+            stalled = now - inst.last_progress
+            if num and stalled > self.config.stall_timeout_s and self.pools.is_healthy(inst.instance_id):
+                self.drop(inst, f"no progress for {stalled:.1f} s with {num} requests on it "
+                                f"(--stall-timeout-s {self.config.stall_timeout_s:g})")
+                for callback in self.on_stall:
+                    callback(inst, stalled)
+                cut.append(inst)
+        return cut

@@ -10,8 +10,9 @@ Lifecycle per request: `route()` -> (`prefill_done()`) -> `done()`; health: `set
 
 from __future__ import annotations
 
+import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from vllm_disagg.router.config import RouterConfig
 from vllm_disagg.router.metrics import RouterMetrics
@@ -30,6 +31,10 @@ class Instance:
     num_failed_checks: int = 0
     seen_healthy: bool = False
     """Passed a health check once: until then one failed check drops it (an instance still starting)."""
+    last_progress: float = field(default_factory=time.monotonic)
+    """Monotonic time the instance last showed progress (a good poll, its engine's step, a relayed token)."""
+    has_live: bool | None = None
+    """Whether it serves `/live` (vllm_disagg/liveness.py); None until asked."""
 
 
 @dataclass(frozen=True)
@@ -120,6 +125,11 @@ class InstancePools:
             self.scheduler.mark_unhealthy(instance_id)
         self.update_gauges()
         return True
+
+    def num_booked(self, instance_id: str) -> int:
+        """Requests whose prefill or decode the router booked on this instance and that are not over."""
+        state = self.scheduler.instances.get(instance_id)
+        return 0 if state is None else state.num_prefill_reqs + state.num_decode_reqs
 
     def is_healthy(self, instance_id: str) -> bool:
         return self.scheduler.instances[instance_id].healthy

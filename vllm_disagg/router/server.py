@@ -183,7 +183,7 @@ def run_router(config: RouterConfig, host: str, port: int,
         attach_from_args(router, args)
     print(f"disagg router on http://{host}:{port}  (OpenAI API at /v1)", flush=True)
     web.run_app(router.app, host=host, port=port, access_log=None, print=None,
-                handle_signals=True, shutdown_timeout=5.0)
+                handle_signals=True, shutdown_timeout=5.0, reuse_port=bool(getattr(args, "reuse_port", False)))
     return 0
 
 

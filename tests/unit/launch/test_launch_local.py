@@ -44,6 +44,7 @@ def test_prefill_and_decode_get_the_connector_with_recompute_and_their_kv_port()
     extra = json.loads(cmd[cmd.index("--additional-config") + 1])
     assert extra == {"disagg": {"role": "prefill", "kv": {"kv_port": 11, "transport": "shm"}}}
     assert cmd[-2:] == ["--dtype", "float32"] and cmd[cmd.index("--served-model-name") + 1] == "tiny"
+    assert cmd[cmd.index("--middleware") + 1] == "vllm_disagg.liveness.LiveMiddleware"  # GET /live
     d_cmd = serve_command(d, "/m", "tcp", [], vllm_cmd=["vllm", "serve"])
     assert json.loads(d_cmd[d_cmd.index("--kv-transfer-config") + 1])["kv_role"] == "kv_consumer"
     assert "--kv-transfer-config" not in serve_command(m, "/m", "tcp", [], vllm_cmd=["vllm", "serve"])

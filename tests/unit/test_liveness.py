@@ -1,0 +1,143 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The stuck-step watchdog's two halves: EngineCore's beats and the API server's `/live` verdict,
+over a real abstract unix socket and the real ASGI middleware (driven by hand, no server)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+import uuid
+
+import pytest
+
+from vllm_disagg.liveness import LiveMiddleware, LiveState, StepBeacon
+
+
+def _until(cond, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def state(monkeypatch):
+    name = f"vd-live-test-{uuid.uuid4().hex}"
+    monkeypatch.setenv("VLLM_DISAGG_LIVE_SOCKET", name)
+    monkeypatch.setenv("VLLM_DISAGG_STALL_TIMEOUT_S", "0.3")
+    return LiveState(name), StepBeacon(name)
+
+
+def test_no_beats_means_unknown_never_stalled(state):
+    live, _ = state
+    live.request_started()
+    time.sleep(0.35)
+    report = live.report()
+    assert report["stalled_s"] is None and report["live"] and report["inflight"] == 1
+
+
+def test_work_without_engine_steps_is_a_stall_and_a_step_or_a_chunk_is_progress(state):
+    live, beacon = state
+    beacon.beat(0)
+    _until(lambda: live.num_beats == 1)
+    assert live.report()["stalled_s"] == 0.0  # idle: nothing in flight
+    live.request_started()
+    time.sleep(0.35)
+    assert live.report()["stalled_s"] >= 0.3 and not live.report()["live"]
+    beacon.beat(16)  # a step started: progress
+    _until(lambda: live.num_beats == 2)
+    assert live.report()["stalled_s"] < 0.1 and live.report()["engine_busy"]
+    time.sleep(0.35)
+    live.chunk_sent()  # a streamed token went out
+    assert live.report()["live"]
+    live.request_ended()
+    beacon.beat(0)  # the engine's last step: nothing scheduled
+    _until(lambda: not live.engine_busy)
+    time.sleep(0.35)
+    assert live.report()["stalled_s"] == 0.0  # idle: never stalled
+
+
+def test_beats_are_rate_limited_but_an_idle_busy_change_always_goes_out(state):
+    live, beacon = state
+    for _ in range(50):
+        beacon.beat(8)
+    beacon.beat(0)
+    _until(lambda: live.num_beats == 2)
+    time.sleep(0.05)
+    assert live.num_beats == 2 and not live.engine_busy
+
+
+def test_a_beacon_with_nobody_listening_costs_nothing_and_never_raises():
+    beacon = StepBeacon(f"vd-nobody-{os.getpid()}")
+    for n in (0, 5, 0):
+        beacon.beat(n)
+    beacon.close()
+
+
+async def _call(app, path, method="GET"):
+    sent = []
+
+    async def send(message):
+        sent.append(message)
+
+    async def receive():
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    await app({"type": "http", "path": path, "method": method}, receive, send)
+    return sent
+
+
+def test_the_middleware_answers_live_and_fails_health_while_stalled(state, monkeypatch):
+    live, beacon = state
+    monkeypatch.setattr("vllm_disagg.liveness._STATE", live)
+    release = asyncio.Event()
+
+    async def engine_app(scope, receive, send):
+        if scope["path"] == "/v1/completions":
+            await release.wait()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    app = LiveMiddleware(engine_app)
+
+    async def scenario():
+        beacon.beat(0)
+        await asyncio.sleep(0.05)
+        assert (await _call(app, "/health"))[0]["status"] == 200
+        task = asyncio.create_task(_call(app, "/v1/completions", "POST"))
+        await asyncio.sleep(0.4)  # in flight, no beat: stalled past 0.3 s
+        live_msgs = await _call(app, "/live")
+        assert live_msgs[0]["status"] == 503 and json.loads(live_msgs[1]["body"])["inflight"] == 1
+        health = await _call(app, "/health")
+        assert health[0]["status"] == 503 and b"no progress" in health[1]["body"]
+        release.set()
+        await task
+        beacon.beat(0)
+        await asyncio.sleep(0.05)
+        assert live.inflight == 0 and (await _call(app, "/live"))[0]["status"] == 200
+        assert (await _call(app, "/v1/models"))[1]["body"] == b"ok"  # GETs pass through, uncounted
+
+    asyncio.run(scenario())
+
+
+def test_a_stuck_engine_stays_stalled_after_its_requests_were_cut_until_it_steps_again(state):
+    live, beacon = state
+    beacon.beat(0)
+    _until(lambda: live.num_beats == 1)
+    live.request_started()
+    time.sleep(0.35)
+    live.request_ended()  # the router cut it: the client connection closed, nothing in flight
+    assert live.report()["stalled_s"] >= 0.3 and not live.report()["live"]
+    beacon.beat(0)  # SIGCONT: the engine steps again
+    _until(lambda: live.num_beats == 2)
+    assert live.report()["stalled_s"] == 0.0 and live.report()["live"]
+
+
+def test_a_step_with_tokens_that_never_ends_is_a_stall_even_with_no_request_in_flight(state):
+    live, beacon = state
+    beacon.beat(32)
+    _until(lambda: live.num_beats == 1)
+    time.sleep(0.35)
+    assert live.report()["stalled_s"] >= 0.3

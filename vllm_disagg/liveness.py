@@ -1,0 +1,206 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Engine progress of one vLLM instance (the stuck-step watchdog), exported on `GET /live`.
+
+vLLM's `/health` only sees an engine that died: a SIGSTOPped EngineCore or one stuck inside a step
+passes it. Here EngineCore says "a step started" on every schedule (`StepBeacon.beat`, called by
+DisaggConnector's scheduler half) with one datagram to an abstract unix socket (no file, gone with
+the process), and the API server (`LiveMiddleware`, `vllm serve --middleware
+vllm_disagg.liveness.LiveMiddleware`) answers `GET /live` with how long the instance has had work
+(generate requests in flight, or a scheduled step) without progress (a step, or a response chunk).
+`/health` turns 503 past `VLLM_DISAGG_STALL_TIMEOUT_S` (default 10). The router cuts an instance
+whose `stalled_s` passes its `--stall-timeout-s` and replays its requests. README: router/README.md.
+Who imports it: `kv/scheduler.py` (the beacon, in EngineCore) and vLLM's API server through
+`--middleware` (named by `launch/local.py` and the k8s manifests). Stdlib only (base layer).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import struct
+import threading
+import time
+
+__all__ = ["LiveMiddleware", "LiveState", "StepBeacon", "socket_name"]
+
+logger = logging.getLogger(__name__)
+_BEAT = struct.Struct("<iI")  # sender pid, tokens scheduled this step
+_MIN_BEAT_GAP_S = 0.05  # busy engines step every few ms: one datagram per 50 ms is plenty
+ENV_SOCKET = "VLLM_DISAGG_LIVE_SOCKET"
+ENV_STALL_TIMEOUT = "VLLM_DISAGG_STALL_TIMEOUT_S"
+
+
+def socket_name(api_server_pid: int) -> str:
+    """The abstract socket of the API server `api_server_pid` (EngineCore is its child)."""
+    return os.environ.get(ENV_SOCKET) or f"vllm-disagg-live-{api_server_pid}"
+
+
+class StepBeacon:
+    """EngineCore side: best effort, never blocks, never raises (no listener: offline `LLM()`)."""
+
+    def __init__(self, name: str | None = None) -> None:
+        self._addr = "\0" + (name or socket_name(os.getppid()))
+        self._sock: socket.socket | None = None
+        self._last = 0.0
+        self._last_busy = False
+        self._pid = os.getpid()
+
+    def beat(self, num_scheduled_tokens: int) -> None:
+        now = time.monotonic()
+        busy = num_scheduled_tokens > 0
+        if now - self._last < _MIN_BEAT_GAP_S and busy == self._last_busy:
+            return
+        self._last, self._last_busy = now, busy
+        try:
+            if self._sock is None:
+                self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_NONBLOCK)
+            self._sock.sendto(_BEAT.pack(self._pid, max(0, min(num_scheduled_tokens, 2**32 - 1))), self._addr)
+        except OSError:  # nobody listening, or its queue is full: the next beat tries again
+            pass
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+
+class LiveState:
+    """API server side: beats received, generate requests in flight, and the verdict."""
+
+    def __init__(self, name: str | None = None) -> None:
+        self.name = name or socket_name(os.getpid())
+        self.inflight = 0
+        self.num_beats = 0
+        self.engine_busy = False
+        self.owed_since: float | None = None
+        """A request arrived and the engine has not stepped since (cleared by every beat)."""
+        now = time.monotonic()
+        self.last_beat = self.last_chunk = self.work_since = now
+        self._lock = threading.Lock()
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        try:
+            self._sock.bind("\0" + self.name)
+        except OSError as err:  # another API server took the name: report "unknown", never fail serving
+            logger.warning("liveness: cannot listen on @%s (%s); /live reports no engine progress", self.name, err)
+            self._sock.close()
+            return
+        threading.Thread(target=self._listen, name="disagg-live", daemon=True).start()
+
+    def _listen(self) -> None:
+        while True:
+            try:
+                data = self._sock.recv(64)
+            except OSError:
+                return
+            if len(data) != _BEAT.size:
+                continue  # only EngineCore writes here (same user: abstract sockets have no permissions)
+            _, num_tokens = _BEAT.unpack(data)
+            with self._lock:
+                self.num_beats += 1
+                self.last_beat = time.monotonic()
+                self.engine_busy = num_tokens > 0
+                self.owed_since = None
+
+    def request_started(self) -> None:
+        with self._lock:
+            now = time.monotonic()
+            if self.inflight == 0:
+                self.work_since = now
+            if self.owed_since is None:
+                self.owed_since = now
+            self.inflight += 1
+
+    def request_ended(self) -> None:
+        with self._lock:
+            self.inflight -= 1
+
+    def chunk_sent(self) -> None:
+        self.last_chunk = time.monotonic()
+
+    def report(self) -> dict:
+        """`stalled_s`: how long the engine has owed progress: with generate requests in flight, since
+        the last step (or response chunk); with none, since a request that came (and was maybe
+        aborted) before the engine stepped again, or since a step with tokens that never ended; else
+        0. So a stuck engine stays stalled after its requests were cut, until it steps again. None
+        when this engine never beat (no DisaggConnector), which says nothing either way."""
+        with self._lock:
+            now = time.monotonic()
+            if not self.num_beats:
+                stalled = None
+            elif self.inflight:
+                stalled = now - max(self.last_beat, self.last_chunk, self.work_since)
+            elif self.owed_since is not None:
+                stalled = now - self.owed_since
+            elif self.engine_busy:
+                stalled = now - self.last_beat
+            else:
+                stalled = 0.0
+            stalled = None if stalled is None else round(max(0.0, stalled), 3)
+            return {"live": stalled is None or stalled <= stall_timeout_s(), "stalled_s": stalled,
+                    "inflight": self.inflight, "engine_busy": self.engine_busy, "num_beats": self.num_beats,
+                    "since_beat_s": round(now - self.last_beat, 3) if self.num_beats else None}
+
+
+def stall_timeout_s() -> float:
+    try:
+        return float(os.environ.get(ENV_STALL_TIMEOUT, "10"))
+    except ValueError:
+        return 10.0
+
+
+_STATE: LiveState | None = None
+_STATE_LOCK = threading.Lock()
+
+
+def live_state() -> LiveState:
+    """This API server's state (one per process, bound on first use)."""
+    global _STATE
+    with _STATE_LOCK:
+        if _STATE is None:
+            _STATE = LiveState()
+        return _STATE
+
+
+class LiveMiddleware:
+    """ASGI middleware for vLLM's API server: `GET /live`, and `/health` 503 while stalled."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+        self.state = live_state()
+
+    async def __call__(self, scope, receive, send):
+        if scope.get("type") != "http":
+            return await self.app(scope, receive, send)
+        path, method = scope.get("path", ""), scope.get("method", "GET")
+        if path == "/live" and method == "GET":
+            report = self.state.report()
+            return await _respond(send, 200 if report["live"] else 503, report)
+        if path == "/health":
+            report = self.state.report()
+            if not report["live"]:
+                return await _respond(send, 503, {"error": f"engine made no progress for {report['stalled_s']:.1f} s "
+                                                           "with work pending", **report})
+            return await self.app(scope, receive, send)
+        if method != "POST" or not path.startswith("/v1/"):
+            return await self.app(scope, receive, send)
+        state = self.state
+
+        async def counting_send(message):
+            if message.get("type") == "http.response.body" and message.get("body"):
+                state.chunk_sent()
+            await send(message)
+
+        state.request_started()
+        try:
+            return await self.app(scope, receive, counting_send)
+        finally:
+            state.request_ended()
+
+
+async def _respond(send, status: int, body: dict) -> None:
+    data = json.dumps(body).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
+    await send({"type": "http.response.body", "body": data})
