@@ -19,7 +19,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "vllm_disagg"
 # Bottom to top. A component is a top-level module or folder of vllm_disagg. A module may import its
 # own component and any layer below; components that share the base layer may import each other.
 LAYERS: list[tuple[str, set[str]]] = [
-    ("base", {"config", "envs", "errors", "logs", "models", "observe", "overlap", "patches", "trace_context"}),
+    ("base", {"config", "envs", "errors", "liveness", "logs", "models", "observe", "overlap", "patches"}),
     ("transport", {"transport"}),
     ("attention", {"attention"}),
     ("kv", {"kv"}),

@@ -25,6 +25,7 @@ from vllm_disagg.router.config import RouterConfig
 from vllm_disagg.router.pools import Instance, InstancePools
 
 logger = logging.getLogger(__name__)
+_LIVE_RECHECK_S = 60.0
 
 
 class HealthChecker:
@@ -102,10 +103,12 @@ class HealthChecker:
 
     async def _live(self, inst: Instance) -> dict | None:
         """The instance's `/live` report; None when it has no such endpoint (no liveness middleware)."""
-        if inst.has_live is False:
+        now = time.monotonic()
+        if inst.has_live is False and now < inst.live_asked_at + _LIVE_RECHECK_S:
             return None
+        inst.live_asked_at = now
         async with self._session.get(f"{inst.url}/live") as resp:
-            if resp.status == 404:
+            if resp.status == 404:  # asked again now and then: a restarted instance may have it
                 inst.has_live = False
                 return None
             inst.has_live = True

@@ -35,6 +35,7 @@ class Instance:
     """Monotonic time the instance last showed progress (a good poll, its engine's step, a relayed token)."""
     has_live: bool | None = None
     """Whether it serves `/live` (vllm_disagg/liveness.py); None until asked."""
+    live_asked_at: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -44,14 +44,43 @@ logger = logging.getLogger(__name__)
 # How often a waiting request checks that its client is still connected (aiohttp has no event for it).
 _CLIENT_CHECK_S = 1.0
 _WAIT_BUCKETS = (0.1, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300)
+_RETRY_AFTER_S = 2
 
 
 class _ConnectFailed(Exception):
-    """The target refused the connection before the client saw anything: safe to re-route."""
+    """The target refused the connection, or was cut (left routing), before the client saw anything:
+    safe to re-route."""
 
-    def __init__(self, instance: Instance) -> None:
-        super().__init__(instance.url)
-        self.instance = instance
+    def __init__(self, instance: Instance, why: str = "refused a connection") -> None:
+        super().__init__(f"{instance.url}: {why}")
+        self.instance, self.why = instance, why
+
+
+class _Relay:
+    """One not-replayable attempt, so that `cut` can end it when its instance leaves routing (a hung
+    instance answers nothing: without the cut the request would wait out read_timeout_s)."""
+
+    def __init__(self, route: Route) -> None:
+        self.route = route
+        self.post: asyncio.Task | None = None
+        self.resp: aiohttp.ClientResponse | None = None
+        self.cut_from: str | None = None
+        self.sent = False  # bytes of it reached the client
+
+    def cut(self, instance_id: str) -> None:
+        route = self.route
+        prefill_left = route.prefill is not None and route.prefill.instance_id == instance_id and not self.sent
+        if self.cut_from is not None or (route.target.instance_id != instance_id and not prefill_left):
+            return
+        self.cut_from = instance_id
+        logger.warning("cutting a request off %s: %s left routing", route.target.url,
+                       "it" if not prefill_left else f"its prefill instance {route.prefill.url}")
+        if self.resp is not None:
+            self.resp.content.set_exception(ConnectionResetError(
+                f"instance {route.target.url} left routing (failed health checks, or no progress for "
+                "--stall-timeout-s); this request (batch prompt, n > 1 or echo) cannot be continued elsewhere"))
+        elif self.post is not None:
+            self.post.cancel()
 
 
 class Proxy:
@@ -70,10 +99,12 @@ class Proxy:
         self.admission_waits = Histogram(
             "vllm:disagg_router_admission_wait_seconds",
             "Waits of new requests that found no healthy instance, by how they ended "
-            "(admitted, timed_out, client_gone).", ["outcome"], buckets=_WAIT_BUCKETS, registry=metrics.registry,
+            "(admitted, timed_out, client_gone, queue_full).", ["outcome"], buckets=_WAIT_BUCKETS,
+            registry=metrics.registry,
         )
         self._joined = asyncio.Event()  # replaced after each set: waiters hold the one they saw
         self.cuts: dict[str, Callable[[str], None]] = {}  # req_id -> cut its attempt (instance left)
+        self.num_waiting = 0  # new requests waiting for admission (bounded by max_waiting)
         pools.scheduler.listeners.append(self._on_membership)
 
     async def start(self) -> None:
@@ -115,13 +146,14 @@ class Proxy:
             try:
                 return await self._serve(request, route, body, endpoint, start)
             except _ConnectFailed as exc:
-                self.health.drop(exc.instance, "refused a connection")
-                self.metrics.fallbacks.labels("reroute_connect_error").inc()
-                spans.event("fallback", reason="reroute_connect_error", instance=exc.instance.url)
+                self.health.drop(exc.instance, exc.why)
+                reason = "reroute_connect_error" if exc.why == "refused a connection" else "reroute_left_routing"
+                self.metrics.fallbacks.labels(reason).inc()
+                spans.event("fallback", reason=reason, instance=exc.instance.url)
             finally:
                 self.pools.done(route.req_id)
         self.metrics.requests.labels(endpoint, "none", "error").inc()
-        return error_response(502, "every instance tried refused the connection")
+        return error_response(502, "every instance tried refused the connection or left routing before it answered")
 
     # --------------------------------------------------------- admission
     def _on_membership(self, instance_id: str, healthy: bool, lost: list[str]) -> None:
@@ -157,6 +189,18 @@ class Proxy:
             return route, "admitted"
         if wait_s <= 0:
             return None, "timed_out"
+        if admission and self.num_waiting >= self.config.max_waiting:
+            self.admission_waits.labels("queue_full").observe(0.0)
+            return None, "queue_full"
+        self.num_waiting += admission
+        try:
+            return await self._wait_for_route(request, estimates, allow_pd, wait_s, tick, admission)
+        finally:
+            self.num_waiting -= admission
+
+    async def _wait_for_route(self, request: web.Request, estimates: Callable[[], tuple[int, int]],
+                              allow_pd: bool, wait_s: float, tick: Callable[[], Awaitable[bool]] | None,
+                              admission: bool) -> tuple[Route | None, str]:
         t0 = time.monotonic()
         deadline = t0 + wait_s
         logger.debug("no healthy instance for a request: waiting up to %.0f s for one", wait_s)
@@ -195,9 +239,16 @@ class Proxy:
             return None
 
     def no_route_response(self, endpoint: str, why: str) -> web.Response:
-        """503 for a request no instance took (after the admission wait)."""
-        self.metrics.requests.labels(endpoint, "none", "client_gone" if why == "client_gone" else "no_instance").inc()
-        return error_response(503, "no healthy vLLM instance can serve this request", "ServiceUnavailable")
+        """503 with Retry-After for a request no instance took: after the admission wait, or at once when
+        `max_waiting` requests already wait (a bounded queue: the client retries, nothing piles up here)."""
+        outcome = {"client_gone": "client_gone", "queue_full": "queue_full"}.get(why, "no_instance")
+        self.metrics.requests.labels(endpoint, "none", outcome).inc()
+        if why == "queue_full":
+            message = (f"{self.config.max_waiting} requests already wait for a healthy instance (--max-waiting); "
+                       "retry later")
+        else:
+            message = "no healthy vLLM instance can serve this request"
+        return error_response(503, message, "ServiceUnavailable", headers={"Retry-After": str(_RETRY_AFTER_S)})
 
     async def forward_get(self, path: str) -> web.Response:
         """GET endpoints any instance answers the same (/v1/models)."""
@@ -215,13 +266,16 @@ class Proxy:
     async def _serve(self, request: web.Request, route: Route, body: dict[str, Any], endpoint: str,
                      start: float) -> web.StreamResponse:
         p_task, d_body = await self.start_prefill(route, body, endpoint)
+        relay = _Relay(route)
+        self.cuts[route.req_id] = relay.cut
         ok = False
         try:
             with spans.phase("router.decode", instance=route.target.url, route=route.kind):
-                out = await self._relay(request, route, d_body, endpoint, start)
+                out = await self._relay(request, route, d_body, endpoint, start, relay)
             ok = out.status == 200 and not out.get(FAILED, False)
             return out
         finally:
+            self.cuts.pop(route.req_id, None)
             await self.end_prefill(p_task, ok)
 
     async def start_prefill(self, route: Route, body: dict[str, Any],
@@ -302,6 +356,7 @@ class Proxy:
         try:
             async with self.session.post(f"{pre.url}/v1/{endpoint}", json=p_body, timeout=timeout) as resp:
                 data = await resp.read()
+                pre.last_progress = time.monotonic()
                 if resp.status != 200:
                     self.metrics.prefill_failures.labels(pre.url).inc()
                     logger.warning("prefill on %s failed for %s: HTTP %d %s", pre.url, route.req_id,
@@ -317,22 +372,32 @@ class Proxy:
             self.pools.prefill_done(route.req_id)
 
     async def _relay(self, request: web.Request, route: Route, d_body: dict[str, Any], endpoint: str,
-                     start: float) -> web.StreamResponse:
+                     start: float, relay: _Relay) -> web.StreamResponse:
         target = route.target
+        relay.post = asyncio.ensure_future(self.session.post(f"{target.url}/v1/{endpoint}", json=d_body))
         try:
-            resp = await self.session.post(f"{target.url}/v1/{endpoint}", json=d_body)
+            resp = await relay.post
+        except asyncio.CancelledError:
+            if relay.cut_from is None or asyncio.current_task().cancelling():
+                raise  # not our cut: the handler itself is being cancelled
+            raise _ConnectFailed(target, "left routing before it answered") from None
         except aiohttp.ClientConnectorError as exc:
             raise _ConnectFailed(target) from exc
         except UPSTREAM_ERRORS as exc:
             self.count(endpoint, route, "error", start)
             return error_response(502, f"instance {target.url} failed before answering: {exc!r}")
+        relay.resp = resp
         try:
+            if relay.cut_from is not None:
+                raise _ConnectFailed(target, "left routing before it answered")
             headers = route_headers(route)
             if resp.status == 200 and resp.content_type == "text/event-stream":
-                return await self._relay_stream(request, route, resp, headers, endpoint, start)
+                return await self._relay_stream(request, route, resp, headers, endpoint, start, relay)
             try:
                 data = await resp.read()
             except UPSTREAM_ERRORS as exc:
+                if relay.cut_from is not None:  # nothing reached the client: another instance answers it
+                    raise _ConnectFailed(target, "left routing before it answered") from exc
                 self.count(endpoint, route, "error", start)
                 self.health.record(target, False)
                 return error_response(502, f"instance {target.url} failed mid-response: {exc!r}")
@@ -344,10 +409,11 @@ class Proxy:
             resp.close()
 
     async def _relay_stream(self, request: web.Request, route: Route, resp: aiohttp.ClientResponse,
-                            headers: dict[str, str], endpoint: str, start: float) -> web.StreamResponse:
+                            headers: dict[str, str], endpoint: str, start: float, relay: _Relay) -> web.StreamResponse:
         out = web.StreamResponse(status=200, headers={**headers, "Cache-Control": "no-cache"})
         out.content_type = "text/event-stream"
         await out.prepare(request)
+        relay.sent = True
         first = True
         while True:
             try:
@@ -359,6 +425,7 @@ class Proxy:
             if first:
                 self.metrics.ttft.labels(route.kind).observe(time.monotonic() - start)
                 first = False
+            route.target.last_progress = time.monotonic()  # the stall watchdog's evidence
             self.pools.decode_progress(route.req_id, chunk.count(b"data: "))
             try:
                 await out.write(chunk)

@@ -61,6 +61,9 @@ class ReplayRun:
         self._cut_from: str | None = None  # the instance the current attempt was cut from
         self._cut_exc: ConnectionResetError | None = None  # what the cut made its response read raise
         self._target: Instance | None = None  # the current attempt's instance
+        self._prefill: Instance | None = None  # ... and its prefill instance (push path)
+        self._attempt_tokens = 0  # ... and the tokens it relayed
+        self._p_task: asyncio.Task | None = None  # ... and P's request
         self._post: asyncio.Task | None = None  # the current attempt's request, until its headers came
         self._resp: aiohttp.ClientResponse | None = None  # ... and its response after that
         self._next_ping = 0.0
@@ -98,6 +101,8 @@ class ReplayRun:
             finally:
                 self.p.cuts.pop(route.req_id, None)
                 self._cut_from = self._cut_exc = self._target = self._post = self._resp = None
+                self._prefill = self._p_task = None
+                self._attempt_tokens = 0
                 self.p.pools.done(route.req_id)
         return await self._give_up(last, route)
 
@@ -117,17 +122,26 @@ class ReplayRun:
         return await self._write(b": waiting for a healthy instance to replay on\n\n")
 
     def _cut(self, instance_id: str) -> None:
-        """The current attempt's instance left routing: fail the attempt now (it is replayed)."""
-        route_target = self._target
-        if route_target is None or route_target.instance_id != instance_id or self._cut_from is not None:
-            return  # e.g. only its prefill instance left: D recomputes the prompt, the attempt goes on
+        """The current attempt's instance left routing: fail the attempt now (it is replayed). So does
+        its prefill instance (stuck, or dead) while nothing of this attempt reached the client: D would
+        wait up to push_timeout_s for that push; the replay goes to a route without it."""
+        route_target, pre = self._target, self._prefill
+        if route_target is None or self._cut_from is not None:
+            return
+        if route_target.instance_id != instance_id:
+            if pre is None or pre.instance_id != instance_id or self._attempt_tokens or self._p_answered():
+                return  # its prefill left after the push: D has the KV (or recomputes), the attempt goes on
         self._cut_from = instance_id
-        logger.warning("cutting a %s request off %s: it left routing", self.endpoint, route_target.url)
+        logger.warning("cutting a %s request off %s: %s left routing", self.endpoint, route_target.url,
+                       "it" if route_target.instance_id == instance_id else f"its prefill instance {pre.url}")
         if self._resp is not None:  # an attempt that already failed on its own keeps its own reason
             self._cut_exc = ConnectionResetError(f"{route_target.url} left routing")
             self._resp.content.set_exception(self._cut_exc)
         elif self._post is not None:
             self._post.cancel()
+
+    def _p_answered(self) -> bool:
+        return self._p_task is not None and self._p_task.done()
 
     # ----------------------------------------------------------- attempt
     async def _attempt(self, route: Route) -> web.StreamResponse:
@@ -138,6 +152,7 @@ class ReplayRun:
                 raise _AttemptFailed("no_answer", route.target, "no max_model_len for the continuation")
             body, endpoint = self.stitch.next_request(self.endpoint, mml)
         p_task, d_body = await self.p.start_prefill(route, body, endpoint)
+        self._prefill, self._p_task = route.prefill, p_task
         ok = False
         try:
             with spans.phase("router.decode", instance=route.target.url, route=route.kind):
@@ -208,6 +223,8 @@ class ReplayRun:
                 if self._first:
                     self.p.metrics.ttft.labels(route.kind).observe(time.monotonic() - self.start)
                     self._first = False
+                route.target.last_progress = time.monotonic()  # the stall watchdog's evidence
+                self._attempt_tokens += 1
                 self.p.pools.decode_progress(route.req_id, 1)
                 if not await self._write(piece):
                     self.p.count(self.endpoint, route, "client_gone", self.start)

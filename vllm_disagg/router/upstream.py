@@ -18,9 +18,10 @@ FAILED = web.ResponseKey("disagg_failed", bool)
 UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError)
 
 
-def error_response(status: int, message: str, err_type: str = "BadGateway") -> web.Response:
+def error_response(status: int, message: str, err_type: str = "BadGateway",
+                   headers: dict[str, str] | None = None) -> web.Response:
     body = {"error": {"message": message, "type": err_type, "param": None, "code": status}}
-    return web.json_response(body, status=status)
+    return web.json_response(body, status=status, headers=headers)
 
 
 def sse_error(message: str, status: int = 502) -> bytes:

@@ -28,12 +28,15 @@ class InstanceServer:
         self.die_after: int | None = None
         """Streams drop the connection after this many tokens, `die_times` times."""
         self.die_times = 0
+        self.live_stalled_s: float | None = 0.0
+        """What GET /live reports as `stalled_s` (vllm_disagg/liveness.py); None: no /live (404)."""
         self.app = web.Application()
         self.app.add_routes([
             web.post("/v1/completions", self._generate),
             web.post("/v1/chat/completions", self._generate),
             web.get("/v1/models", self._models),
             web.get("/health", self._health),
+            web.get("/live", self._live),
             web.route("*", "/{tail:.*}", self._echo),
         ])
         self.headers: list[dict] = []
@@ -59,6 +62,11 @@ class InstanceServer:
 
     async def _health(self, _req: web.Request) -> web.Response:
         return web.Response(status=200 if self.healthy else 503)
+
+    async def _live(self, _req: web.Request) -> web.Response:
+        if self.live_stalled_s is None:
+            return web.Response(status=404)
+        return web.json_response({"live": self.live_stalled_s < 10, "stalled_s": self.live_stalled_s})
 
     async def _echo(self, req: web.Request) -> web.Response:
         """Any other vLLM route: answers who got it (a stored response's id on POST /v1/responses)."""

@@ -1,0 +1,76 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Hang detection and the bounded admission queue, against real HTTP instance servers.
+
+An instance whose engine makes no progress (its `/live` reports a stall, vllm_disagg/liveness.py)
+is cut once its stall passes `stall_timeout_s`, and stays out while it is stuck; a request that
+cannot be replayed is sent whole to another instance when nothing of it reached the client, and a
+stream of it that had started ends with an error naming the stall. Past `max_waiting` requests
+waiting for admission, a new one gets 503 with Retry-After at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from test_admission import _until
+from test_router_proxy import _post, deployment, run
+
+NOT_REPLAYABLE = {"model": "m", "prompt": [1, 2, 3], "n": 2, "max_tokens": 3, "temperature": 0}  # never replayed
+
+
+def test_a_stuck_instance_is_cut_after_the_stall_timeout_and_its_request_answered_by_another():
+    async def scenario():
+        async with deployment(p_modes=("ok",), d_modes=("stall",), health_interval_s=0.1, stall_timeout_s=0.5,
+                              health_failures_to_drop=100) as (url, session, ps, ds, _, router):
+            ds[0].live_stalled_s = 0.0
+            await asyncio.sleep(0.3)
+            task = asyncio.create_task(_post(session, url, NOT_REPLAYABLE))
+            await _until(lambda: ds[0].bodies)  # on the stuck instance now
+            ds[0].live_stalled_s = 3.0  # its engine stopped stepping
+            status, headers, raw = await asyncio.wait_for(task, 10)
+            assert status == 200 and json.loads(raw)["served_by"] == "p0"  # the prefill instance, as mixed
+            assert not router.pools.is_healthy(ds[0].url)
+            await asyncio.sleep(0.5)
+            assert not router.pools.is_healthy(ds[0].url)  # /health answers, but /live says it is stuck
+            ds[0].live_stalled_s = 0.0  # it steps again
+            await _until(lambda: router.pools.is_healthy(ds[0].url))
+            fallbacks = router.metrics.registry.get_sample_value(
+                "vllm:disagg_router_fallbacks_total", {"reason": "reroute_left_routing"})
+            assert fallbacks == 1
+    run(scenario())
+
+
+def test_a_started_stream_that_cannot_be_replayed_ends_with_an_error_naming_the_stall():
+    async def scenario():
+        async with deployment(p_modes=(), d_modes=("stall_mid_stream",), mixed_modes=(), health_interval_s=0.1,
+                              stall_timeout_s=0.5, health_failures_to_drop=100) as (url, session, _, ds, _m, router):
+            ds[0].live_stalled_s = 0.0
+            await asyncio.sleep(0.3)
+            body = {"model": "m", "prompt": [1, 2, 3], "max_tokens": 3, "echo": True, "stream": True}
+            task = asyncio.create_task(_post(session, url, body))
+            await _until(lambda: ds[0].bodies)
+            await asyncio.sleep(0.2)
+            ds[0].live_stalled_s = 3.0
+            status, _, raw = await asyncio.wait_for(task, 10)
+            assert status == 200 and b"left routing" in raw and b"cannot be continued" in raw
+            assert raw.rstrip().endswith(b"data: [DONE]")
+    run(scenario())
+
+
+def test_past_max_waiting_a_new_request_gets_503_with_retry_after_at_once():
+    async def scenario():
+        async with deployment(p_modes=(), d_modes=("ok",), health_interval_s=0.1, max_waiting=1,
+                              admission_wait_s=20) as (url, session, _, ds, _m, router):
+            ds[0].healthy = False  # restarting
+            await _until(lambda: not router.pools.is_healthy(ds[0].url))
+            body = {"model": "m", "prompt": [1, 2, 3], "max_tokens": 2}
+            waiting = asyncio.create_task(_post(session, url, body))
+            await _until(lambda: router.proxy.num_waiting == 1)
+            async with session.post(f"{url}/v1/completions", json=body) as resp:
+                assert resp.status == 503 and resp.headers["Retry-After"] == "2"
+                assert "--max-waiting" in (await resp.json())["error"]["message"]
+            ds[0].healthy = True
+            status, _, _ = await asyncio.wait_for(waiting, 10)
+            assert status == 200 and router.proxy.num_waiting == 0
+    run(scenario())
