@@ -75,6 +75,8 @@ class DisaggConnectorMetadata(KVConnectorMetadata):
     release_req_ids: list[str] = field(default_factory=list)
     preempted_req_ids: list[str] = field(default_factory=list)
     cancel_specs: list[CancelSpec] = field(default_factory=list)
+    abandoned_req_ids: list[str] = field(default_factory=list)
+    """Prefill side: requests aborted before their push ended (the router dropped the attempt)."""
     reuse: Any = None
     """Lamina model worker: `kv.lamina.reuse.ReuseMeta` (restores and block registrations), else None."""
     step_trace: TraceContext | None = None

@@ -108,6 +108,8 @@ class PushPlan:
             self._apply_spec(spec)
         for req_id in meta.preempted_req_ids:
             self.fail(self.pushes.get(req_id), "request preempted on the prefill instance")
+        for req_id in meta.abandoned_req_ids:
+            self.fail(self.pushes.get(req_id), "request aborted on the prefill instance")
         for req_id in meta.release_req_ids:
             push = self.pushes.get(req_id)
             if push is not None:

@@ -192,7 +192,7 @@ class PushSender:
     def _issue_to(self, push: Push, writes: list[BlockWrite], layer: int, address: str, num_shards: int) -> bool:
         nbytes = sum(len(w.src_block_ids) for w in writes) * self.handshake.block_nbytes // num_shards
         try:
-            peer = self._peer(address)
+            peer = self._peer(address, check=not push.handles)  # once per push, not per layer
             handle = peer.write_blocks(writes, push.transfer_id, layer)
         except (DisaggError, OSError, ValueError) as err:
             self._peers.pop(address, None)
@@ -203,8 +203,14 @@ class PushSender:
             self.plan.issued(push, handle, layer, nbytes)
         return True
 
-    def _peer(self, address: str) -> KVPeer:
+    def _peer(self, address: str, check: bool = False) -> KVPeer:
+        """The connection to `address`; with `check`, a new one if the cached one broke (a decode
+        instance restarted on the same address: the old streams would fail this push, D would wait)."""
         peer = self._peers.get(address)
+        if peer is not None and check and not peer.usable():
+            logger.info("KV peer %s: the old connection is broken; reconnecting", address)
+            self._peers.pop(address, None)
+            peer = None
         if peer is None:
             peer = self._peers[address] = self._sender.connect(address, timeout=self.cfg.push_timeout_s)
         return peer

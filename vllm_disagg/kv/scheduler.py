@@ -97,6 +97,7 @@ class DisaggConnectorScheduler:
         self.spans = SchedulerSpans()
         self._send_announced: set[str] = set()
         self._pending_release: list[str] = []
+        self._pending_abandon: list[str] = []  # aborted prefill requests: their pushes end now
         self._awaiting_send: set[str] = set()
         self._beacon = StepBeacon()
         """Tells this instance's API server that a step started (its `/live`, vllm_disagg/liveness.py)."""
@@ -179,10 +180,11 @@ class DisaggConnectorScheduler:
             release_req_ids=self._pending_release,
             preempted_req_ids=sorted(set(scheduler_output.preempted_req_ids or ()) & self._send_announced),
             cancel_specs=self._pending_cancel,
+            abandoned_req_ids=self._pending_abandon,
             reuse=self.reuse.build_meta(scheduler_output) if self.reuse is not None else None,
             step_trace=self.spans.step_trace(scheduler_output.num_scheduled_tokens) if self.reuse is not None else None,
         )
-        self._pending_recv, self._pending_release, self._pending_cancel = [], [], []
+        self._pending_recv, self._pending_release, self._pending_cancel, self._pending_abandon = [], [], [], []
         return meta
 
     def _save_specs(self, out: SchedulerOutput) -> list[SaveSpec]:
@@ -242,6 +244,8 @@ class DisaggConnectorScheduler:
         self._send_announced.discard(req_id)
         self._pending_release.append(req_id)
         self._awaiting_send.add(req_id)
+        if getattr(getattr(request, "status", None), "name", "") == "FINISHED_ABORTED":  # the router dropped it
+            self._pending_abandon.append(req_id)  # (D failed or the client left): no decode side wants it
         return True, {"transfer_id": transfer_id, "pushed": True}
 
     def is_fatal_load_failure(self, req_id: str) -> bool:

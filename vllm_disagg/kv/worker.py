@@ -142,7 +142,8 @@ class DisaggConnectorWorker:
 
     # ------------------------------------------------------------ per step
     def bind(self, meta: DisaggConnectorMetadata) -> None:
-        if self.sender is not None and (meta.save_specs or meta.release_req_ids or meta.preempted_req_ids):
+        if self.sender is not None and (meta.save_specs or meta.release_req_ids or meta.preempted_req_ids
+                                    or meta.abandoned_req_ids):
             self.sender.bind(meta)
         if self.reuse is not None:  # first: registrations queued now ride on the receiver's CLAIM, ahead of it
             self.reuse.bind(meta.reuse)

@@ -253,6 +253,11 @@ class KVPeer(ABC):
     def close(self) -> None:
         """Wait for queued writes (bounded), then disconnect; idempotent."""
 
+    def usable(self) -> bool:
+        """False once the connection is known to be broken (the receiver restarted, a write failed):
+        a new connection is needed. Backends that cannot tell say True; a write then fails its handle."""
+        return True
+
 
 class KVSender(ABC):
     """Prefill side of the KV push."""

@@ -283,6 +283,42 @@ def test_register_carries_the_trace_context_to_the_prefill_side(pair):
     assert reg.trace.trace_id == trace.trace_id and reg.trace.to_traceparent().startswith("00-4bf92f35")
 
 
+def test_a_decode_instance_restarted_on_the_same_address_gets_its_next_push_on_a_new_connection():
+    """P keeps a connection per decode receiver; a D that restarted (same port) closed the old one: the next
+    push must not be written on it (it would fail, and the new D would wait push_timeout_s)."""
+    pair = Pair(timeout=10.0)
+    try:
+        pair.register("t1", range(10, 17), timeout=10.0)
+        pair.prefill_step([SaveSpec("p1", tuple(range(1, 8)), 100, 100, "t1", True)], release=["p1"])
+        assert _until(pair.poll) == {"d-t1"} and not pair.failed
+        port = int(pair.receiver.address.rsplit(":", 1)[1])
+        pair.receiver.close()  # D is killed...
+        time.sleep(0.2)
+        d_layers = [torch.zeros(SHAPE) for _ in range(NUM_LAYERS)]
+        data = get_transport("tcp", TransportOptions(auth_token="tok", timeout_s=5.0, port=port))
+        pair.receiver = PushReceiver(_transport(), data, INFO, "tok", d_layers, (pair.d_stats, threading.Lock()))
+        pair.d_layers, pair.done = d_layers, set()  # ...and restarted on the same address
+        pair.register("t2", range(20, 27), timeout=10.0)
+        pair.prefill_step([SaveSpec("p2", tuple(range(1, 8)), 100, 100, "t2", True)], release=["p2"])
+        assert _until(pair.poll) == {"d-t2"} and not pair.failed
+        assert _landed(pair, range(1, 8), range(20, 27))
+    finally:
+        pair.close()
+
+
+def test_an_aborted_prefill_request_frees_its_push_at_once():
+    """The router dropped the attempt (its D failed, or the client left): nobody will register for it."""
+    pair = Pair(timeout=30.0)
+    try:
+        pair.prefill_step([SaveSpec("p1", (1, 2), 40, 40, "t-aborted", True)])
+        t0 = time.monotonic()
+        pair.sender.bind(DisaggConnectorMetadata(abandoned_req_ids=["p1"], release_req_ids=["p1"]))
+        assert _until(pair.sender.finished_sending) == {"p1"}
+        assert time.monotonic() - t0 < 10.0  # not its push_timeout_s (30 s)
+    finally:
+        pair.close()
+
+
 def test_a_traced_push_is_one_span_with_an_event_per_write_its_bytes_and_exposed_time(pair, spans):
     from vllm_disagg.observe import tracing
 

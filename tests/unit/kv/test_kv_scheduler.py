@@ -185,3 +185,14 @@ def test_a_push_taken_over_from_the_attention_servers_is_cancelled_on_the_prefil
     assert "attention servers" in meta.cancel_specs[0].reason
     s.update_state_after_alloc(req, _blocks([7, 8, 9, 10]), 96)  # again (after a preemption): once only
     assert s.build_connector_meta(_out()).cancel_specs == []
+
+
+def test_an_aborted_prefill_request_has_its_push_abandoned():
+    s = DisaggConnectorScheduler(BS, push_timeout_s=30)
+    req = _req("p1", 64, do_remote_decode=True, transfer_id="t9")
+    s.update_state_after_alloc(req, _blocks([1, 2]), 0)
+    s.build_connector_meta(_out(new=[("p1", [1, 2], 0)], sched={"p1": 64}))
+    req.status = SimpleNamespace(name="FINISHED_ABORTED")
+    assert s.request_finished(req, [1, 2])[0] is True  # blocks stay until the worker says the push is over
+    meta = s.build_connector_meta(_out())
+    assert meta.release_req_ids == ["p1"] and meta.abandoned_req_ids == ["p1"]

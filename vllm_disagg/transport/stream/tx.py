@@ -141,6 +141,10 @@ class StreamKVPeer(KVPeer):
                 self._error = err
                 logger.info("KV peer %s failed: %s", self.address, err)
 
+    def usable(self) -> bool:
+        """A receiver that restarted on the same address closed our old streams: seen here as EOF."""
+        return self._error is None and not self._closed and not any(s.peer_closed() for s in self._streams)
+
     def close(self) -> None:
         with self._lock:
             if self._closed:
