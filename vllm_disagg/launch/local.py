@@ -49,9 +49,11 @@ from vllm_disagg.launch.instances import (  # noqa: F401 - re-exported: they liv
     vllm_serve_prefix,
 )
 from vllm_disagg.launch.reaper import start_reaper
+from vllm_disagg.launch.shm_sweep import ShmSweeper
 from vllm_disagg.router.config import RouterConfig
 
 logger = logging.getLogger(__name__)
+_SHM_RECORD_TICKS = 10  # supervisor ticks (0.5 s) between two looks at what an instance maps in /dev/shm
 
 @dataclass(frozen=True)
 class RestartPolicy:
@@ -99,6 +101,7 @@ class LocalCluster:
     _stopping: threading.Event = field(default_factory=threading.Event, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _watched: set[str] = field(default_factory=set, repr=False)  # healthy once: restarted when they die
+    _shm: ShmSweeper = field(default_factory=ShmSweeper, repr=False)  # a killed instance's /dev/shm files
 
     def start(self, specs: list[InstanceSpec] | None = None) -> None:
         """Start `specs` (default: all); call again with the rest to start in stages."""
@@ -165,11 +168,15 @@ class LocalCluster:
         """Poll the watched instances; restart the dead ones after their backoff (until stop())."""
         due: dict[str, float] = {}
         by_name = {s.name: s for s in self.specs}
+        ticks = 0
         while not self._stopping.wait(0.5):
             with self._lock:
                 names = sorted(self._watched)
+            ticks += 1
             for name in names:
                 if self.procs[name].poll() is None:
+                    if ticks % _SHM_RECORD_TICKS == 1:  # what it maps in /dev/shm, removed if it is killed
+                        self._shm.record(name, self.procs[name].pid)
                     continue
                 num = self.restarts.get(name, 0)
                 if num >= self.restart.max_restarts:
@@ -194,6 +201,7 @@ class LocalCluster:
             while _group_exists(old.pid) and time.monotonic() < deadline:
                 time.sleep(0.1)
             os.close(self._reapers.pop(spec.name))
+            self._shm.sweep(spec.name)
             self.restarts[spec.name] = num
             logger.warning("restarting %s (restart %d of at most %d), same ports and flags", spec.name, num,
                            self.restart.max_restarts)
@@ -248,6 +256,8 @@ class LocalCluster:
         for fd in self._reapers.values():
             os.close(fd)  # the groups are gone: let their reapers exit
         self._reapers.clear()
+        for name in self.procs:
+            self._shm.sweep(name)
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:

@@ -1,0 +1,56 @@
+# SPDX-License-Identifier: Apache-2.0
+"""A SIGKILLed instance's /dev/shm files are removed by the launcher, and only those nobody maps."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+from vllm_disagg.launch.shm_sweep import ShmSweeper, group_pids
+
+_CHILD = """
+import mmap, sys, time
+f = open(sys.argv[1], "r+b"); m = mmap.mmap(f.fileno(), 4096)
+print("mapped", flush=True); time.sleep(60)
+"""
+
+
+def _shm_file() -> str:
+    path = f"/dev/shm/vd-sweep-test-{uuid.uuid4().hex}"
+    with open(path, "wb") as f:
+        f.write(b"\0" * 4096)
+    return path
+
+
+def _mapper(path: str) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", _CHILD, path], stdout=subprocess.PIPE, start_new_session=True)
+    assert proc.stdout.readline().strip() == b"mapped"
+    return proc
+
+
+def test_the_files_a_killed_group_mapped_are_unlinked_and_a_shared_one_is_kept():
+    mine, shared = _shm_file(), _shm_file()
+    killed, other = _mapper(mine), _mapper(shared)
+    bystander = _mapper(shared)
+    try:
+        sweeper = ShmSweeper()
+        assert group_pids(killed.pid) == [killed.pid]
+        sweeper.record("decode0", killed.pid)
+        sweeper.record("decode0", other.pid)  # as if the group had mapped `shared` too
+        os.killpg(killed.pid, signal.SIGKILL)
+        os.killpg(other.pid, signal.SIGKILL)
+        killed.wait(5)
+        other.wait(5)
+        time.sleep(0.1)
+        assert sweeper.sweep("decode0") == [os.path.basename(mine)]  # `shared` is still mapped elsewhere
+        assert not os.path.exists(mine) and os.path.exists(shared)
+        assert sweeper.sweep("decode0") == []
+    finally:
+        bystander.kill()
+        for path in (mine, shared):
+            if os.path.exists(path):
+                os.unlink(path)
