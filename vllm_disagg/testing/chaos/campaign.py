@@ -1,0 +1,388 @@
+# SPDX-License-Identifier: Apache-2.0
+"""One chaos campaign: a deployment, load from a trace, a fault every 10-20 s, then leak checks.
+
+`Deployment` runs `vllm-disagg up` (P/D, optionally a Lamina model worker with attention servers;
+dead instances restarted) and `num_routers` routers of its instances on ONE port (SO_REUSEPORT),
+which the clients use: losing a router costs only the streams it carried. `run_campaign` warms it
+up, snapshots it idle, sends the load while the `FaultInjector` works, drains, snapshots again, and
+returns the report (the keys of issue 18). Shared by `benchmarks/chaos.py` (the 10-minute soak) and
+`tests/integration/test_chaos.py` (the CI-sized run).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import secrets
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from vllm_disagg.testing.chaos import leaks
+from vllm_disagg.testing.chaos.clients import ChaosClients
+from vllm_disagg.testing.chaos.faults import KINDS, Fault, FaultInjector, signal_group
+from vllm_disagg.testing.chaos.workload import References, schedule
+
+ENGINE_ARGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "1024", "--block-size", "32",
+               "--seed", "0", "--max-num-seqs", "16"]
+
+
+def _free_port() -> int:
+    from vllm_disagg.launch.local import free_ports
+
+    return free_ports(1)[0]
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
+
+
+def _wait_http(url: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=5) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{url} not answering 200 after {timeout_s:.0f} s")
+        time.sleep(0.5)
+
+
+@dataclass
+class Deployment:
+    workdir: Path
+    model: str
+    num_attention: int = 0
+    num_routers: int = 2
+    stall_timeout_s: float = 10.0
+    engine_args: list[str] = field(default_factory=lambda: list(ENGINE_ARGS))
+    token: str = field(default_factory=lambda: secrets.token_hex(16))
+    up: subprocess.Popen | None = None
+    routers: list[dict] = field(default_factory=list)
+    router_port: int = 0
+
+    @property
+    def state_file(self) -> Path:
+        return self.workdir / "state.json"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.router_port}"
+
+    def _env(self) -> dict:
+        return {**os.environ, "VLLM_DISAGG_AUTH_TOKEN": self.token,
+                "VLLM_DISAGG_STALL_TIMEOUT_S": str(self.stall_timeout_s)}
+
+    def start(self, timeout_s: float = 900.0) -> None:
+        cmd = [sys.executable, "-m", "vllm_disagg.cli.main", "up", "--prefill", "1", "--decode", "1",
+               "--model", self.model, "--port", "0", "--state-file", str(self.state_file),
+               "--log-dir", str(self.workdir / "logs"), "--restart-limit", "1000",
+               "--stall-timeout-s", str(self.stall_timeout_s)]
+        if self.num_attention:
+            cmd += ["--attention", str(self.num_attention), "--restart-attention", "--attention-transport", "tcp"]
+        log = open(self.workdir / "up.log", "wb")  # noqa: SIM115 (the child's)
+        self.up = subprocess.Popen([*cmd, *self.engine_args], stdout=log, stderr=subprocess.STDOUT,
+                                   env=self._env(), start_new_session=True)
+        deadline = time.monotonic() + timeout_s
+        while not self.state_file.exists():
+            if self.up.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"up did not start: {(self.workdir / 'up.log').read_text()[-3000:]}")
+            time.sleep(1)
+        self.router_port = _free_port()
+        for i in range(self.num_routers):
+            self.routers.append({"name": f"router-{i}", "role": "router", "url": self.url, "pid": None})
+            self._spawn_router(self.routers[-1])
+        _wait_http(f"{self.url}/health", 120)
+
+    def _router_cmd(self) -> list[str]:
+        state = self.state()
+        cmd = [sys.executable, "-m", "vllm_disagg.cli.main", "router", "--port", str(self.router_port),
+               "--reuse-port", "--stall-timeout-s", str(self.stall_timeout_s), "--health-interval-s", "1"]
+        for inst in state["instances"]:
+            if inst["role"] == "prefill":
+                cmd += ["--prefill", inst["url"], "--prefill-kv", inst["kv"]]
+            elif inst["role"] in ("decode", "mixed"):
+                cmd += ["--decode" if inst["role"] == "decode" else "--mixed", inst["url"]]
+        return cmd
+
+    def _spawn_router(self, router: dict) -> None:
+        log = open(self.workdir / f"{router['name']}.log", "ab")  # noqa: SIM115
+        proc = subprocess.Popen(self._router_cmd(), stdout=log, stderr=subprocess.STDOUT, env=self._env(),
+                                start_new_session=True)
+        router["pid"], router["proc"] = proc.pid, proc
+
+    def kill_router(self, router: dict) -> None:
+        signal_group(router["pid"], signal.SIGKILL)
+        router["proc"].wait(10)
+        self._spawn_router(router)
+
+    def restart_attention(self, inst: dict) -> None:
+        """`up --restart-attention` restarts it; nothing to do here."""
+
+    def state(self) -> dict:
+        return json.loads(self.state_file.read_text())
+
+    def instances(self) -> list[dict]:
+        return self.state()["instances"]
+
+    def pick(self, role: str, rng: random.Random) -> dict:
+        pool = self.routers if role == "router" else [i for i in self.instances() if i["role"] == role]
+        return rng.choice(pool)
+
+    def roles(self) -> list[str]:
+        return sorted({i["role"] for i in self.instances()})
+
+    def binary_ports(self) -> list[tuple[str, str]]:
+        """Every KV side channel / receiver and attention listener (name, HOST:PORT)."""
+        ports = []
+        for inst in self.instances():
+            if inst.get("kv"):
+                ports.append((f"{inst['name']}-kv", inst["kv"]))
+            if inst["role"] == "attention":
+                try:
+                    with urllib.request.urlopen(f"{inst['url']}/health", timeout=5) as resp:
+                        health = json.loads(resp.read())
+                except OSError:
+                    continue
+                ports += [(f"{inst['name']}-{k}", health[k]) for k in ("address", "kv_address") if health.get(k)]
+        return ports
+
+    def http_urls(self) -> list[str]:
+        return [self.url] + [i["url"] for i in self.instances() if i["role"] != "attention"]
+
+    def all_healthy(self) -> bool:
+        """Every instance answers its own `/health` and the router has every one in routing. The
+        instances are asked themselves: a router restarted a moment ago still counts an instance
+        healthy that it has not polled yet."""
+        for inst in self.instances():
+            if not _answers(f"{inst['url']}/health"):
+                return False
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=5) as resp:
+                body = json.loads(resp.read())
+        except (OSError, ValueError):
+            return False
+        return all(i["healthy"] for i in body["instances"])
+
+    def wait_all_healthy(self, timeout_s: float, num_in_row: int = 3) -> bool:
+        """`all_healthy` (and every router running) `num_in_row` times in a row, 1 s apart."""
+        deadline = time.monotonic() + timeout_s
+        good = 0
+        while time.monotonic() < deadline:
+            ok = self.all_healthy() and all(r["proc"].poll() is None for r in self.routers)
+            good = good + 1 if ok else 0
+            if good >= num_in_row:
+                return True
+            time.sleep(1)
+        return False
+
+    def stop(self) -> list[str]:
+        """Stop everything; returns the process groups that outlived it (leaked children)."""
+        for r in self.routers:
+            signal_group(r["pid"], signal.SIGTERM)
+        pids = [i["pid"] for i in self.instances()] if self.state_file.exists() else []
+        if self.up is not None and self.up.poll() is None:
+            os.kill(self.up.pid, signal.SIGTERM)
+            try:
+                self.up.wait(90)
+            except subprocess.TimeoutExpired:
+                signal_group(self.up.pid, signal.SIGKILL)
+        for r in self.routers:
+            try:
+                r["proc"].wait(10)
+            except subprocess.TimeoutExpired:
+                signal_group(r["pid"], signal.SIGKILL)
+        deadline = time.monotonic() + 15
+        alive = pids + [r["pid"] for r in self.routers]
+        while alive and time.monotonic() < deadline:
+            alive = [p for p in alive if _group_alive(p)]
+            time.sleep(0.2)
+        for p in alive:
+            signal_group(p, signal.SIGKILL)
+        return [str(p) for p in alive]
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+@dataclass
+class CampaignConfig:
+    duration_s: float = 600.0
+    fault_every_s: tuple[float, float] = (10.0, 20.0)
+    """From one fault's start to the next one's (a long SIGSTOP is followed at once)."""
+    kinds: tuple[str, ...] = KINDS
+    roles: tuple[str, ...] = ("prefill", "decode", "attention")
+    stop_s: tuple[float, float] = (5.0, 30.0)
+    rps: float = 0.5
+    num_workers: int = 4
+    seed: int = 0
+    num_faults: int | None = None
+    """Stop injecting after this many (the CI run); None: until the end of `duration_s`."""
+    quiet_s: float = 30.0
+    """Load without faults first: the TTFT baseline of `p99_ttft_during_faults / p99_ttft_quiet`."""
+    plan: tuple[tuple[str, str], ...] | None = None
+    """A fixed fault plan, (kind, role) in order (the CI run: a kill first, so its restart overlaps
+    the other faults); None: drawn by `plan_faults`."""
+    bad_http_s: float = 10.0
+    """How long the slowloris connections of a `bad_http` fault stay open."""
+
+
+QUICK_PLAN = (("kill", "decode"), ("garbage_frames", ""), ("stop_engine", "prefill"), ("bad_http", ""),
+              ("stop", "prefill"), ("router_restart", "router"))
+"""The CI run's six faults of six kinds; the kill first, so its ~50 s restart overlaps the rest."""
+QUICK_STALL_TIMEOUT_S = 4.0
+"""Shorter than the SIGSTOPs of QUICK_PLAN (6 s), so the stall watchdog acts in the CI run."""
+
+
+def quick_config(seed: int = 0) -> CampaignConfig:
+    """The CI-sized run (tests/integration/test_chaos.py, `benchmarks/chaos.py --quick`): ~45 s of load."""
+    return CampaignConfig(duration_s=40.0, rps=0.6, seed=seed, plan=QUICK_PLAN, quiet_s=5.0, stop_s=(6.0, 6.0),
+                          fault_every_s=(3.0, 4.0), bad_http_s=3.0)
+
+
+def plan_faults(cfg: CampaignConfig, roles: list[str], rng: random.Random) -> list[tuple[str, str]]:
+    """(kind, role) in an order that cycles through every kind (and role) before repeating one."""
+    if cfg.plan is not None:
+        return list(cfg.plan)
+    out: list[tuple[str, str]] = []
+    role_cycle: list[str] = []
+    n = cfg.num_faults or int(cfg.duration_s / cfg.fault_every_s[0]) + 1
+    while len(out) < n:
+        kinds = list(cfg.kinds)
+        rng.shuffle(kinds)
+        for kind in kinds:
+            if not role_cycle:
+                role_cycle = [r for r in cfg.roles if r in roles]
+                rng.shuffle(role_cycle)
+            role = "router" if kind == "router_restart" else ("" if kind in ("garbage_frames", "bad_http")
+                                                              else role_cycle.pop())
+            if kind == "stop_engine" and role == "attention":
+                role = "decode"  # an attention server has no EngineCore
+            out.append((kind, role))
+    return out[:n]
+
+
+def _inject(inj: FaultInjector, kind: str, role: str, cfg: CampaignConfig, rng: random.Random) -> Fault:
+    if kind == "kill":
+        return inj.kill(role)
+    if kind == "router_restart":
+        fault = inj.kill("router")
+        fault.kind = "router_restart"
+        return fault
+    if kind in ("stop", "stop_engine"):
+        return inj.stop(role, rng.uniform(*cfg.stop_s), engine_only=kind == "stop_engine")
+    if kind == "slow":
+        return inj.slow(role, rng.uniform(10, 20))
+    if kind == "garbage_frames":
+        return inj.garbage_frames()
+    return inj.bad_http(cfg.bad_http_s)
+
+
+def _inject_faults(inj: FaultInjector, cfg: CampaignConfig, roles: list[str], rng: random.Random, until: float,
+                   log) -> list[Fault]:
+    """The plan's faults, one after the other, each `fault_every_s` after the previous one started."""
+    faults: list[Fault] = []
+    last_start = time.monotonic()
+    for kind, role in plan_faults(cfg, roles, rng):
+        at = max(time.monotonic(), last_start + rng.uniform(*cfg.fault_every_s))
+        if at >= until:
+            break
+        time.sleep(max(0.0, at - time.monotonic()))
+        last_start = time.monotonic()
+        try:
+            faults.append(_inject(inj, kind, role, cfg, rng))
+        except Exception as err:  # noqa: BLE001 (a fault that could not be injected is reported, not fatal)
+            log(f"fault {kind} {role} failed: {err!r}")
+            faults.append(Fault(kind, role, time.monotonic(), time.monotonic(), {"error": repr(err)}))
+    return faults
+
+
+def run_campaign(dep: Deployment, refs: References, cfg: CampaignConfig, log=print) -> dict:
+    rng = random.Random(cfg.seed)
+    clients = ChaosClients(dep.url, dep.state()["model"], refs.outputs, cfg.num_workers)
+    _warm_up(clients, refs, cfg)
+    base = leaks.snapshot(dep.instances(), dep.token)
+    plan = schedule(len(refs.prompts) * 50, cfg.rps, cfg.seed)
+    requests = refs.requests(plan, cfg.seed)
+    t0 = time.monotonic()
+    load_avg = [os.getloadavg()]
+    until = t0 + cfg.quiet_s + cfg.duration_s
+    sender = threading.Thread(target=clients.run, args=(requests, t0, until), name="chaos-sender", daemon=True)
+    sender.start()
+    try:
+        time.sleep(cfg.quiet_s)
+        faults = _inject_faults(FaultInjector(dep, rng, log), cfg, dep.roles(), rng, until, log)
+        sender.join(timeout=max(0.0, until - time.monotonic()) + 900)
+    except BaseException:
+        clients.stop()  # no new requests after a failure of the run itself
+        raise
+    load_avg.append(os.getloadavg())
+    healthy = dep.wait_all_healthy(300)
+    time.sleep(3)  # P frees pushes after its request ended; the routers' polls settle
+    end = leaks.snapshot(dep.instances(), dep.token)
+    clients.close()
+    return report(clients.outcomes, faults, base, end, t0, cfg, load_avg, healthy)
+
+
+def _warm_up(clients: ChaosClients, refs: References, cfg: CampaignConfig) -> None:
+    """One request of each form (so the idle snapshot sees warm pools and compiled paths)."""
+    plan = [(0.0, i, form, stream, False) for i in range(2) for form in ("completions", "chat")
+            for stream in (False, True)]
+    clients.run(refs.requests(plan, cfg.seed), time.monotonic(), time.monotonic() + 1)
+    clients.outcomes.clear()
+
+
+def _p99(values: list[float]) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return values[min(len(values) - 1, int(0.99 * len(values)))]
+
+
+def report(outcomes, faults: list[Fault], base: dict, end: dict, t0: float, cfg: CampaignConfig,
+           load_avg: list, healthy: bool) -> dict:
+    windows = [(f.t_start, f.t_end + 30.0) for f in faults]  # a fault's aftermath counts as "during"
+    during = [o.ttft_s for o in outcomes if o.ttft_s is not None and any(a <= o.t_sent <= b for a, b in windows)]
+    quiet = [o.ttft_s for o in outcomes if o.ttft_s is not None and not any(a <= o.t_sent <= b for a, b in windows)]
+    p99_f, p99_q = _p99(during), _p99(quiet)
+    diff = leaks.compare(base, end)
+    counts = {k: sum(1 for o in outcomes if o.outcome == k) for k in ("ok", "wrong", "lost", "left")}
+    return {
+        "requests_total": len(outcomes), "requests_ok": counts["ok"], "requests_left_on_purpose": counts["left"],
+        "requests_lost": counts["lost"], "requests_wrong": counts["wrong"],
+        "kv_blocks_leaked": diff["kv_blocks_leaked"], "shm_segments_leaked": diff["shm_segments_leaked"],
+        "leaks": diff["leaks"], "new_shm": diff["new_shm"],
+        "max_stall_s": round(max((o.max_gap_s for o in outcomes), default=0.0), 3),
+        "p99_ttft_during_faults_s": p99_f, "p99_ttft_quiet_s": p99_q,
+        "p99_ttft_during_faults / p99_ttft_quiet": round(p99_f / p99_q, 3) if p99_f and p99_q else None,
+        "median_ttft_s": statistics.median([o.ttft_s for o in outcomes if o.ttft_s]) if outcomes else None,
+        "num_faults": len(faults), "fault_kinds": sorted({f.kind for f in faults}),
+        "faults": [f.as_dict(t0) for f in faults],
+        "all_healthy_at_end": healthy,
+        "retried_requests": sum(1 for o in outcomes if o.num_attempts > 1),
+        "outcomes": [{**{k: v for k, v in asdict(o).items() if k != "last_token_at"},
+                      "t_sent_s": round(o.t_sent - t0, 3)} for o in outcomes],
+        "config": {**asdict(cfg), "fault_every_s": list(cfg.fault_every_s),
+                   "plan": [list(p) for p in cfg.plan] if cfg.plan else None},
+        "loadavg_before": load_avg[0], "loadavg_after": load_avg[-1],
+        "snapshots": {"start": base, "end": end},
+    }

@@ -1,0 +1,245 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The faults the chaos campaign injects, on the plugin's own processes and listeners.
+
+Kinds (`KINDS`): SIGKILL of an instance's process group (prefill, decode / model worker, attention
+server); SIGSTOP of a whole group for 5-30 s, or of its EngineCore alone (the API server keeps
+answering: only `/live` sees it); a slow peer (the group stopped and continued on a duty cycle, half
+its time gone); garbage, truncated and oversized frames from strangers on every KV and attention port;
+malformed, huge and slowloris HTTP on the router and the instances; SIGKILL of one of the routers
+(restarted at once: the other one behind the same port keeps serving). Every fault is bounded in time
+and undoes itself (SIGCONT, restart), so the run always ends with everything up.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from vllm_disagg.errors import DisaggError
+from vllm_disagg.testing.fuzz import FuzzTarget, _stranger
+
+KINDS = ("kill", "stop", "stop_engine", "slow", "garbage_frames", "bad_http", "router_restart")
+
+
+@dataclass
+class Fault:
+    kind: str
+    target: str
+    t_start: float
+    t_end: float = 0.0
+    detail: dict = field(default_factory=dict)
+
+    def as_dict(self, t0: float) -> dict:
+        return {"kind": self.kind, "target": self.target, "t_start_s": round(self.t_start - t0, 3),
+                "t_end_s": round(self.t_end - t0, 3), **self.detail}
+
+
+def children(pid: int) -> list[int]:
+    """Direct children of `pid` (from /proc)."""
+    out = []
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                out += [int(c) for c in f.read().split()]
+    except OSError:
+        pass
+    return out
+
+
+def engine_core_pid(api_pid: int) -> int | None:
+    """The EngineCore process of a `vllm serve` (a child of its API server)."""
+    for child in children(api_pid):
+        try:
+            with open(f"/proc/{child}/cmdline", "rb") as f:
+                cmd = f.read()
+            with open(f"/proc/{child}/comm") as f:
+                comm = f.read().strip()
+        except OSError:
+            continue
+        if "EngineCor" in comm or b"EngineCore" in cmd:  # vLLM names it VLLM::EngineCore (comm: 15 chars)
+            return child
+    return None
+
+
+def signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
+
+
+class FaultInjector:
+    """Runs one fault at a time against a deployment (`Deployment` from campaign.py)."""
+
+    def __init__(self, deployment, rng: random.Random, log: Callable[[str], None] = print) -> None:
+        self.d, self.rng, self.log = deployment, rng, log
+
+    # ------------------------------------------------------------------ process faults
+    def kill(self, role: str) -> Fault:
+        inst = self.d.pick(role, self.rng)
+        fault = Fault("kill", inst["name"], time.monotonic(), detail={"pid": inst["pid"]})
+        self.log(f"SIGKILL {inst['name']} (pgid {inst['pid']})")
+        if role == "router":
+            self.d.kill_router(inst)
+        else:
+            signal_group(inst["pid"], signal.SIGKILL)
+            if role == "attention":
+                self.d.restart_attention(inst)
+        fault.t_end = time.monotonic()
+        return fault
+
+    def stop(self, role: str, seconds: float, engine_only: bool = False) -> Fault:
+        inst = self.d.pick(role, self.rng)
+        pid = engine_core_pid(inst["pid"]) if engine_only else None
+        kind = "stop_engine" if engine_only else "stop"
+        fault = Fault(kind, inst["name"], time.monotonic(), detail={"seconds": round(seconds, 1)})
+        self.log(f"SIGSTOP {inst['name']}{' EngineCore ' + str(pid) if pid else ''} for {seconds:.1f} s")
+        if engine_only and pid is None:
+            fault.detail["skipped"] = "no EngineCore child found"
+            fault.t_end = time.monotonic()
+            return fault
+        send = (lambda sig: os.kill(pid, sig)) if engine_only else (lambda sig: signal_group(inst["pid"], sig))
+        try:
+            send(signal.SIGSTOP)
+            time.sleep(seconds)
+        finally:
+            _quiet(send, signal.SIGCONT)
+        fault.t_end = time.monotonic()
+        return fault
+
+    def slow(self, role: str, seconds: float, duty: float = 0.5, period_s: float = 0.1) -> Fault:
+        """A slow peer: the group runs only `1 - duty` of each period (a throttled process)."""
+        inst = self.d.pick(role, self.rng)
+        fault = Fault("slow", inst["name"], time.monotonic(), detail={"seconds": round(seconds, 1), "duty": duty})
+        self.log(f"slowing {inst['name']} to {1 - duty:.0%} for {seconds:.1f} s")
+        end = time.monotonic() + seconds
+        try:
+            while time.monotonic() < end:
+                signal_group(inst["pid"], signal.SIGSTOP)
+                time.sleep(period_s * duty)
+                signal_group(inst["pid"], signal.SIGCONT)
+                time.sleep(period_s * (1 - duty))
+        finally:
+            signal_group(inst["pid"], signal.SIGCONT)
+        fault.t_end = time.monotonic()
+        return fault
+
+    # ------------------------------------------------------------------ input faults
+    def garbage_frames(self, num_per_port: int = 200) -> Fault:
+        """Strangers' garbage, truncated and oversized frames on every KV and attention port."""
+        ports = self.d.binary_ports()
+        fault = Fault("garbage_frames", ",".join(name for name, _ in ports), time.monotonic(),
+                      detail={"frames_per_port": num_per_port, "ports": len(ports)})
+        self.log(f"garbage frames on {len(ports)} ports")
+        skipped = []
+        for name, address in ports:
+            target = FuzzTarget(name, address, b"msg", "not-the-token")
+            for _ in range(num_per_port):
+                try:
+                    _stranger(self.rng, target)
+                except (OSError, DisaggError):
+                    skipped.append(name)  # refused: its process is restarting (an earlier fault)
+                    break
+        fault.detail["skipped_ports"] = skipped
+        fault.t_end = time.monotonic()
+        return fault
+
+    def bad_http(self, seconds: float = 10.0) -> Fault:
+        """Malformed JSON, a huge body and slowloris connections on the router and every instance."""
+        urls = self.d.http_urls()
+        fault = Fault("bad_http", ",".join(urls), time.monotonic(), detail={"seconds": seconds})
+        self.log(f"bad HTTP on {len(urls)} endpoints for {seconds:.0f} s")
+        loris = [threading.Thread(target=_slowloris, args=(u, seconds), daemon=True) for u in urls]
+        for t in loris:
+            t.start()
+        statuses = {}
+        for url in urls:
+            statuses[url] = [_post_raw(url, body) for body in _BAD_BODIES] + [_post_huge(url)]
+        for t in loris:
+            t.join(seconds + 10)
+        fault.detail["statuses"] = statuses
+        fault.t_end = time.monotonic()
+        return fault
+
+
+_BAD_BODIES = (b"{not json", b"[]", b'{"model": 1, "prompt": {"x": []}, "max_tokens": -5}',
+               b'{"prompt": "x", "max_tokens": 99999999999999999999}', b"\xff\xfe\x00garbage",
+               b'{"messages": "not a list"}')
+
+
+def _split(url: str) -> tuple[str, int]:
+    host, _, port = url.removeprefix("http://").rstrip("/").rpartition(":")
+    return host, int(port)
+
+
+def _post_raw(url: str, body: bytes, path: str = "/v1/completions") -> int:
+    host, port = _split(url)
+    try:
+        with socket.create_connection((host, port), timeout=10) as s:
+            s.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
+                      b"Connection: close\r\n\r\n" % (path.encode(), len(body)) + body)
+            s.settimeout(30)
+            head = s.recv(64)
+        return int(head.split()[1]) if head.startswith(b"HTTP/") else -1
+    except (OSError, ValueError, IndexError):
+        return -1
+
+
+def _post_huge(url: str, nbytes: int = 80 << 20) -> int:
+    """A body past every server's limit, announced up front; the server should refuse, not buffer it."""
+    host, port = _split(url)
+    try:
+        with socket.create_connection((host, port), timeout=10) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: %d\r\nConnection: close\r\n\r\n" % nbytes)
+            chunk = b'{"prompt": "' + b"a" * (1 << 20)
+            sent = 0
+            s.settimeout(5)
+            while sent < nbytes:
+                try:
+                    s.sendall(chunk[: min(len(chunk), nbytes - sent)])
+                except OSError:
+                    break  # refused mid-body: what we want
+                sent += len(chunk)
+            s.settimeout(30)
+            head = s.recv(64)
+        return int(head.split()[1]) if head.startswith(b"HTTP/") else -1
+    except (OSError, ValueError, IndexError):
+        return -1
+
+
+def _slowloris(url: str, seconds: float, num: int = 20) -> None:
+    host, port = _split(url)
+    socks = []
+    end = time.monotonic() + seconds
+    try:
+        for _ in range(num):
+            try:
+                s = socket.create_connection((host, port), timeout=5)
+                s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+                socks.append(s)
+            except OSError:
+                break
+        while time.monotonic() < end:
+            for s in list(socks):
+                try:
+                    s.sendall(b"X-a: b\r\n")
+                except OSError:
+                    socks.remove(s)
+            time.sleep(1.0)
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _quiet(fn, *args) -> None:
+    try:
+        fn(*args)
+    except OSError:
+        pass

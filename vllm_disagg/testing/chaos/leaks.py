@@ -1,0 +1,138 @@
+# SPDX-License-Identifier: Apache-2.0
+"""End-of-run leak checks of the chaos campaign, on every instance and attention server.
+
+`snapshot` is taken once the deployment is warm and idle, and again after the run has drained:
+KV blocks in use (vLLM's `vllm:kv_cache_usage_perc`: free blocks equal the start when it is back to
+0), requests running or waiting, attention sessions and queues, retained KV past its TTL, and per
+process group the processes, threads and sockets; plus the `/dev/shm` entries of the whole box.
+`compare` lists what is left over. A restarted instance is compared with the same role's first
+snapshot (a new process of the same command).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import urllib.request
+
+from vllm_disagg.testing.chaos.faults import children
+
+_SERVE_METRICS = ("vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting")
+_ATTN_METRICS = ("vllm:disagg_attention_sessions", "vllm:disagg_attention_queue_depth")
+
+
+def _get(url: str, timeout: float = 10.0) -> bytes:
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
+        return resp.read()
+
+
+def metrics(url: str, names: tuple[str, ...]) -> dict[str, float]:
+    """Sum of each named series over its labels."""
+    out = dict.fromkeys(names, 0.0)
+    for line in _get(f"{url}/metrics").decode().splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in out and not line.startswith("#"):
+            out[name] += float(line.rsplit(" ", 1)[-1])
+    return out
+
+
+def group_pids(pgid: int) -> list[int]:
+    """Every live process of the group led by `pgid` (its tree, as the launcher starts each in its own)."""
+    seen, todo = [], [pgid]
+    while todo:
+        pid = todo.pop()
+        if pid in seen or not os.path.exists(f"/proc/{pid}"):
+            continue
+        seen.append(pid)
+        todo += children(pid)
+    return seen
+
+
+def process_counts(pgid: int) -> dict:
+    procs = group_pids(pgid)
+    threads = sockets = 0
+    names: dict[str, int] = {}
+    for pid in procs:
+        try:
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                threads += 1
+                try:
+                    with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                        name = f.read().strip().rstrip("0123456789_-")
+                    names[name] = names.get(name, 0) + 1
+                except OSError:
+                    pass
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                try:
+                    if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:"):
+                        sockets += 1
+                except OSError:
+                    pass
+        except OSError:
+            continue
+    return {"processes": len(procs), "threads": threads, "sockets": sockets, "thread_names": names}
+
+
+def shm_entries() -> set[str]:
+    try:
+        return set(os.listdir("/dev/shm"))
+    except OSError:
+        return set()
+
+
+def retained_past_ttl(url: str, token: str) -> int:
+    """Retained blocks an attention server still lists after their TTL (`ttl_s` is the soonest expiry)."""
+    req = urllib.request.Request(f"{url}/kv/retained", headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        body = json.loads(resp.read())
+    return len(body["keys"]) if body["keys"] and body["ttl_s"] < 0 else 0
+
+
+def snapshot(instances: list[dict], token: str | None = None) -> dict:
+    """Per instance name: its role, metrics and process counts; plus `/dev/shm`."""
+    out = {"instances": {}, "shm": sorted(shm_entries())}
+    for inst in instances:
+        entry = {"role": inst["role"], "pid": inst["pid"], **process_counts(inst["pid"])}
+        try:
+            if inst["role"] == "attention":
+                entry.update(metrics(inst["url"], _ATTN_METRICS))
+                if token:
+                    entry["retained_past_ttl"] = retained_past_ttl(inst["url"], token)
+            else:
+                entry.update(metrics(inst["url"], _SERVE_METRICS))
+        except OSError as err:
+            entry["error"] = repr(err)
+        out["instances"][inst["name"]] = entry
+    return out
+
+
+def compare(before: dict, after: dict, thread_slack: int = 2) -> dict:
+    """What the run left behind. KV blocks, requests, sessions, processes, sockets and shm must match
+    exactly; threads may differ by `thread_slack` per group (pools that grow on first use)."""
+    leaks: dict[str, list[str]] = {}
+    first_of_role = {}
+    for snap in before["instances"].values():
+        first_of_role.setdefault(snap["role"], snap)
+    for name, snap in after["instances"].items():
+        base = before["instances"].get(name)
+        if base is None or base["pid"] != snap["pid"]:
+            base = first_of_role.get(snap["role"], base)
+        found = []
+        if "error" in snap:
+            found.append(f"unreachable: {snap['error']}")
+        for key in (*_SERVE_METRICS, *_ATTN_METRICS, "retained_past_ttl"):
+            if key in snap and snap[key] > (base or {}).get(key, 0.0) + 1e-9:
+                found.append(f"{key} = {snap[key]:g} (start {(base or {}).get(key, 0.0):g})")
+        for key in ("processes", "sockets"):
+            if base and snap[key] > base[key]:
+                found.append(f"{key} {snap[key]} (start {base[key]})")
+        if base and snap["threads"] > base["threads"] + thread_slack:
+            grew = {n: c - base["thread_names"].get(n, 0) for n, c in snap["thread_names"].items()
+                    if c > base["thread_names"].get(n, 0)}
+            found.append(f"threads {snap['threads']} (start {base['threads']}; more of {grew})")
+        if found:
+            leaks[name] = found
+    new_shm = sorted(set(after["shm"]) - set(before["shm"]))
+    return {"leaks": leaks, "new_shm": new_shm,
+            "kv_blocks_leaked": sum(1 for v in leaks.values() if any("kv_cache_usage" in f for f in v)),
+            "shm_segments_leaked": len(new_shm)}
