@@ -292,6 +292,7 @@ def test_a_decode_instance_restarted_on_the_same_address_gets_its_next_push_on_a
         pair.prefill_step([SaveSpec("p1", tuple(range(1, 8)), 100, 100, "t1", True)], release=["p1"])
         assert _until(pair.poll) == {"d-t1"} and not pair.failed
         port = int(pair.receiver.address.rsplit(":", 1)[1])
+        old_peer = next(iter(pair.sender._peers.values()))
         pair.receiver.close()  # D is killed...
         time.sleep(0.2)
         d_layers = [torch.zeros(SHAPE) for _ in range(NUM_LAYERS)]
@@ -302,6 +303,7 @@ def test_a_decode_instance_restarted_on_the_same_address_gets_its_next_push_on_a
         pair.prefill_step([SaveSpec("p2", tuple(range(1, 8)), 100, 100, "t2", True)], release=["p2"])
         assert _until(pair.poll) == {"d-t2"} and not pair.failed
         assert _landed(pair, range(1, 8), range(20, 27))
+        assert _until(lambda: not any(t.is_alive() for t in old_peer._threads))  # the old one is closed
     finally:
         pair.close()
 
