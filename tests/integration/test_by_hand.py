@@ -14,6 +14,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -43,23 +44,30 @@ def test_the_readmes_by_hand_commands_serve_a_pd_request(tmp_path):
     out = tmp_path / "out.txt"
     with out.open("wb") as sink:  # the background servers keep writing here after bash exits
         proc = subprocess.Popen(["bash", "by_hand.sh"], cwd=tmp_path, stdout=sink, stderr=subprocess.STDOUT,
-                                start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                start_new_session=True, env=_shell_env())
     try:
         early = _health(router, deadline_s=60)
         proc.wait(timeout=700)  # bash ends with the curl (the router admits it within 600 s)
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)  # the three background servers
-        time.sleep(3)
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        for sig in (signal.SIGTERM, signal.SIGKILL):  # the three background servers (gone if they never started)
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                break
+            time.sleep(3)
     text = out.read_text(errors="replace")
     assert "HTTP 200" in text, text[-4000:]
     answer = json.loads(next(ln for ln in text.splitlines() if ln.startswith('{"id"')))
     assert answer["choices"][0]["text"] and answer["usage"]["completion_tokens"] == 16
     assert "x-disagg-route: pd" in (tmp_path / "headers.txt").read_text().lower()
     assert early == 503  # /health said "not ready" while the instances were starting
+
+
+def _shell_env() -> dict[str, str]:
+    """The shell a user types in has the install's `vllm` and `vllm-disagg` on PATH; `make test` runs
+    pytest as `.venv/bin/python -m pytest` without activating the venv, so put its bin first."""
+    bin_dir = str(Path(sys.executable).parent)
+    return {**os.environ, "PATH": f"{bin_dir}:{os.environ.get('PATH', '')}", "PYTHONUNBUFFERED": "1"}
 
 
 def _health(router: str, deadline_s: float) -> int | None:
