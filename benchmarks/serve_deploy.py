@@ -205,19 +205,25 @@ def placement(procs: list[subprocess.Popen]) -> dict:
     """Every process of the deployment: its name, the cores it may run on, and the distinct core sets of
     its threads (vLLM binds each OpenMP thread of the Worker to one core)."""
     out = {}
+    for proc in process_trees(procs):
+        with contextlib.suppress(psutil.Error):
+            threads = {",".join(map(str, sorted(os.sched_getaffinity(t.id)))) for t in proc.threads()
+                       if _alive_tid(t.id)}
+            out[f"{proc.name()}[{proc.pid}]"] = {"cmd": " ".join(proc.cmdline()[:4])[:120],
+                                                 "cores": ",".join(map(str, proc.cpu_affinity())),
+                                                 "thread_cores": sorted(threads)}
+    return out
+
+
+def process_trees(procs: list[subprocess.Popen]) -> list:
+    """Every live process the deployment's roots started (each root, then its descendants)."""
+    tree = []
     for root in procs:
         try:
-            tree = [psutil.Process(root.pid), *psutil.Process(root.pid).children(recursive=True)]
+            tree += [psutil.Process(root.pid), *psutil.Process(root.pid).children(recursive=True)]
         except psutil.NoSuchProcess:
             continue
-        for proc in tree:
-            with contextlib.suppress(psutil.Error):
-                threads = {",".join(map(str, sorted(os.sched_getaffinity(t.id)))) for t in proc.threads()
-                           if _alive_tid(t.id)}
-                out[f"{proc.name()}[{proc.pid}]"] = {"cmd": " ".join(proc.cmdline()[:4])[:120],
-                                                     "cores": ",".join(map(str, proc.cpu_affinity())),
-                                                     "thread_cores": sorted(threads)}
-    return out
+    return tree
 
 
 def _alive_tid(tid: int) -> bool:

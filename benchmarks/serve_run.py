@@ -18,7 +18,7 @@ from pathlib import Path
 
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
-from serve_deploy import SERVED_NAME, Running
+from serve_deploy import SERVED_NAME, Running, process_trees
 
 from vllm_disagg.launch.local import vllm_serve_prefix
 from vllm_disagg.planner.goodput import HEADLINE_SLO, from_bench_detailed, summarize
@@ -76,18 +76,13 @@ def cpu_snapshot(procs) -> dict[tuple, tuple[float, float]]:
     deployment: which thread of which instance used the cores (e.g. a transfer library's polling thread
     beside the compute thread on a one-core instance)."""
     out = {}
-    for root in procs:
+    for proc in process_trees(procs):
         try:
-            tree = [psutil.Process(root.pid), *psutil.Process(root.pid).children(recursive=True)]
-        except psutil.NoSuchProcess:
+            name, cores = proc.name(), ",".join(map(str, proc.cpu_affinity()))
+            for t in proc.threads():
+                out[(name, cores, t.id == proc.pid, t.id)] = (t.user_time, t.system_time)
+        except psutil.Error:
             continue
-        for proc in tree:
-            try:
-                name, cores = proc.name(), ",".join(map(str, proc.cpu_affinity()))
-                for t in proc.threads():
-                    out[(name, cores, t.id == proc.pid, t.id)] = (t.user_time, t.system_time)
-            except psutil.Error:
-                continue
     return out
 
 

@@ -29,6 +29,7 @@ from vllm_disagg.testing.chaos import leaks
 from vllm_disagg.testing.chaos.clients import ChaosClients
 from vllm_disagg.testing.chaos.faults import KINDS, Fault, FaultInjector, signal_group
 from vllm_disagg.testing.chaos.workload import References, schedule
+from vllm_disagg.testing.up import group_alive
 
 ENGINE_ARGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "1024", "--block-size", "32",
                "--seed", "0", "--max-num-seqs", "16"]
@@ -209,19 +210,11 @@ class Deployment:
         deadline = time.monotonic() + 15
         alive = pids + [r["pid"] for r in self.routers]
         while alive and time.monotonic() < deadline:
-            alive = [p for p in alive if _group_alive(p)]
+            alive = [p for p in alive if group_alive(p)]
             time.sleep(0.2)
         for p in alive:
             signal_group(p, signal.SIGKILL)
         return [str(p) for p in alive]
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except ProcessLookupError:
-        return False
 
 
 @dataclass
