@@ -30,21 +30,30 @@ def post(url: str, body: dict[str, Any], headers: dict[str, str] | None = None,
 
 
 def pd_trace(endpoint: str, collector: SpanCollector, body: dict[str, Any], request_id: str,
-             names: tuple[str, ...] = PD_SPANS, timeout_s: float = 30) -> Trace:
-    """Send one request with `X-Request-Id`, then wait until its trace holds every span in `names`
-    and both engines' `llm_request` (vLLM's own span)."""
+             names: tuple[str, ...] = PD_SPANS, timeout_s: float = 30,
+             processes: frozenset[str] = frozenset()) -> Trace:
+    """Send one request with `X-Request-Id`, then wait until its trace holds every span in `names`,
+    both engines' `llm_request` (vLLM's own span) and spans of every process in `processes`: each
+    process exports on its own schedule, so one span name seen is not every process's spans seen."""
     status, raw, headers = post(f"{endpoint}/v1/completions", body, {"X-Request-Id": request_id})
     assert status == 200 and headers.get("X-Request-Id") == request_id, (status, raw[:500])
 
     def complete(spans: list) -> bool:
         t = find_trace(spans, request_id)
-        return t is not None and set(names) <= {s["name"] for s in t.spans} and len(t.named("llm_request")) >= 2
+        return (t is not None and set(names) <= {s["name"] for s in t.spans}
+                and len(t.named("llm_request")) >= 2 and processes <= _process_names(t))
 
     if not collector.wait_for(complete, timeout_s):
         t = find_trace(collector.spans, request_id)
         raise AssertionError(f"trace of {request_id} incomplete after {timeout_s} s: "
-                             f"{sorted(s['name'] for s in t.spans) if t else 'no trace'}")
+                             f"{sorted(s['name'] for s in t.spans) if t else 'no trace'}, "
+                             f"processes {sorted(_process_names(t)) if t else []}")
     return find_trace(collector.spans, request_id)
+
+
+def _process_names(t: Trace) -> set[str]:
+    """The trace's processes without their pids (`vllm-disagg-decode0/EngineCore`)."""
+    return {p.rsplit(":", 1)[0] for p in t.processes}
 
 
 def _request_for(method: str, path: str, model: str) -> dict[str, Any] | None:
