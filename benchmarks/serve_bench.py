@@ -36,6 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from serve_deploy import DEPLOYMENTS, started  # noqa: E402
+from serve_import import import_keys  # noqa: E402
 from serve_run import measure, warm_up  # noqa: E402
 
 from vllm_disagg.planner.goodput import HEADLINE_SLO, bisect_max_rate  # noqa: E402
@@ -410,7 +411,7 @@ def run(plan: Plan, args: argparse.Namespace) -> int:
         from serve_predict import predict
 
         prediction = predict(bench.runs, trace["requests"], bench.profiles, args.model_dir, plain)
-    result = result_of(bench, args, trace, t0, plain, max_rates, prediction)
+    result = import_keys(result_of(bench, args, trace, t0, plain, max_rates, prediction), out.parent)
     out.write_text(json.dumps(result, indent=1))
     partial.unlink(missing_ok=True)
     from serve_plot import plot
