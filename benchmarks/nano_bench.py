@@ -6,7 +6,8 @@ median of per-turn ratios):
 - `nano_auto_vs_plain_min` (goal >= 0.98): `num_nano_batches: "auto"` against plain vLLM with the same
   engine arguments, over decode batches of 1 to 512 tokens a step; the lowest per-batch median
   (`nano_auto_vs_plain_by_batch`). Nothing can overlap there on CPU, so auto must run vLLM's plain
-  forward (asserted from the worker's stats).
+  forward (asserted from the worker's stats). `nano_auto_noise_floor_min`: the same minimum for a second
+  plain engine over the first, in the same turns: the noise floor of the key above.
 - `nano_vs_plain_with_network_op` (goal >= 1.15): where a network-bound op exists (remote attention:
   model worker on core 0, one attention server on core 1), the composed worker with its defaults
   (depth 2, auto) over the same deployment without nano-batching (the stock remote runner), decode at
@@ -305,14 +306,17 @@ def bench_auto_sweep(model_dir: str, quick: bool) -> dict:
     """`num_nano_batches: "auto"` against plain vLLM with the same engine arguments, over decode batches
     of 1 to 512 tokens a step (one thread on core 0 each). Nothing can overlap here (no network-bound
     op; on CPU the executor serialises attention and GEMMs), so auto must pick n=1 and run vLLM's plain
-    forward at every size: `nano_auto_vs_plain_min` is the lowest per-batch median (goal >= 0.98)."""
+    forward at every size: `nano_auto_vs_plain_min` is the lowest per-batch median (goal >= 0.98).
+    A second plain engine takes its turns too: `nano_auto_noise_floor_min`, the lowest per-batch median of
+    plain over plain, is how far below 1.0 the same code lands by noise alone in this run."""
     from nano_sweep import SweepEngine, sweep
 
     batches = [8, 4, 2, 1] if SMOKE else [512, 256, 128, 64, 32, 16, 8, 4, 2, 1]
     engines = {}
     try:
         with placed({0}, 1):
-            for name, extra in (("plain", {}), ("auto", {"worker_cls": NANO_WORKER, **_nano_cfg({"num_nano_batches": "auto"})})):
+            for name, extra in (("plain", {}), ("auto", {"worker_cls": NANO_WORKER, **_nano_cfg({"num_nano_batches": "auto"})}),
+                                ("plain_again", {})):
                 engines[name] = SweepEngine(name, open_engine(model_dir, max_num_batched_tokens=2048, max_num_seqs=512,
                                                               max_model_len=512, **extra), ({0}, 1))
         res = sweep(engines, batches, context=16, vocab=MEDIUM["vocab_size"], steps_per_turn=3,
@@ -324,6 +328,7 @@ def bench_auto_sweep(model_dir: str, quick: bool) -> dict:
     if stats.get("nano_batching"):
         raise RuntimeError(f"auto split steps where nothing can overlap: {stats}")
     return {"nano_auto_vs_plain_min": res["min"], "nano_auto_vs_plain_by_batch": res["by_batch"],
+            "nano_auto_noise_floor_min": min(r["plain_again_ratio"] for r in res["by_batch"].values()),
             "nano_auto_same_tokens": res["same_tokens"], "nano_auto_runner": stats.get("runner")}
 
 

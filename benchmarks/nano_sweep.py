@@ -31,7 +31,8 @@ class SweepEngine:
 
 def sweep(engines: dict[str, SweepEngine], batches: list[int], context: int, vocab: int, steps_per_turn: int,
           turns: int, num: str, den: str) -> dict:
-    """{batch: paired ratio num/den, and each engine's median step ms}; tokens equal per engine."""
+    """{batch: paired ratio num/den (and `<name>_ratio` over den for any other engine), and each engine's
+    median step ms}; tokens equal per engine."""
     from vllm import SamplingParams
 
     from vllm_disagg.testing import token_prompts
@@ -62,6 +63,8 @@ def sweep(engines: dict[str, SweepEngine], batches: list[int], context: int, voc
                 with placed(*e.placement):
                     times[name].append(statistics.median(e.step() for _ in range(steps_per_turn)) * 1e3)
         out[batch] = {"ratio": round(median_ratio(times[den], times[num]), 3),
+                      **{f"{n}_ratio": round(median_ratio(times[den], times[n]), 3) for n in engines
+                         if n not in (num, den)},
                       **{f"{n}_step_ms": round(statistics.median(t), 3) for n, t in times.items()}}
         print(f"[nano_bench] sweep batch {batch}: {out[batch]}", file=sys.stderr)
     tokens = {}
