@@ -37,6 +37,7 @@ from vllm_disagg.testing.chaos.campaign import (  # noqa: E402
     quick_config,
     run_campaign,
 )
+from vllm_disagg.testing.chaos.leaks import left_after_stop  # noqa: E402
 from vllm_disagg.testing.chaos.workload import (  # noqa: E402
     REFERENCES,
     References,
@@ -201,6 +202,8 @@ def main() -> int:
             result["fuzz_deployment"] = fuzz_deployment(dep, args.deployment_fuzz_frames)
     finally:
         result["leftover_process_groups"] = dep.stop()
+    result["shm_left_after_stop"] = left_after_stop(dep.shm_at_start)
+    result["shm_segments_leaked"] = result.get("shm_segments_leaked", 0) + len(result["shm_left_after_stop"])
     fuzz = [*result.get("fuzz_deployment", {}).values(), *result.get("fuzz_in_process", {}).get("ports", {}).values()]
     result["server_crashes_from_bad_input"] = sum(f["server_crashes_from_bad_input"] for f in fuzz)
     result["min_fuzzed_frames_per_port"] = min(

@@ -113,6 +113,7 @@ class LocalCluster:
 
     def _spawn(self, spec: InstanceSpec) -> None:
         """Start one instance in its own process group, with a reaper; a restart appends to its log."""
+        self._shm.started(spec.name)
         cmd = serve_command(spec, self.model, self.transport, self.extra_args, self.served_name)
         base = {**os.environ, VLLM_DISAGG_AUTH_TOKEN: self._token}
         log = open(self.log_path(spec), "ab" if spec.name in self.procs else "wb")  # noqa: SIM115  (the child's)

@@ -6,15 +6,25 @@ semaphores) that they unlink on a clean exit. A SIGKILLed instance (a crash, the
 run) unlinks nothing: measured, three entries per killed decode instance. `ShmSweeper` remembers
 which /dev/shm files each instance's process group has mapped (from /proc/<pid>/maps, polled by the
 supervisor) and, once the group is gone, unlinks those that no live process still maps.
+
+Python's named semaphores (`sem.mp-*`, e.g. the lock vLLM's executor hands its workers) are not mapped
+by anyone once their objects are gone, yet stay until the group's resource tracker unlinks them at
+exit, which a SIGKILLed tracker never does. An unmapped semaphore can never be opened again (that
+takes a live object to pickle), so the sweep also unlinks the unmapped `sem.mp-*` files created
+since the dead group started (measured: one per SIGKILLed instance).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import time
 
 logger = logging.getLogger(__name__)
 SHM_DIR = "/dev/shm"
+SEMAPHORE_PREFIX = "sem.mp-"
+CTIME_SLACK_S = 0.1
+"""File times come from the kernel's coarse clock, a few ms behind time.time()."""
 
 
 def group_pids(pgid: int) -> list[int]:
@@ -54,13 +64,21 @@ class ShmSweeper:
 
     def __init__(self) -> None:
         self._seen: dict[str, set[str]] = {}
+        self._since: dict[str, float] = {}
+
+    def started(self, name: str) -> None:
+        """A new incarnation of `name` starts now: semaphores created from here on may be its."""
+        self._since[name] = time.time()
 
     def record(self, name: str, pgid: int) -> None:
+        """What `name`'s group maps now."""
+        self._since.setdefault(name, time.time())
         self._seen.setdefault(name, set()).update(mapped_shm(group_pids(pgid)))
 
     def sweep(self, name: str) -> list[str]:
-        """`name`'s group is gone: unlink the files it mapped that no live process maps now."""
-        candidates = self._seen.pop(name, set())
+        """`name`'s group is gone: unlink the files it mapped, and the semaphores created since it started,
+        that no live process maps now."""
+        candidates = self._seen.pop(name, set()) | semaphores_since(self._since.pop(name, time.time()))
         candidates = {n for n in candidates if os.path.exists(os.path.join(SHM_DIR, n))}
         if not candidates:
             return []
@@ -76,3 +94,16 @@ class ShmSweeper:
             logger.warning("removed %d /dev/shm files %s left by %s (killed without cleanup)", len(removed),
                            removed, name)
         return removed
+
+
+def semaphores_since(since: float) -> set[str]:
+    """`sem.mp-*` files created at or after `since` (wall-clock seconds)."""
+    names = set()
+    for entry in os.listdir(SHM_DIR):
+        if entry.startswith(SEMAPHORE_PREFIX):
+            try:
+                if os.stat(os.path.join(SHM_DIR, entry)).st_ctime >= since - CTIME_SLACK_S:
+                    names.add(entry)
+            except OSError:
+                continue
+    return names

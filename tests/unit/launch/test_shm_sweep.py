@@ -54,3 +54,22 @@ def test_the_files_a_killed_group_mapped_are_unlinked_and_a_shared_one_is_kept()
         for path in (mine, shared):
             if os.path.exists(path):
                 os.unlink(path)
+
+
+def test_unmapped_semaphores_created_since_the_group_started_are_unlinked_older_ones_kept():
+    """Python's named semaphores are mapped by no one once their objects are gone; a SIGKILLed resource
+    tracker leaves them: the sweep takes those created during the dead incarnation's life."""
+    older = f"/dev/shm/sem.mp-vd-test-{uuid.uuid4().hex[:8]}"
+    open(older, "wb").close()
+    time.sleep(0.3)
+    sweeper = ShmSweeper()
+    sweeper.started("decode0")
+    newer = f"/dev/shm/sem.mp-vd-test-{uuid.uuid4().hex[:8]}"
+    open(newer, "wb").close()
+    try:
+        assert sweeper.sweep("decode0") == [os.path.basename(newer)]
+        assert os.path.exists(older) and not os.path.exists(newer)
+    finally:
+        for path in (older, newer):
+            if os.path.exists(path):
+                os.unlink(path)

@@ -75,6 +75,8 @@ class Deployment:
     up: subprocess.Popen | None = None
     routers: list[dict] = field(default_factory=list)
     router_port: int = 0
+    shm_at_start: set[str] = field(default_factory=set)
+    """/dev/shm before `up` started: after stop, anything new is left over (leaks.left_after_stop)."""
 
     @property
     def state_file(self) -> Path:
@@ -89,6 +91,7 @@ class Deployment:
                 "VLLM_DISAGG_STALL_TIMEOUT_S": str(self.stall_timeout_s)}
 
     def start(self, timeout_s: float = 900.0) -> None:
+        self.shm_at_start = leaks.shm_entries()
         cmd = [sys.executable, "-m", "vllm_disagg.cli.main", "up", "--prefill", "1", "--decode", "1",
                "--model", self.model, "--port", "0", "--state-file", str(self.state_file),
                "--log-dir", str(self.workdir / "logs"), "--restart-limit", "1000",

@@ -4,8 +4,11 @@
 `snapshot` is taken once the deployment is warm and idle, and again after the run has drained:
 KV blocks in use (vLLM's `vllm:kv_cache_usage_perc`: free blocks equal the start when it is back to
 0), requests running or waiting, attention sessions and queues, retained KV past its TTL, and per
-process group the processes, threads and sockets; plus the `/dev/shm` entries of the whole box.
-`compare` lists what is left over. A restarted instance is compared with the same role's first
+process group the processes, threads and sockets; plus the `/dev/shm` entries of the whole box and
+which of them a live process maps. `compare` lists what is left over: a /dev/shm entry is leaked when
+it is new and no live process maps it (a restarted instance's own files are new names, not leaks).
+Python's semaphores (`sem.mp-*`) are unmapped even while their instance lives (its resource tracker
+unlinks them at exit), so `left_after_stop` checks them, and everything else, once the deployment stopped. A restarted instance is compared with the same role's first
 snapshot (a new process of the same command).
 """
 
@@ -15,6 +18,7 @@ import json
 import os
 import urllib.request
 
+from vllm_disagg.launch.shm_sweep import SEMAPHORE_PREFIX, mapped_shm
 from vllm_disagg.testing.chaos.faults import children
 
 _SERVE_METRICS = ("vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting")
@@ -27,13 +31,27 @@ def _get(url: str, timeout: float = 10.0) -> bytes:
 
 
 def metrics(url: str, names: tuple[str, ...]) -> dict[str, float]:
-    """Sum of each named series over its labels."""
+    """Sum of each named series over its labels; plus `num_gpu_blocks` (a label of vLLM's
+    `vllm:cache_config_info`) when the instance exports it, to turn usage back into blocks."""
     out = dict.fromkeys(names, 0.0)
     for line in _get(f"{url}/metrics").decode().splitlines():
         name = line.split("{", 1)[0].split(" ", 1)[0]
         if name in out and not line.startswith("#"):
             out[name] += float(line.rsplit(" ", 1)[-1])
+        elif name == "vllm:cache_config_info" and 'num_gpu_blocks="' in line:
+            value = line.split('num_gpu_blocks="', 1)[1].split('"', 1)[0]
+            if value.isdigit():
+                out["num_gpu_blocks"] = float(value)
     return out
+
+
+def blocks_over(snap: dict, base: dict | None) -> int:
+    """KV blocks in use now beyond the start (usage is a fraction of `num_gpu_blocks`); an instance
+    that does not say its block count counts as one block when its usage grew."""
+    grew = snap.get("vllm:kv_cache_usage_perc", 0.0) - (base or {}).get("vllm:kv_cache_usage_perc", 0.0)
+    if grew <= 1e-9:
+        return 0
+    return max(1, round(grew * snap["num_gpu_blocks"])) if snap.get("num_gpu_blocks") else 1
 
 
 def group_pids(pgid: int) -> list[int]:
@@ -89,8 +107,10 @@ def retained_past_ttl(url: str, token: str) -> int:
 
 
 def snapshot(instances: list[dict], token: str | None = None) -> dict:
-    """Per instance name: its role, metrics and process counts; plus `/dev/shm`."""
-    out = {"instances": {}, "shm": sorted(shm_entries())}
+    """Per instance name: its role, metrics and process counts; plus `/dev/shm` and what is mapped of it."""
+    entries = shm_entries()
+    live = mapped_shm([int(p) for p in os.listdir("/proc") if p.isdigit()])
+    out = {"instances": {}, "shm": sorted(entries), "shm_mapped": sorted(entries & live)}
     for inst in instances:
         entry = {"role": inst["role"], "pid": inst["pid"], **process_counts(inst["pid"])}
         try:
@@ -114,9 +134,7 @@ def compare(before: dict, after: dict, thread_slack: int = 2) -> dict:
     for snap in before["instances"].values():
         first_of_role.setdefault(snap["role"], snap)
     for name, snap in after["instances"].items():
-        base = before["instances"].get(name)
-        if base is None or base["pid"] != snap["pid"]:
-            base = first_of_role.get(snap["role"], base)
+        base = _base_of(before, name, snap, first_of_role)
         found = []
         if "error" in snap:
             found.append(f"unreachable: {snap['error']}")
@@ -132,7 +150,23 @@ def compare(before: dict, after: dict, thread_slack: int = 2) -> dict:
             found.append(f"threads {snap['threads']} (start {base['threads']}; more of {grew})")
         if found:
             leaks[name] = found
-    new_shm = sorted(set(after["shm"]) - set(before["shm"]))
+    new_shm = sorted(n for n in set(after["shm"]) - set(before["shm"]) - set(after.get("shm_mapped", ()))
+                     if not n.startswith(SEMAPHORE_PREFIX))
     return {"leaks": leaks, "new_shm": new_shm,
-            "kv_blocks_leaked": sum(1 for v in leaks.values() if any("kv_cache_usage" in f for f in v)),
+            "kv_blocks_leaked": sum(blocks_over(snap, _base_of(before, name, snap, first_of_role))
+                                    for name, snap in after["instances"].items()),
             "shm_segments_leaked": len(new_shm)}
+
+
+def _base_of(before: dict, name: str, snap: dict, first_of_role: dict) -> dict | None:
+    """The start snapshot to compare `snap` with: its own, or its role's first for a restarted instance."""
+    base = before["instances"].get(name)
+    if base is None or base["pid"] != snap["pid"]:
+        base = first_of_role.get(snap["role"], base)
+    return base
+
+
+def left_after_stop(at_start: set[str]) -> list[str]:
+    """/dev/shm entries that appeared since `at_start` (taken before the deployment started) and are
+    still there now that it stopped: what neither its processes nor `up`'s sweep removed."""
+    return sorted(shm_entries() - at_start)
