@@ -199,7 +199,10 @@ def main() -> int:
         dep.start()
         result.update(run_campaign(dep, refs, cfg))
         if args.fuzz_frames and not quick:
-            result["fuzz_deployment"] = fuzz_deployment(dep, args.deployment_fuzz_frames)
+            try:  # the campaign's figures are written whatever happens here
+                result["fuzz_deployment"] = fuzz_deployment(dep, args.deployment_fuzz_frames)
+            except Exception as err:  # noqa: BLE001 (reported in the JSON)
+                result["fuzz_deployment_error"] = f"{type(err).__name__}: {err}"
     finally:
         result["leftover_process_groups"] = dep.stop()
     result["shm_left_after_stop"] = left_after_stop(dep.shm_at_start)

@@ -273,7 +273,7 @@ def fuzz_port(target: FuzzTarget, num_frames: int, seed: int = 0, post_auth: boo
                 _stranger(rng, target)
                 res.num_pre_auth += 1
                 res.num_frames += 1
-        except OSError as err:  # refused: the listener may be gone
+        except (DisaggError, OSError) as err:  # refused (wire.connect_socket: PeerLostError): the listener may be gone
             ok, why = _alive(target)
             if not ok:
                 _record_crash(res, f"{why} (after {err!r})")

@@ -151,10 +151,11 @@ class Deployment:
         return sorted({i["role"] for i in self.instances()})
 
     def binary_ports(self) -> list[tuple[str, str]]:
-        """Every KV side channel / receiver and attention listener (name, HOST:PORT)."""
+        """Every KV side channel / receiver and attention listener (name, HOST:PORT). A decode model
+        worker with attention servers binds no KV port (its KV lands on the servers' kv_address)."""
         ports = []
         for inst in self.instances():
-            if inst.get("kv"):
+            if inst.get("kv") and not (inst["role"] == "decode" and self.num_attention):
                 ports.append((f"{inst['name']}-kv", inst["kv"]))
             if inst["role"] == "attention":
                 try:
