@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from vllm_disagg.testing.families import FAMILIES
-from vllm_disagg.testing.matrix import MECHANISMS, RESULT_PATH, compat_table, readme_table
+from vllm_disagg.testing.matrix import MECHANISMS, RESULT_PATH, TABLE_END, compat_table, readme_table
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -24,5 +24,9 @@ def test_the_committed_result_covers_every_family_and_mechanism():
     assert set(result["families"]) == set(FAMILIES)
     for family in FAMILIES:
         assert set(MECHANISMS) <= set(result["cells"][family]), family
-        for cell in result["cells"][family].values():
-            assert cell["status"] in ("ok", "refused"), f"{family}: a failed cell was committed: {cell}"
+        for mechanism, cell in result["cells"][family].items():
+            assert cell["status"] in ("ok", "refused", "failed"), f"{family} x {mechanism}: {cell}"
+            if cell["status"] == "failed":  # a measured failure stays in the table, and the README says so
+                known = (ROOT / "README.md").read_text().split(TABLE_END, 1)[1].split("\n## ", 1)[0]
+                assert "Known bug" in known and family in known, (
+                    f"{family} x {mechanism} failed in the committed matrix: name it under the table ('Known bug')")
