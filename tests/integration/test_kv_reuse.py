@@ -37,7 +37,7 @@ PROMPTS = [p["prompt_token_ids"] for p in token_prompts(2, 70, seed=11) + token_
 FIRST, THEN = 20, 12
 
 
-def _engine(model_dir, servers=None, pipeline: int = 1, partition: str = "head"):
+def _engine(model_dir, servers=None, pipeline: int = 1, partition: str = "head", **over):
     from vllm import LLM
 
     extra = {}
@@ -50,7 +50,7 @@ def _engine(model_dir, servers=None, pipeline: int = 1, partition: str = "head")
             disagg["nanoflow"] = {"nano_batches": 2}
             worker = "vllm_disagg.nanoflow.remote.NanoFlowRemoteAttentionWorker"
         extra = dict(worker_cls=worker, kv_transfer_config=CONNECTOR, additional_config={"disagg": disagg})
-    return LLM(**tiny_llm_kwargs(model_dir, **extra))
+    return LLM(**tiny_llm_kwargs(model_dir, **extra, **over))
 
 
 def _generate(llm, prompts, max_tokens):
@@ -163,3 +163,30 @@ def test_request_wise_a_restored_request_goes_to_the_server_that_kept_its_blocks
     assert got == then and cached == [n * BS for n in expected]
     restored = [a - b for a, b in zip(_restored(pair), before)]
     assert sum(restored) == sum(expected) and all(restored)  # each block on the one server it lived on
+
+
+def test_after_an_attention_server_is_replaced_vllms_prefix_cache_no_longer_serves_the_chains_it_held(
+        tiny_model_dir, plain, servers):
+    """Found by benchmarks/chaos.py (wrong tokens after an attention server restart): the recovery
+    rebuilds the running requests' KV, but vLLM's prefix cache still listed the finished requests'
+    chains, whose KV was half on the lost server. A prompt that hit such a chain read what the fresh
+    server held. The scheduler now empties the prefix cache when the worker reports a recovery."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    from vllm_disagg.attention import backend
+    from vllm_disagg.testing.attention import start_local_server
+
+    first, _, _ = plain
+    llm = _engine(tiny_model_dir, list(servers), enable_prefix_caching=True)
+    try:
+        assert _generate(llm, PROMPTS[:1], FIRST)[0] == first[:1]  # its 2 full blocks stay cached in vLLM
+        port = int(servers[1].http.rsplit(":", 1)[1])
+        servers[1].kill()
+        servers[1] = start_local_server(transport="shm", kv_cache_gib=0.0625, http_port=port)
+        assert _generate(llm, PROMPTS[3:4], FIRST)[0] == first[3:4]  # this step finds the fresh server, recovers
+        assert backend.get_client().num_recoveries == 1
+        got, cached = _generate(llm, PROMPTS[:1], FIRST)  # the first prompt again: its cached chain is gone
+        assert got == first[:1]
+        assert get_kv_transfer_group().connector_worker.reuse.num_restored_blocks == 0
+    finally:
+        _close(llm)

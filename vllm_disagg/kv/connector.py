@@ -56,7 +56,8 @@ class DisaggConnector(KVConnectorBase_V1):
             kv, token = kv_settings(vllm_config)
             self.connector_scheduler = DisaggConnectorScheduler(
                 vllm_config.cache_config.block_size, kv.push_timeout_s,
-                _reuse_scheduler(vllm_config, token, lambda: self._kv_cache_manager))
+                _reuse_scheduler(vllm_config, token, lambda: self._kv_cache_manager),
+                kv_cache_manager=lambda: self._kv_cache_manager)
         else:
             from vllm_disagg.kv.worker import DisaggConnectorWorker
 

@@ -93,9 +93,14 @@ class DisaggWorkerMetadata(KVConnectorWorkerMetadata):
 
     errors: dict[str, str] = field(default_factory=dict)
     fatal: set[str] = field(default_factory=set)
+    attention_recoveries: int = 0
+    """How often this worker's remote attention lost a server and reconnected (attention/recovery.py):
+    the KV of vLLM's cached, not running, blocks was partly on that server, so the scheduler forgets
+    them (DisaggConnectorScheduler.update_connector_output)."""
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> DisaggWorkerMetadata:
         if isinstance(other, DisaggWorkerMetadata):
             self.errors.update(other.errors)
             self.fatal |= other.fatal
+            self.attention_recoveries = max(self.attention_recoveries, other.attention_recoveries)
         return self

@@ -26,7 +26,9 @@ from vllm_disagg.liveness import StepBeacon
 from vllm_disagg.observe.context import TraceContext
 
 if TYPE_CHECKING:
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from collections.abc import Callable
+
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
@@ -79,10 +81,13 @@ def prompt_digest(request: Request) -> str:
 
 
 class DisaggConnectorScheduler:
-    def __init__(self, block_size: int, push_timeout_s: float, reuse: DisaggReuseScheduler | None = None):
+    def __init__(self, block_size: int, push_timeout_s: float, reuse: DisaggReuseScheduler | None = None,
+                 kv_cache_manager: Callable[[], KVCacheManager | None] | None = None):
         self.block_size = block_size
         self.push_timeout_s = push_timeout_s
         self.reuse = reuse
+        self._kv_cache_manager = kv_cache_manager or (lambda: None)
+        self._attention_recoveries = 0
         # decode side
         self._recv_seen: set[str] = set()  # requests that got one load attempt (never retried)
         self._recv_inflight: dict[str, RecvSpec] = {}
@@ -256,6 +261,9 @@ class DisaggConnectorScheduler:
         if isinstance(meta, DisaggWorkerMetadata):
             self._recv_errors.update(meta.errors)
             self._fatal |= meta.fatal
+            if meta.attention_recoveries > self._attention_recoveries:
+                self._attention_recoveries = meta.attention_recoveries
+                self._forget_cached_blocks()
         for req_id in connector_output.finished_sending or ():
             self._awaiting_send.discard(req_id)
         for req_id in getattr(connector_output, "failed_recving", None) or ():
@@ -263,6 +271,19 @@ class DisaggConnectorScheduler:
         for req_id in connector_output.finished_recving or ():
             self._recv_inflight.pop(req_id, None)
             self.spans.kv_landed(req_id)
+
+    def _forget_cached_blocks(self) -> None:
+        """An attention server was lost: part of every cached block's KV lived there. The recovery
+        rebuilt the running requests' KV; a later request that hit an older cached chain would read
+        what the replacement server holds instead (found by benchmarks/chaos.py: wrong tokens after
+        an attention server restart). So every block leaves vLLM's prefix cache; running requests keep
+        their blocks, only the sharing of them ends."""
+        manager = self._kv_cache_manager()
+        if manager is None:
+            return
+        manager.evict_blocks(set(range(len(manager.block_pool.blocks))))
+        logger.warning("remote attention recovered from a lost server: the prefix cache was emptied "
+                       "(its blocks' KV was partly on that server)")
 
     def has_pending_push_work(self) -> bool:
         return bool(self._awaiting_send or self._pending_release or self._pending_recv or self._pending_cancel)

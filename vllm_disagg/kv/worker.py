@@ -71,6 +71,7 @@ class DisaggConnectorWorker:
         self.sender: Any = None
         self.receiver: Any = None
         self.events = device_events("cpu")
+        self._recoveries_sent = 0  # attention-server recoveries the scheduler was told of
         """Where `save_kv_layer` records its per-layer event: the KV tensors' device."""
         from vllm_disagg.kv.lamina.targets import attention_settings
 
@@ -181,10 +182,13 @@ class DisaggConnectorWorker:
 
     def build_worker_meta(self) -> DisaggWorkerMetadata | None:
         errors = self.receiver.take_errors() if self.receiver is not None else {}
-        if not errors:
+        recoveries = _attention_recoveries()
+        if not errors and recoveries == self._recoveries_sent:
             return None
+        self._recoveries_sent = recoveries
         return DisaggWorkerMetadata(errors={r: e for r, (e, _) in errors.items()},
-                                    fatal={r for r, (_, fatal) in errors.items() if fatal})
+                                    fatal={r for r, (_, fatal) in errors.items() if fatal},
+                                    attention_recoveries=recoveries)
 
     def get_kv_connector_stats(self) -> DisaggKVConnectorStats | None:
         with self._stats_lock:
@@ -212,3 +216,11 @@ def _default_transport(kv: KVTransferSection, token: str, kind: str, port: int) 
     options = TransportOptions(auth_token=token, host=host, port=port, num_streams=kv.num_streams,
                                timeout_s=kv.push_timeout_s)
     return get_transport(kind, options)
+
+
+def _attention_recoveries() -> int:
+    """Server losses this process's remote-attention client recovered from (0 without one)."""
+    from vllm_disagg.attention.runtime import current_client
+
+    client = current_client()
+    return getattr(client, "num_recoveries", 0) if client is not None else 0
