@@ -138,7 +138,10 @@ def fuzz_deployment(dep: Deployment, frames: int) -> dict:
     out = {}
     for name, address in dep.binary_ports():
         inst = next((i for i in dep.instances() if name.startswith(i["name"])), None)
-        target = FuzzTarget(name, address, b"msg", dep.token, pid=inst["pid"] if inst else None)
+        # the probe authenticates as the port's own service: KV receivers (a decode's, an attention
+        # server's kv_address) serve 'kv', side channels and attention listeners 'msg'
+        service = b"kv" if name.endswith("kv_address") or (inst or {}).get("role") == "decode" else b"msg"
+        target = FuzzTarget(name, address, service, dep.token, pid=inst["pid"] if inst else None)
         out[name] = fuzz_port(target, frames, post_auth=False, check_every=max(500, frames // 20)).as_dict()
     return out
 
