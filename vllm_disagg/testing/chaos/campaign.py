@@ -170,28 +170,34 @@ class Deployment:
         return [self.url] + [i["url"] for i in self.instances() if i["role"] != "attention"]
 
     def all_healthy(self) -> bool:
-        """Every instance answers its own `/health` and the router has every one in routing. The
-        instances are asked themselves: a router restarted a moment ago still counts an instance
-        healthy that it has not polled yet."""
-        for inst in self.instances():
-            if not _answers(f"{inst['url']}/health"):
-                return False
+        return not self.unhealthy()
+
+    def unhealthy(self) -> list[str]:
+        """What is not healthy (empty: all is): every instance must answer its own `/health`, the
+        router must have every one in routing, and every router must run. The instances are asked
+        themselves: a router restarted a moment ago still counts unpolled instances healthy."""
+        why = [f"{inst['name']}: /health does not answer 200" for inst in self.instances()
+               if not _answers(f"{inst['url']}/health")]
+        why += [f"router pid {r['pid']} exited" for r in self.routers if r["proc"].poll() is not None]
         try:
             with urllib.request.urlopen(f"{self.url}/health", timeout=5) as resp:
                 body = json.loads(resp.read())
-        except (OSError, ValueError):
-            return False
-        return all(i["healthy"] for i in body["instances"])
+        except (OSError, ValueError) as err:
+            return [*why, f"router /health: {err!r}"]
+        return why + [f"router: {i.get('url', i)} not in routing" for i in body["instances"] if not i["healthy"]]
 
-    def wait_all_healthy(self, timeout_s: float, num_in_row: int = 3) -> bool:
-        """`all_healthy` (and every router running) `num_in_row` times in a row, 1 s apart."""
+    def wait_all_healthy(self, timeout_s: float, num_in_row: int = 3, log=print) -> bool:
+        """Healthy `num_in_row` times in a row, 1 s apart; says what is not, every 30 s."""
         deadline = time.monotonic() + timeout_s
-        good = 0
+        good, next_log = 0, time.monotonic() + 30
         while time.monotonic() < deadline:
-            ok = self.all_healthy() and all(r["proc"].poll() is None for r in self.routers)
-            good = good + 1 if ok else 0
+            why = self.unhealthy()
+            good = 0 if why else good + 1
             if good >= num_in_row:
                 return True
+            if why and time.monotonic() >= next_log:
+                log(f"waiting for the deployment to be healthy: {why}")
+                next_log += 30
             time.sleep(1)
         return False
 
