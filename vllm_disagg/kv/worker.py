@@ -71,8 +71,8 @@ class DisaggConnectorWorker:
         self.sender: Any = None
         self.receiver: Any = None
         self.events = device_events("cpu")
-        self._recoveries_sent = 0  # attention-server recoveries the scheduler was told of
         """Where `save_kv_layer` records its per-layer event: the KV tensors' device."""
+        self._recoveries_sent = 0  # attention-server recoveries the scheduler was told of
         from vllm_disagg.kv.lamina.targets import attention_settings
 
         self._attention = attention_settings(vllm_config)

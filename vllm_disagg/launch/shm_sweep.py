@@ -59,6 +59,11 @@ def mapped_shm(pids: list[int]) -> set[str]:
     return names
 
 
+def mapped_by_any_process() -> set[str]:
+    """Names of the /dev/shm files some live process on the box has mapped."""
+    return mapped_shm([int(p) for p in os.listdir("/proc") if p.isdigit()])
+
+
 class ShmSweeper:
     """Per instance name: the /dev/shm files its group mapped; `sweep` unlinks the orphaned ones."""
 
@@ -72,7 +77,6 @@ class ShmSweeper:
 
     def record(self, name: str, pgid: int) -> None:
         """What `name`'s group maps now."""
-        self._since.setdefault(name, time.time())
         self._seen.setdefault(name, set()).update(mapped_shm(group_pids(pgid)))
 
     def sweep(self, name: str) -> list[str]:
@@ -82,7 +86,7 @@ class ShmSweeper:
         candidates = {n for n in candidates if os.path.exists(os.path.join(SHM_DIR, n))}
         if not candidates:
             return []
-        alive = mapped_shm([int(p) for p in os.listdir("/proc") if p.isdigit()])
+        alive = mapped_by_any_process()
         removed = []
         for shm in sorted(candidates - alive):
             try:

@@ -169,9 +169,6 @@ class Deployment:
     def http_urls(self) -> list[str]:
         return [self.url] + [i["url"] for i in self.instances() if i["role"] != "attention"]
 
-    def all_healthy(self) -> bool:
-        return not self.unhealthy()
-
     def unhealthy(self) -> list[str]:
         """What is not healthy (empty: all is): every instance must answer its own `/health`, the
         router must have every one in routing, and every router must run. The instances are asked

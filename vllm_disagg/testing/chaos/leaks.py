@@ -8,8 +8,9 @@ process group the processes, threads and sockets; plus the `/dev/shm` entries of
 which of them a live process maps. `compare` lists what is left over: a /dev/shm entry is leaked when
 it is new and no live process maps it (a restarted instance's own files are new names, not leaks).
 Python's semaphores (`sem.mp-*`) are unmapped even while their instance lives (its resource tracker
-unlinks them at exit), so `left_after_stop` checks them, and everything else, once the deployment stopped. A restarted instance is compared with the same role's first
-snapshot (a new process of the same command).
+unlinks them at exit), so `left_after_stop` checks them, and everything else, once the deployment
+stopped. A restarted instance is compared with the same role's first snapshot (a new process of the
+same command).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import json
 import os
 import urllib.request
 
-from vllm_disagg.launch.shm_sweep import SEMAPHORE_PREFIX, mapped_shm
+from vllm_disagg.launch.shm_sweep import SEMAPHORE_PREFIX, mapped_by_any_process
 from vllm_disagg.testing.chaos.faults import children
 
 _SERVE_METRICS = ("vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting")
@@ -109,8 +110,7 @@ def retained_past_ttl(url: str, token: str) -> int:
 def snapshot(instances: list[dict], token: str | None = None) -> dict:
     """Per instance name: its role, metrics and process counts; plus `/dev/shm` and what is mapped of it."""
     entries = shm_entries()
-    live = mapped_shm([int(p) for p in os.listdir("/proc") if p.isdigit()])
-    out = {"instances": {}, "shm": sorted(entries), "shm_mapped": sorted(entries & live)}
+    out = {"instances": {}, "shm": sorted(entries), "shm_mapped": sorted(entries & mapped_by_any_process())}
     for inst in instances:
         entry = {"role": inst["role"], "pid": inst["pid"], **process_counts(inst["pid"])}
         try:
@@ -130,11 +130,15 @@ def compare(before: dict, after: dict, thread_slack: int = 2) -> dict:
     """What the run left behind. KV blocks, requests, sessions, processes, sockets and shm must match
     exactly; threads may differ by `thread_slack` per group (pools that grow on first use)."""
     leaks: dict[str, list[str]] = {}
+    kv_blocks_leaked = 0
     first_of_role = {}
     for snap in before["instances"].values():
         first_of_role.setdefault(snap["role"], snap)
     for name, snap in after["instances"].items():
-        base = _base_of(before, name, snap, first_of_role)
+        base = before["instances"].get(name)
+        if base is None or base["pid"] != snap["pid"]:
+            base = first_of_role.get(snap["role"], base)
+        kv_blocks_leaked += blocks_over(snap, base)
         found = []
         if "error" in snap:
             found.append(f"unreachable: {snap['error']}")
@@ -153,17 +157,7 @@ def compare(before: dict, after: dict, thread_slack: int = 2) -> dict:
     new_shm = sorted(n for n in set(after["shm"]) - set(before["shm"]) - set(after.get("shm_mapped", ()))
                      if not n.startswith(SEMAPHORE_PREFIX))
     return {"leaks": leaks, "new_shm": new_shm,
-            "kv_blocks_leaked": sum(blocks_over(snap, _base_of(before, name, snap, first_of_role))
-                                    for name, snap in after["instances"].items()),
-            "shm_segments_leaked": len(new_shm)}
-
-
-def _base_of(before: dict, name: str, snap: dict, first_of_role: dict) -> dict | None:
-    """The start snapshot to compare `snap` with: its own, or its role's first for a restarted instance."""
-    base = before["instances"].get(name)
-    if base is None or base["pid"] != snap["pid"]:
-        base = first_of_role.get(snap["role"], base)
-    return base
+            "kv_blocks_leaked": kv_blocks_leaked, "shm_segments_leaked": len(new_shm)}
 
 
 def left_after_stop(at_start: set[str]) -> list[str]:
