@@ -35,6 +35,10 @@ class RouterConfig(BaseModel):
     """Opening a connection to an instance; a refused or silent instance fails fast."""
     read_timeout_s: float = Field(300.0, gt=0)
     """Longest silence between two chunks from an instance before the request fails cleanly."""
+    idle_keepalive_s: float = Field(3.0, gt=0)
+    """How long an idle pooled connection to an instance is reused. It must stay below vLLM's own
+    keep-alive (VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s): a connection reused as uvicorn closes it fails
+    the request with ServerDisconnectedError (the one CI failure of stop 23)."""
     prefill_timeout_s: float = Field(300.0, gt=0)
     """Whole P request (prefill + push); past it the router gives up on P (D recomputes)."""
     push_timeout_s: float | None = Field(None, gt=0)

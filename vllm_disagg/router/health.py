@@ -42,7 +42,8 @@ class HealthChecker:
 
     async def start(self) -> None:
         timeout = aiohttp.ClientTimeout(total=self.config.health_timeout_s)
-        self._session = aiohttp.ClientSession(timeout=timeout)
+        connector = aiohttp.TCPConnector(keepalive_timeout=self.config.idle_keepalive_s)
+        self._session = aiohttp.ClientSession(timeout=timeout, connector=connector)
         await self.poll_once()
         self._tasks = [asyncio.create_task(self._loop(), name="disagg-router-health"),
                        asyncio.create_task(self._watchdog(), name="disagg-router-stall-watchdog")]

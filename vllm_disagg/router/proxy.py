@@ -110,7 +110,8 @@ class Proxy:
     async def start(self) -> None:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.config.connect_timeout_s,
                                         sock_read=self.config.read_timeout_s)
-        self.session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0),
+        self.session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(
+                                                 limit=0, keepalive_timeout=self.config.idle_keepalive_s),
                                              trace_configs=[context.trace_config()])
 
     async def stop(self) -> None:

@@ -234,3 +234,44 @@ def test_sixteen_concurrent_requests_spread_over_two_decode_instances_and_releas
             assert router.pools.scheduler.num_active_requests == 0
             assert all(s.num_pending_tokens == 0 for s in router.pools.scheduler.instances.values())
     run(scenario())
+
+
+def test_pooled_connections_are_dropped_before_the_instance_closes_them_so_none_fails_mid_reuse():
+    """vLLM's uvicorn closes an idle connection after VLLM_HTTP_TIMEOUT_KEEP_ALIVE (5 s); aiohttp's
+    default pool keeps one 15 s. A request sent on a connection as uvicorn closes it fails with
+    ServerDisconnectedError (a /scale_elastic_ep 502 in CI). Here uvicorn closes after 0.1 s, requests
+    come every ~0.1 s, and every one must answer (aiohttp re-sends a GET on its own, so a POST): the router's pool lets go after 0.05 s (without that, 2 of 3 runs saw a 502)."""
+    import uvicorn
+    from fastapi import FastAPI
+
+    from vllm_disagg.launch.instances import free_ports
+
+    app = FastAPI()
+    app.get("/health")(lambda: {})
+    app.post("/tokenize")(lambda: {"tokens": [1]})
+    (port,) = free_ports(1)
+    config = RouterConfig(mixed_urls=[f"http://127.0.0.1:{port}"], idle_keepalive_s=0.05)
+    assert RouterConfig.model_fields["idle_keepalive_s"].default < 5
+
+    async def scenario():
+        upstream = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, timeout_keep_alive=0.1,
+                                                 log_level="error"))
+        serving = asyncio.create_task(upstream.serve())
+        while not upstream.started:
+            await asyncio.sleep(0.02)
+        router = RouterServer(Router(config), "127.0.0.1", 0)
+        await router.start()
+        statuses = []
+        try:
+            async with aiohttp.ClientSession() as session:
+                for i in range(40):
+                    async with session.post(f"{router.url}/tokenize", json={"prompt": "x"}) as resp:
+                        statuses.append(resp.status)
+                    await asyncio.sleep(0.09 + (i % 20) * 0.001)
+        finally:
+            await router.stop()
+            upstream.should_exit = True
+            await serving
+        assert statuses == [200] * 40
+
+    run(scenario())
