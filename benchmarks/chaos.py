@@ -168,6 +168,8 @@ def main() -> int:
     ap.add_argument("--rps", type=float, default=0.6)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--stall-timeout-s", type=float, default=10.0)
+    ap.add_argument("--stall-factor", type=float, default=None,
+                    help="the routers' adaptive hang detection (router --stall-factor); default off")
     ap.add_argument("--fuzz-frames", type=int, default=10000,
                     help="per port, token holder's frames of every type (in process); 0 skips the fuzz phases")
     ap.add_argument("--deployment-fuzz-frames", type=int, default=2000,
@@ -191,13 +193,15 @@ def main() -> int:
     stall_timeout_s = QUICK_STALL_TIMEOUT_S if quick else args.stall_timeout_s
     out = Path(args.out or REPO / "benchmarks" / "results" / ("chaos_quick.json" if quick else "chaos.json"))
     t_start = time.time()
-    result: dict = {"benchmark": "chaos", "quick": quick, "loadavg_start": os.getloadavg()}
+    result: dict = {"benchmark": "chaos", "quick": quick, "loadavg_start": os.getloadavg(),
+                    "router_stall": {"stall_timeout_s": stall_timeout_s, "stall_factor": args.stall_factor}}
     if args.fuzz_frames and not quick:
         result["fuzz_in_process"] = fuzz_in_process(args.fuzz_frames)
     if args.fuzz_only:
         print(json.dumps(result, indent=1))
         return 0
-    dep = Deployment(workdir, path, num_attention=0 if quick else args.attention, stall_timeout_s=stall_timeout_s)
+    dep = Deployment(workdir, path, num_attention=0 if quick else args.attention, stall_timeout_s=stall_timeout_s,
+                     stall_factor=args.stall_factor)
     try:
         dep.start()
         result.update(run_campaign(dep, refs, cfg))

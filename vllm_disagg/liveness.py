@@ -22,6 +22,7 @@ import socket
 import struct
 import threading
 import time
+from collections import deque
 
 __all__ = ["LiveMiddleware", "LiveState", "StepBeacon", "socket_name"]
 
@@ -30,6 +31,9 @@ _BEAT = struct.Struct("<iI")  # sender pid, tokens scheduled this step
 _MIN_BEAT_GAP_S = 0.05  # busy engines step every few ms: one datagram per 50 ms is plenty
 ENV_SOCKET = "VLLM_DISAGG_LIVE_SOCKET"
 ENV_STALL_TIMEOUT = "VLLM_DISAGG_STALL_TIMEOUT_S"
+_NUM_STEP_SAMPLES = 64
+MIN_STEP_SAMPLES = 8
+"""Busy steps seen before `expected_step_s` is reported (fewer say too little about this engine)."""
 
 
 def socket_name(api_server_pid: int) -> str:
@@ -45,14 +49,20 @@ class StepBeacon:
         self._sock: socket.socket | None = None
         self._last = 0.0
         self._last_busy = False
+        self._last_tokens = 0
         self._pid = os.getpid()
 
     def beat(self, num_scheduled_tokens: int) -> None:
+        """A step of `num_scheduled_tokens` starts. Skipped within 50 ms of the last beat unless the
+        engine went idle or busy, or the step is over twice the last beat's size: the API server
+        scales its expected step time by the last beat's tokens, and must not think a big prefill
+        is a small decode step."""
         now = time.monotonic()
         busy = num_scheduled_tokens > 0
-        if now - self._last < _MIN_BEAT_GAP_S and busy == self._last_busy:
+        if (now - self._last < _MIN_BEAT_GAP_S and busy == self._last_busy
+                and num_scheduled_tokens <= 2 * self._last_tokens):
             return
-        self._last, self._last_busy = now, busy
+        self._last, self._last_busy, self._last_tokens = now, busy, num_scheduled_tokens
         try:
             if self._sock is None:
                 self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_NONBLOCK)
@@ -78,6 +88,11 @@ class LiveState:
         """A request arrived and the engine has not stepped since (cleared by every beat)."""
         now = time.monotonic()
         self.last_beat = self.last_chunk = self.work_since = now
+        self.num_step_tokens = 0
+        """Tokens of the step that started at the last beat (0: the engine went idle)."""
+        self._steps: deque[tuple[float, int]] = deque(maxlen=_NUM_STEP_SAMPLES)
+        """(seconds from one busy beat to the next, tokens of the first): an upper bound on that step's
+        time, since beats are at most one per 50 ms."""
         self._lock = threading.Lock()
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         try:
@@ -97,11 +112,28 @@ class LiveState:
             if len(data) != _BEAT.size:
                 continue  # only EngineCore writes here (same user: abstract sockets have no permissions)
             _, num_tokens = _BEAT.unpack(data)
-            with self._lock:
-                self.num_beats += 1
-                self.last_beat = time.monotonic()
-                self.engine_busy = num_tokens > 0
-                self.owed_since = None
+            self.beat(num_tokens, time.monotonic())
+
+    def beat(self, num_tokens: int, now: float) -> None:
+        """EngineCore started a step of `num_tokens` tokens (0: it has nothing to do) at `now`."""
+        with self._lock:
+            if self.num_beats and self.engine_busy:
+                self._steps.append((now - self.last_beat, self.num_step_tokens))
+            self.num_beats += 1
+            self.last_beat = now
+            self.engine_busy = num_tokens > 0
+            self.num_step_tokens = num_tokens
+            self.owed_since = None
+
+    def expected_step_s(self) -> float | None:
+        """How long the step in progress should take, judged by this engine's recent steps: the most
+        optimistic of them scaled up to its token count (a step of more tokens than a sample is
+        assumed proportionally slower, never faster). None before `MIN_STEP_SAMPLES` busy steps.
+        The router's adaptive stall limit is a multiple of it (router/README.md, "Hang detection")."""
+        if len(self._steps) < MIN_STEP_SAMPLES:
+            return None
+        num_tokens = max(1, self.num_step_tokens)
+        return min(gap * max(1.0, num_tokens / max(1, tokens)) for gap, tokens in self._steps)
 
     def request_started(self) -> None:
         with self._lock:
@@ -138,8 +170,9 @@ class LiveState:
             else:
                 stalled = 0.0
             stalled = None if stalled is None else round(max(0.0, stalled), 3)
+            expected = self.expected_step_s()
             return {"live": stalled is None or stalled <= stall_timeout_s(), "stalled_s": stalled,
-                    "inflight": self.inflight, "engine_busy": self.engine_busy, "num_beats": self.num_beats,
+                    "expected_step_s": None if expected is None else round(expected, 4), "inflight": self.inflight, "engine_busy": self.engine_busy, "num_beats": self.num_beats,
                     "since_beat_s": round(now - self.last_beat, 3) if self.num_beats else None}
 
 

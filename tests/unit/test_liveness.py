@@ -67,6 +67,11 @@ def test_beats_are_rate_limited_but_an_idle_busy_change_always_goes_out(state):
     _until(lambda: live.num_beats == 2)
     time.sleep(0.05)
     assert live.num_beats == 2 and not live.engine_busy
+    beacon.beat(8)
+    beacon.beat(8)
+    beacon.beat(400)  # a much bigger step (a prefill after decodes) always goes out: it sets the expected time
+    _until(lambda: live.num_beats == 4)
+    assert live.num_step_tokens == 400
 
 
 def test_a_beacon_with_nobody_listening_costs_nothing_and_never_raises():
@@ -141,3 +146,23 @@ def test_a_step_with_tokens_that_never_ends_is_a_stall_even_with_no_request_in_f
     _until(lambda: live.num_beats == 1)
     time.sleep(0.35)
     assert live.report()["stalled_s"] >= 0.3
+
+
+def test_expected_step_time_is_learned_from_busy_beats_and_scaled_to_the_step_in_progress(state):
+    """Beats are step starts: 10 busy steps of 4 tokens 50 ms apart say a 4-token step takes 50 ms and a
+    400-token one up to 5 s (never faster per token than seen); idle gaps are not steps."""
+    live, _ = state
+    live.beat(0, 100.0)
+    assert live.report()["expected_step_s"] is None
+    t = 100.0
+    for _ in range(10):
+        t += 0.05
+        live.beat(4, t)
+    live.beat(0, t + 0.05)
+    live.beat(4, t + 30.0)  # after 30 s idle: not a 30 s step
+    assert live.expected_step_s() == pytest.approx(0.05)
+    live.beat(400, t + 30.05)
+    assert live.expected_step_s() == pytest.approx(5.0)
+    live.beat(1, t + 30.1)  # a 400-token step took 50 ms: now that is the most optimistic sample
+    live.beat(400, t + 30.15)
+    assert live.expected_step_s() == pytest.approx(0.05)

@@ -220,7 +220,9 @@ async def _up(args: argparse.Namespace) -> int:
                                               replay_wait_s=args.replay_wait_s,
                                               admission_wait_s=args.admission_wait_s,
                                               max_waiting=args.max_waiting,
-                                              stall_timeout_s=args.stall_timeout_s, api_keys=api_keys(args)),
+                                              stall_timeout_s=args.stall_timeout_s,
+                                              stall_factor=args.stall_factor, stall_min_s=args.stall_min_s,
+                                              api_keys=api_keys(args)),
                         SchedulerConfig(args.prefill_queue_threshold, args.decode_queue_threshold))
         server = RouterServer(router, "127.0.0.1", args.port)
         await server.start()

@@ -83,6 +83,10 @@ def add_failover_args(g) -> None:
     g.add_argument("--stall-timeout-s", type=float, default=10.0,
                    help="cut an instance whose requests make no progress this long (stuck step, SIGSTOP, "
                         "partition) and replay them elsewhere")
+    g.add_argument("--stall-factor", type=float, default=None,
+                   help="adaptive hang detection: cut an instance after this many times the step time its "
+                        "/live expects (within --stall-min-s and --stall-timeout-s); off by default")
+    g.add_argument("--stall-min-s", type=float, default=2.0, help="shortest adaptive stall limit")
 
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
@@ -91,8 +95,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         mixed_urls=args.mixed, pd_protocol=getattr(args, "pd_protocol", "push"), push_timeout_s=args.push_timeout_s, read_timeout_s=args.read_timeout_s,
         health_interval_s=args.health_interval_s, replay_attempts=args.replay_attempts,
         replay_wait_s=args.replay_wait_s, admission_wait_s=args.admission_wait_s,
-        max_waiting=args.max_waiting, stall_timeout_s=args.stall_timeout_s, api_keys=api_keys(args),
-        dynamic_membership=getattr(args, "discovery", "static") != "static",
+        max_waiting=args.max_waiting, stall_timeout_s=args.stall_timeout_s, stall_factor=args.stall_factor,
+        stall_min_s=args.stall_min_s, api_keys=api_keys(args), dynamic_membership=getattr(args, "discovery", "static") != "static",
     )
 
 

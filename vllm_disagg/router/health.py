@@ -94,9 +94,17 @@ class HealthChecker:
         stalled = live.get("stalled_s") if live else None
         if isinstance(stalled, (int, float)):
             inst.last_progress = now - float(stalled)
-            return stalled <= self.config.stall_timeout_s
+            inst.stall_limit_s = self.stall_limit(live.get("expected_step_s"))
+            return stalled <= (inst.stall_limit_s or self.config.stall_timeout_s)
         inst.last_progress = now  # answering is all we can see of an instance that does not beat
         return True
+
+    def stall_limit(self, expected_step_s: object) -> float | None:
+        """The adaptive stall limit for an instance reporting `expected_step_s` (None: the fixed one)."""
+        factor = self.config.stall_factor
+        if factor is None or not isinstance(expected_step_s, (int, float)) or expected_step_s <= 0:
+            return None
+        return min(self.config.stall_timeout_s, max(self.config.stall_min_s, factor * float(expected_step_s)))
 
     async def _get(self, inst: Instance, path: str) -> bool:
         async with self._session.get(f"{inst.url}{path}") as resp:
@@ -156,9 +164,11 @@ class HealthChecker:
         for inst in list(self.pools.instances.values()):
             num = self.pools.num_booked(inst.instance_id)
             stalled = now - inst.last_progress
-            if num and stalled > self.config.stall_timeout_s and self.pools.is_healthy(inst.instance_id):
-                self.drop(inst, f"no progress for {stalled:.1f} s with {num} requests on it "
-                                f"(--stall-timeout-s {self.config.stall_timeout_s:g})")
+            limit = inst.stall_limit_s or self.config.stall_timeout_s
+            if num and stalled > limit and self.pools.is_healthy(inst.instance_id):
+                why = (f"adaptive limit {limit:.1f} s" if inst.stall_limit_s
+                       else f"--stall-timeout-s {self.config.stall_timeout_s:g}")
+                self.drop(inst, f"no progress for {stalled:.1f} s with {num} requests on it ({why})")
                 for callback in self.on_stall:
                     callback(inst, stalled)
                 cut.append(inst)

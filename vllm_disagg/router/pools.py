@@ -33,6 +33,8 @@ class Instance:
     """Passed a health check once: until then one failed check drops it (an instance still starting)."""
     last_progress: float = field(default_factory=time.monotonic)
     """Monotonic time the instance last showed progress (a good poll, its engine's step, a relayed token)."""
+    stall_limit_s: float | None = None
+    """This instance's adaptive stall limit from its last `/live` (None: `stall_timeout_s`)."""
     has_live: bool | None = None
     """Whether it serves `/live` (vllm_disagg/liveness.py); None until asked."""
     live_asked_at: float = 0.0

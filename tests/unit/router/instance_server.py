@@ -30,6 +30,8 @@ class InstanceServer:
         self.die_times = 0
         self.live_stalled_s: float | None = 0.0
         """What GET /live reports as `stalled_s` (vllm_disagg/liveness.py); None: no /live (404)."""
+        self.live_expected_step_s: float | None = None
+        """What GET /live reports as `expected_step_s` (the engine's expected step time)."""
         self.app = web.Application()
         self.app.add_routes([
             web.post("/v1/completions", self._generate),
@@ -66,7 +68,8 @@ class InstanceServer:
     async def _live(self, _req: web.Request) -> web.Response:
         if self.live_stalled_s is None:
             return web.Response(status=404)
-        return web.json_response({"live": self.live_stalled_s < 10, "stalled_s": self.live_stalled_s})
+        return web.json_response({"live": self.live_stalled_s < 10, "stalled_s": self.live_stalled_s,
+                                  "expected_step_s": self.live_expected_step_s})
 
     async def _echo(self, req: web.Request) -> web.Response:
         """Any other vLLM route: answers who got it (a stored response's id on POST /v1/responses)."""

@@ -160,6 +160,28 @@ def test_a_request_on_a_hung_instance_is_cut_and_replayed_when_health_checks_dro
     run(scenario())
 
 
+def test_adaptive_stall_limit_cuts_an_instance_whose_fast_steps_stopped_long_before_the_fixed_timeout():
+    """m0 steps every 50 ms (/live's expected_step_s) and then owes progress for 1 s: with --stall-factor 5
+    (limit max(0.5 s, 5 x 50 ms)) it is cut and the request completes on m1; with the fixed 30 s limit
+    alone it is not cut within 3 s."""
+    async def scenario(factor):
+        async with deployment(p_modes=(), d_modes=(), mixed_modes=("stall", "ok"), health_interval_s=0.1,
+                              stall_timeout_s=30, stall_factor=factor, stall_min_s=0.5) as (url, session, _, _d, ms, router):
+            ms[0].live_expected_step_s = 0.05
+            task = asyncio.create_task(_post(session, url, {"model": "m", "prompt": [4, 2], "max_tokens": 3,
+                                                                      "return_token_ids": True}))
+            await _until(lambda: len(ms[0].bodies) == 1)
+            ms[0].live_stalled_s = 1.0  # its engine started a step 1 s ago and never beat again
+            done, _ = await asyncio.wait({task}, timeout=3)
+            ms[0].healthy = False  # ends the control run: the plain health checks cut m0
+            status, _, raw = await task
+            return (status, json.loads(raw)["choices"][0]["token_ids"]) if done else None, router
+
+    got, router = run(scenario(5.0))
+    assert got == (200, _expected([4, 2], 3)) and 'reason="left_routing"' in _replay_reasons(router)
+    assert run(scenario(None))[0] is None
+
+
 def test_losing_only_the_prefill_instance_does_not_cut_the_decode_answer():
     """P/D push path: P hangs and is dropped; D's answer (it recomputes) goes on uncut."""
     async def scenario():

@@ -70,6 +70,8 @@ class Deployment:
     num_attention: int = 0
     num_routers: int = 2
     stall_timeout_s: float = 10.0
+    stall_factor: float | None = None
+    """The routers' `--stall-factor` (adaptive hang detection); None: the fixed stall_timeout_s only."""
     engine_args: list[str] = field(default_factory=lambda: list(ENGINE_ARGS))
     token: str = field(default_factory=lambda: secrets.token_hex(16))
     up: subprocess.Popen | None = None
@@ -116,6 +118,8 @@ class Deployment:
         state = self.state()
         cmd = [sys.executable, "-m", "vllm_disagg.cli.main", "router", "--port", str(self.router_port),
                "--reuse-port", "--stall-timeout-s", str(self.stall_timeout_s), "--health-interval-s", "1"]
+        if self.stall_factor is not None:
+            cmd += ["--stall-factor", str(self.stall_factor)]
         for inst in state["instances"]:
             if inst["role"] == "prefill":
                 cmd += ["--prefill", inst["url"], "--prefill-kv", inst["kv"]]
