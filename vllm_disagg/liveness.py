@@ -172,7 +172,8 @@ class LiveState:
             stalled = None if stalled is None else round(max(0.0, stalled), 3)
             expected = self.expected_step_s()
             return {"live": stalled is None or stalled <= stall_timeout_s(), "stalled_s": stalled,
-                    "expected_step_s": None if expected is None else round(expected, 4), "inflight": self.inflight, "engine_busy": self.engine_busy, "num_beats": self.num_beats,
+                    "expected_step_s": None if expected is None else round(expected, 4),
+                    "inflight": self.inflight, "engine_busy": self.engine_busy, "num_beats": self.num_beats,
                     "since_beat_s": round(now - self.last_beat, 3) if self.num_beats else None}
 
 

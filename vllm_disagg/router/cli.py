@@ -96,7 +96,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         health_interval_s=args.health_interval_s, replay_attempts=args.replay_attempts,
         replay_wait_s=args.replay_wait_s, admission_wait_s=args.admission_wait_s,
         max_waiting=args.max_waiting, stall_timeout_s=args.stall_timeout_s, stall_factor=args.stall_factor,
-        stall_min_s=args.stall_min_s, api_keys=api_keys(args), dynamic_membership=getattr(args, "discovery", "static") != "static",
+        stall_min_s=args.stall_min_s, api_keys=api_keys(args),
+        dynamic_membership=getattr(args, "discovery", "static") != "static",
     )
 
 

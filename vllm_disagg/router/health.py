@@ -95,7 +95,7 @@ class HealthChecker:
         if isinstance(stalled, (int, float)):
             inst.last_progress = now - float(stalled)
             inst.stall_limit_s = self.stall_limit(live.get("expected_step_s"))
-            return stalled <= (inst.stall_limit_s or self.config.stall_timeout_s)
+            return stalled <= self._limit_of(inst)
         inst.last_progress = now  # answering is all we can see of an instance that does not beat
         return True
 
@@ -105,6 +105,9 @@ class HealthChecker:
         if factor is None or not isinstance(expected_step_s, (int, float)) or expected_step_s <= 0:
             return None
         return min(self.config.stall_timeout_s, max(self.config.stall_min_s, factor * float(expected_step_s)))
+
+    def _limit_of(self, inst: Instance) -> float:
+        return inst.stall_limit_s or self.config.stall_timeout_s
 
     async def _get(self, inst: Instance, path: str) -> bool:
         async with self._session.get(f"{inst.url}{path}") as resp:
@@ -164,7 +167,7 @@ class HealthChecker:
         for inst in list(self.pools.instances.values()):
             num = self.pools.num_booked(inst.instance_id)
             stalled = now - inst.last_progress
-            limit = inst.stall_limit_s or self.config.stall_timeout_s
+            limit = self._limit_of(inst)
             if num and stalled > limit and self.pools.is_healthy(inst.instance_id):
                 why = (f"adaptive limit {limit:.1f} s" if inst.stall_limit_s
                        else f"--stall-timeout-s {self.config.stall_timeout_s:g}")

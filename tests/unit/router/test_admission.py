@@ -166,10 +166,11 @@ def test_adaptive_stall_limit_cuts_an_instance_whose_fast_steps_stopped_long_bef
     alone it is not cut within 3 s."""
     async def scenario(factor):
         async with deployment(p_modes=(), d_modes=(), mixed_modes=("stall", "ok"), health_interval_s=0.1,
-                              stall_timeout_s=30, stall_factor=factor, stall_min_s=0.5) as (url, session, _, _d, ms, router):
+                              stall_timeout_s=30, stall_factor=factor, stall_min_s=0.5) as (
+                url, session, _, _d, ms, router):
             ms[0].live_expected_step_s = 0.05
-            task = asyncio.create_task(_post(session, url, {"model": "m", "prompt": [4, 2], "max_tokens": 3,
-                                                                      "return_token_ids": True}))
+            body = {"model": "m", "prompt": [4, 2], "max_tokens": 3, "return_token_ids": True}
+            task = asyncio.create_task(_post(session, url, body))
             await _until(lambda: len(ms[0].bodies) == 1)
             ms[0].live_stalled_s = 1.0  # its engine started a step 1 s ago and never beat again
             done, _ = await asyncio.wait({task}, timeout=3)

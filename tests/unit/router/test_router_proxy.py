@@ -240,7 +240,8 @@ def test_pooled_connections_are_dropped_before_the_instance_closes_them_so_none_
     """vLLM's uvicorn closes an idle connection after VLLM_HTTP_TIMEOUT_KEEP_ALIVE (5 s); aiohttp's
     default pool keeps one 15 s. A request sent on a connection as uvicorn closes it fails with
     ServerDisconnectedError (a /scale_elastic_ep 502 in CI). Here uvicorn closes after 0.1 s, requests
-    come every ~0.1 s, and every one must answer (aiohttp re-sends a GET on its own, so a POST): the router's pool lets go after 0.05 s (without that, 2 of 3 runs saw a 502)."""
+    come every ~0.1 s, and every one must answer (aiohttp re-sends a GET on its own, so a POST): the
+    router's pool lets go after 0.05 s (without that, 2 of 3 runs saw a 502)."""
     import uvicorn
     from fastapi import FastAPI
 
