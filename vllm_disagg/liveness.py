@@ -28,6 +28,10 @@ __all__ = ["LiveMiddleware", "LiveState", "StepBeacon", "socket_name"]
 
 logger = logging.getLogger(__name__)
 _BEAT = struct.Struct("<iI")  # sender pid, tokens scheduled this step
+_ALIVE = struct.Struct("<i")  # sender pid: EngineCore's process runs (heartbeat thread), nothing about steps
+ALIVE_PERIOD_S = 1.0
+_STATE_LOCK = threading.Lock()
+_HEARTBEATS: set[str] = set()
 _MIN_BEAT_GAP_S = 0.05  # busy engines step every few ms: one datagram per 50 ms is plenty
 ENV_SOCKET = "VLLM_DISAGG_LIVE_SOCKET"
 ENV_STALL_TIMEOUT = "VLLM_DISAGG_STALL_TIMEOUT_S"
@@ -70,6 +74,26 @@ class StepBeacon:
         except OSError:  # nobody listening, or its queue is full: the next beat tries again
             pass
 
+    def start_heartbeat(self, period_s: float = ALIVE_PERIOD_S) -> None:
+        """Say every `period_s` that this process runs (a daemon thread): an idle engine takes no
+        steps, and the API server needs to tell it from a stopped one (`LiveState.report`). Once per
+        process and API server: every connector built here shares the thread."""
+        with _STATE_LOCK:
+            if self._addr in _HEARTBEATS:
+                return
+            _HEARTBEATS.add(self._addr)
+
+        def run() -> None:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_NONBLOCK)
+            while True:
+                try:
+                    sock.sendto(_ALIVE.pack(self._pid), self._addr)
+                except OSError:
+                    pass
+                time.sleep(period_s)
+
+        threading.Thread(target=run, name="disagg-live-heartbeat", daemon=True).start()
+
     def close(self) -> None:
         if self._sock is not None:
             self._sock.close()
@@ -84,8 +108,12 @@ class LiveState:
         self.inflight = 0
         self.num_beats = 0
         self.engine_busy = False
-        self.owed_since: float | None = None
-        """A request arrived and the engine has not stepped since (cleared by every beat)."""
+        self._owed: dict[int, float] = {}
+        """Arrival times of requests the engine may owe a step: in flight, or ended unanswered (cut or
+        disconnected) since the last beat. Every beat clears them; a complete answer clears its own."""
+        self._num_requests = 0
+        self.last_alive: float | None = None
+        """EngineCore's last heartbeat (`StepBeacon.start_heartbeat`); None if it sends none."""
         now = time.monotonic()
         self.last_beat = self.last_chunk = self.work_since = now
         self.num_step_tokens = 0
@@ -109,10 +137,10 @@ class LiveState:
                 data = self._sock.recv(64)
             except OSError:
                 return
-            if len(data) != _BEAT.size:
-                continue  # only EngineCore writes here (same user: abstract sockets have no permissions)
-            _, num_tokens = _BEAT.unpack(data)
-            self.beat(num_tokens, time.monotonic())
+            if len(data) == _ALIVE.size:
+                self.last_alive = time.monotonic()
+            elif len(data) == _BEAT.size:  # only EngineCore writes here (abstract sockets: same user)
+                self.beat(_BEAT.unpack(data)[1], time.monotonic())
 
     def beat(self, num_tokens: int, now: float) -> None:
         """EngineCore started a step of `num_tokens` tokens (0: it has nothing to do) at `now`."""
@@ -123,7 +151,7 @@ class LiveState:
             self.last_beat = now
             self.engine_busy = num_tokens > 0
             self.num_step_tokens = num_tokens
-            self.owed_since = None
+            self._owed.clear()
 
     def expected_step_s(self) -> float | None:
         """How long the step in progress should take, judged by this engine's recent steps: the most
@@ -135,18 +163,41 @@ class LiveState:
         num_tokens = max(1, self.num_step_tokens)
         return min(gap * max(1.0, num_tokens / max(1, tokens)) for gap, tokens in self._steps)
 
-    def request_started(self) -> None:
+    @property
+    def owed_since(self) -> float | None:
+        """The oldest request the engine may owe a step (None: nothing owed)."""
+        return min(self._owed.values(), default=None)
+
+    def request_started(self) -> int:
+        """Count a generate request in; the returned id goes back to `request_ended`."""
         with self._lock:
             now = time.monotonic()
             if self.inflight == 0:
                 self.work_since = now
-            if self.owed_since is None:
-                self.owed_since = now
+            self._num_requests += 1
+            self._owed[self._num_requests] = now
             self.inflight += 1
+            return self._num_requests
 
-    def request_ended(self) -> None:
+    def request_ended(self, request_id: int | None = None, answered: bool = False) -> None:
+        """`answered`: its whole response went out (a 400 from validation, a tokenizer call, or the
+        engine's answer), so it owes nothing; one cut or disconnected may have left the engine stuck."""
         with self._lock:
             self.inflight -= 1
+            if answered:
+                self._owed.pop(request_id, None)
+
+    def _owed_stall(self, now: float) -> float | None:
+        """Seconds owed with nothing in flight; None when the engine's process beat since the debt
+        (plus a period): an idle engine that never got the request (the API server dropped it) is not
+        stuck, while a stopped one sends no heartbeat."""
+        owed_since = self.owed_since
+        if owed_since is None:
+            return None
+        if self.last_alive is not None and self.last_alive > owed_since + ALIVE_PERIOD_S and not self.engine_busy:
+            self._owed.clear()
+            return None
+        return now - owed_since
 
     def chunk_sent(self) -> None:
         self.last_chunk = time.monotonic()
@@ -163,8 +214,8 @@ class LiveState:
                 stalled = None
             elif self.inflight:
                 stalled = now - max(self.last_beat, self.last_chunk, self.work_since)
-            elif self.owed_since is not None:
-                stalled = now - self.owed_since
+            elif (owed := self._owed_stall(now)) is not None:
+                stalled = owed
             elif self.engine_busy:
                 stalled = now - self.last_beat
             else:
@@ -185,7 +236,6 @@ def stall_timeout_s() -> float:
 
 
 _STATE: LiveState | None = None
-_STATE_LOCK = threading.Lock()
 
 
 def live_state() -> LiveState:
@@ -219,18 +269,21 @@ class LiveMiddleware:
             return await self.app(scope, receive, send)
         if method != "POST" or not path.startswith("/v1/"):
             return await self.app(scope, receive, send)
-        state = self.state
+        state, answered = self.state, False
 
         async def counting_send(message):
-            if message.get("type") == "http.response.body" and message.get("body"):
-                state.chunk_sent()
+            nonlocal answered
+            if message.get("type") == "http.response.body":
+                if message.get("body"):
+                    state.chunk_sent()
+                answered = answered or not message.get("more_body", False)
             await send(message)
 
-        state.request_started()
+        request_id = state.request_started()
         try:
             return await self.app(scope, receive, counting_send)
         finally:
-            state.request_ended()
+            state.request_ended(request_id, answered)
 
 
 async def _respond(send, status: int, body: dict) -> None:

@@ -166,3 +166,44 @@ def test_expected_step_time_is_learned_from_busy_beats_and_scaled_to_the_step_in
     live.beat(1, t + 30.1)  # a 400-token step took 50 ms: now that is the most optimistic sample
     live.beat(400, t + 30.15)
     assert live.expected_step_s() == pytest.approx(0.05)
+
+
+def test_a_request_answered_without_the_engine_owes_nothing(state, monkeypatch):
+    """A 400 from validation (or a tokenizer call) never reaches an idle engine, which then takes no
+    step: found by the chaos soak, where bad HTTP left an idle decode instance 'stalled' (so out of
+    routing, so never given the request that would clear it) for 160 s."""
+    live, beacon = state
+    monkeypatch.setattr("vllm_disagg.liveness._STATE", live)
+
+    async def validating_app(scope, receive, send):
+        status = 400 if scope["path"].startswith("/v1/") else 200
+        await send({"type": "http.response.start", "status": status, "headers": []})
+        await send({"type": "http.response.body", "body": b"bad", "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+
+    app = LiveMiddleware(validating_app)
+
+    async def scenario():
+        beacon.beat(0)
+        await asyncio.sleep(0.05)
+        assert (await _call(app, "/v1/completions", "POST"))[0]["status"] == 400
+        await asyncio.sleep(0.35)
+        assert (await _call(app, "/health"))[0]["status"] == 200
+        assert json.loads((await _call(app, "/live"))[1]["body"])["stalled_s"] == 0.0
+
+    asyncio.run(scenario())
+
+
+def test_an_unanswered_request_owes_a_step_only_while_the_engine_process_is_silent(state, monkeypatch):
+    """Cut before it was answered: owed until the next step, unless EngineCore's heartbeat shows an
+    idle engine that runs (the API server dropped the request before handing it over)."""
+    live, beacon = state
+    monkeypatch.setattr("vllm_disagg.liveness.ALIVE_PERIOD_S", 0.1)
+    beacon.beat(0)
+    _until(lambda: live.num_beats == 1)
+    live.request_ended(live.request_started(), answered=False)
+    time.sleep(0.35)
+    assert not live.report()["live"]  # no heartbeat: a stopped EngineCore looks like this
+    beacon.start_heartbeat(period_s=0.05)
+    _until(lambda: live.report()["stalled_s"] == 0.0)
+    assert live.report()["live"]

@@ -106,6 +106,7 @@ class DisaggConnectorScheduler:
         self._awaiting_send: set[str] = set()
         self._beacon = StepBeacon()
         """Tells this instance's API server that a step started (its `/live`, vllm_disagg/liveness.py)."""
+        self._beacon.start_heartbeat()
 
     # ---------------------------------------------------------------- decode side
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
