@@ -23,12 +23,14 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import Counter, Histogram
 
+from vllm_disagg import envs
 from vllm_disagg.router import bodies, context, replay, spans
 from vllm_disagg.router.config import RouterConfig
 from vllm_disagg.router.health import HealthChecker
 from vllm_disagg.router.metrics import RouterMetrics
 from vllm_disagg.router.policy import NoHealthyInstanceError
 from vllm_disagg.router.pools import Instance, InstancePools, Route
+from vllm_disagg.router.push_cancel import PushCanceller
 from vllm_disagg.router.replay_run import ReplayRun
 from vllm_disagg.router.upstream import (
     FAILED,
@@ -105,6 +107,9 @@ class Proxy:
         self._joined = asyncio.Event()  # replaced after each set: waiters hold the one they saw
         self.cuts: dict[str, Callable[[str], None]] = {}  # req_id -> cut its attempt (instance left)
         self.num_waiting = 0  # new requests waiting for admission (bounded by max_waiting)
+        token = envs.auth_token()
+        self.push_cancel = PushCanceller(token) if token else None
+        """CANCELs pushes whose decode half was given up after P answered (None: no shared token here)."""
         pools.scheduler.listeners.append(self._on_membership)
 
     async def start(self) -> None:
@@ -118,6 +123,8 @@ class Proxy:
         for task in list(self._background):
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
+        if self.push_cancel is not None:
+            await self.push_cancel.stop()
         if self.session is not None:
             await self.session.close()
 
@@ -277,7 +284,7 @@ class Proxy:
             return out
         finally:
             self.cuts.pop(route.req_id, None)
-            await self.end_prefill(p_task, ok)
+            await self.end_prefill(p_task, ok, d_body)
 
     async def start_prefill(self, route: Route, body: dict[str, Any],
                             endpoint: str) -> tuple[asyncio.Task | None, dict[str, Any]]:
@@ -296,8 +303,12 @@ class Proxy:
         p_task = asyncio.create_task(self._prefill(route, bodies.prefill_body(body, transfer_id, chat), endpoint))
         return p_task, bodies.decode_body(body, transfer_id, pre.kv_host, pre.kv_port, self.config.push_timeout_s)
 
-    async def end_prefill(self, p_task: asyncio.Task | None, ok: bool) -> None:
-        if p_task is None or p_task.done():
+    async def end_prefill(self, p_task: asyncio.Task | None, ok: bool, d_body: dict[str, Any]) -> None:
+        if p_task is None:
+            return
+        if p_task.done():  # P answered: its push may wait for a D that will never register now
+            if not ok and self.push_cancel is not None:
+                self.push_cancel.cancel_later(d_body, "the router gave up on the decode half")
             return
         if ok:  # P still reporting back: let it finish (bounded by prefill_timeout_s)
             self._background.add(p_task)

@@ -160,7 +160,7 @@ class ReplayRun:
             ok = True
             return out
         finally:
-            await self.p.end_prefill(p_task, ok)
+            await self.p.end_prefill(p_task, ok, d_body)
 
     async def _relay(self, route: Route, d_body: dict[str, Any], endpoint: str) -> web.StreamResponse:
         target = self._target = route.target

@@ -16,11 +16,12 @@ from vllm_disagg.router.server import Router, RouterServer
 
 
 @contextlib.asynccontextmanager
-async def deployment(p_modes=("ok",), d_modes=("ok",), mixed_modes=(), **cfg):
+async def deployment(p_modes=("ok",), d_modes=("ok",), mixed_modes=(), prefill_kv=None, **cfg):
     ps = [await InstanceServer(f"p{i}", m).start() for i, m in enumerate(p_modes)]
     ds = [await InstanceServer(f"d{i}", m).start() for i, m in enumerate(d_modes)]
     ms = [await InstanceServer(f"m{i}", m).start() for i, m in enumerate(mixed_modes)]
     kv = [] if cfg.get("pd_protocol") == "vllm" else [f"127.0.0.1:{9100 + i}" for i in range(len(ps))]
+    kv = kv if prefill_kv is None else prefill_kv
     config = RouterConfig(prefill_urls=[p.url for p in ps], prefill_kv=kv,
                           decode_urls=[d.url for d in ds], mixed_urls=[m.url for m in ms], **cfg)
     router = Router(config)
