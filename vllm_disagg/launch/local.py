@@ -222,7 +222,7 @@ class LocalCluster:
         return RouterConfig(prefill_urls=[s.url for s in by_role["prefill"]],
                             prefill_kv=[s.kv_addr for s in by_role["prefill"]],
                             decode_urls=[s.url for s in by_role["decode"]],
-                            mixed_urls=[s.url for s in by_role["mixed"]], **overrides)
+                            mixed_urls=[s.url for s in by_role["mixed"]], auth_token=self._token, **overrides)
 
     def state(self, router_url: str | None) -> dict:
         spans = self.log_dir / "spans.jsonl"

@@ -11,6 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from vllm_disagg import envs
 from vllm_disagg.config import _check_host_port
 
 
@@ -43,6 +44,9 @@ class RouterConfig(BaseModel):
     """Whole P request (prefill + push); past it the router gives up on P (D recomputes)."""
     push_timeout_s: float | None = Field(None, gt=0)
     """Sent to D as `kv_transfer_params.push_timeout_s`; None leaves D's own `kv.push_timeout_s`."""
+    auth_token: str | None = Field(default_factory=envs.auth_token, repr=False, exclude=True)
+    """The deployment's shared token (default $VLLM_DISAGG_AUTH_TOKEN): signs the CANCEL the router
+    sends P for a decode half it gave up on (push_cancel.py); None sends none."""
     health_interval_s: float = Field(2.0, gt=0)
     """Period of the /health poll of every instance."""
     health_timeout_s: float = Field(5.0, gt=0)

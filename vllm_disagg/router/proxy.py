@@ -23,7 +23,6 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import Counter, Histogram
 
-from vllm_disagg import envs
 from vllm_disagg.router import bodies, context, replay, spans
 from vllm_disagg.router.config import RouterConfig
 from vllm_disagg.router.health import HealthChecker
@@ -107,8 +106,7 @@ class Proxy:
         self._joined = asyncio.Event()  # replaced after each set: waiters hold the one they saw
         self.cuts: dict[str, Callable[[str], None]] = {}  # req_id -> cut its attempt (instance left)
         self.num_waiting = 0  # new requests waiting for admission (bounded by max_waiting)
-        token = envs.auth_token()
-        self.push_cancel = PushCanceller(token) if token else None
+        self.push_cancel = PushCanceller(config.auth_token) if config.auth_token else None
         """CANCELs pushes whose decode half was given up after P answered (None: no shared token here)."""
         pools.scheduler.listeners.append(self._on_membership)
 
