@@ -80,6 +80,14 @@ def prompt_digest(request: Request) -> str:
     return hashlib.blake2b(np.asarray(ids, dtype="<i8").tobytes(), digest_size=16).hexdigest()
 
 
+def num_leading_null_blocks(blocks: Any) -> int:
+    """Blocks a sliding-window group left out (vLLM gives a windowed request its pool's null block
+    for every block wholly before the window): D registers from the first real one, so P pushes
+    nothing the window hides, and nothing lands in the null block all requests share."""
+    (group,) = blocks.blocks
+    return next((i for i, block in enumerate(group) if not getattr(block, "is_null", False)), len(group))
+
+
 class DisaggConnectorScheduler:
     def __init__(self, block_size: int, push_timeout_s: float, reuse: DisaggReuseScheduler | None = None,
                  kv_cache_manager: Callable[[], KVCacheManager | None] | None = None):
@@ -160,7 +168,8 @@ class DisaggConnectorScheduler:
             return
         self._recv_seen.add(request.request_id)
         (block_ids,) = blocks.get_block_ids()
-        start_block = (request.num_prompt_tokens - num_external_tokens) // self.block_size
+        start_block = max((request.num_prompt_tokens - num_external_tokens) // self.block_size,
+                          num_leading_null_blocks(blocks))
         end_block = math.ceil(request.num_prompt_tokens / self.block_size)
         spec = RecvSpec(
             req_id=request.request_id,

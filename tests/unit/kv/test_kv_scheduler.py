@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
 from vllm_disagg.kv.scheduler import DisaggConnectorScheduler
 
 BS = 32
@@ -14,8 +17,10 @@ def _req(req_id, n, **params):
     return SimpleNamespace(request_id=req_id, num_prompt_tokens=n, kv_transfer_params=params or None)
 
 
-def _blocks(ids):
-    return SimpleNamespace(get_block_ids=lambda: (list(ids),))
+def _blocks(ids, num_null=0):
+    """vLLM's own allocation result; `num_null` leading null blocks, as a sliding-window group gives."""
+    null = [KVCacheBlock(0, is_null=True) for _ in range(num_null)]
+    return KVCacheBlocks(([*null, *(KVCacheBlock(i) for i in ids)],))
 
 
 def _out(new=(), cached=(), sched=None, preempted=None):
@@ -61,6 +66,17 @@ def test_decode_with_a_local_prefix_hit_registers_only_the_missing_blocks():
     s.update_state_after_alloc(req, _blocks([1, 2, 3, 4]), 36)
     (spec,) = s.build_connector_meta(_out()).recv_specs
     assert (spec.block_ids, spec.start_block) == ((3, 4), 2)
+
+
+def test_a_windowed_decode_request_registers_from_its_first_block_inside_the_window():
+    """Mistral-style sliding-window group: vLLM hands D the null block for blocks wholly before the
+    window; P pushes only the rest (found by a per-block checksum run: P's bytes landed in block 0)."""
+    s = DisaggConnectorScheduler(BS, push_timeout_s=30)
+    req = _req("r1", 100, **D_PARAMS)
+    assert s.get_num_new_matched_tokens(req, 0) == (100, True)
+    s.update_state_after_alloc(req, _blocks([5, 6, 7], num_null=1), 100)
+    (spec,) = s.build_connector_meta(_out()).recv_specs
+    assert (spec.block_ids, spec.start_block) == ((5, 6, 7), 1)
 
 
 def test_malformed_transfer_params_fall_back_to_local_prefill():

@@ -8,6 +8,9 @@ from __future__ import annotations
 import time
 from types import SimpleNamespace
 
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
 from vllm_disagg.kv.scheduler import DisaggConnectorScheduler
 from vllm_disagg.observe import tracing
 
@@ -22,8 +25,10 @@ def _req(req_id, n, traced=True, **params):
                            num_output_tokens=0, status="FINISHED_STOPPED")
 
 
-def _blocks(ids):
-    return SimpleNamespace(get_block_ids=lambda: (list(ids),))
+def _blocks(ids, num_null=0):
+    """vLLM's own allocation result; `num_null` leading null blocks, as a sliding-window group gives."""
+    null = [KVCacheBlock(0, is_null=True) for _ in range(num_null)]
+    return KVCacheBlocks(([*null, *(KVCacheBlock(i) for i in ids)],))
 
 
 def _out(new=()):
