@@ -269,7 +269,14 @@ class LiveMiddleware:
             return await self.app(scope, receive, send)
         if method != "POST" or not path.startswith("/v1/"):
             return await self.app(scope, receive, send)
-        state, answered = self.state, False
+        state, answered, request_id = self.state, False, None
+
+        async def counting_receive():
+            nonlocal request_id
+            message = await receive()
+            if request_id is None and message.get("type") == "http.request" and not message.get("more_body"):
+                request_id = state.request_started()  # owed from the body's end: a slow upload is not a stall
+            return message
 
         async def counting_send(message):
             nonlocal answered
@@ -279,11 +286,11 @@ class LiveMiddleware:
                 answered = answered or not message.get("more_body", False)
             await send(message)
 
-        request_id = state.request_started()
         try:
-            return await self.app(scope, receive, counting_send)
+            return await self.app(scope, counting_receive, counting_send)
         finally:
-            state.request_ended(request_id, answered)
+            if request_id is not None:
+                state.request_ended(request_id, answered)
 
 
 async def _respond(send, status: int, body: dict) -> None:

@@ -101,6 +101,7 @@ def test_the_middleware_answers_live_and_fails_health_while_stalled(state, monke
 
     async def engine_app(scope, receive, send):
         if scope["path"] == "/v1/completions":
+            await receive()  # the request body, as vLLM's handler reads it first
             await release.wait()
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b"ok"})
@@ -207,3 +208,37 @@ def test_an_unanswered_request_owes_a_step_only_while_the_engine_process_is_sile
     beacon.start_heartbeat(period_s=0.05)
     _until(lambda: live.report()["stalled_s"] == 0.0)
     assert live.report()["live"]
+
+
+def test_a_slowly_uploaded_body_is_not_owed_work_until_it_has_arrived(state, monkeypatch):
+    """A client that trickles its body (slowloris) holds a request open for as long as it likes;
+    the engine owes nothing until the body is whole, so the instance never looks stalled for it."""
+    live, beacon = state
+    monkeypatch.setattr("vllm_disagg.liveness._STATE", live)
+    chunks = [{"type": "http.request", "body": b'{"prompt":', "more_body": True},
+              {"type": "http.request", "body": b' "x"}', "more_body": False}]
+
+    async def reading_app(scope, receive, send):
+        while (await receive()).get("more_body"):
+            pass
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    async def slow_receive():
+        if len(chunks) == 1:
+            await asyncio.sleep(0.4)  # past the 0.3 s stall timeout
+        return chunks.pop(0)
+
+    async def scenario():
+        beacon.beat(0)
+        await asyncio.sleep(0.05)
+        app = LiveMiddleware(reading_app)
+        task = asyncio.create_task(app({"type": "http", "path": "/v1/completions", "method": "POST"},
+                                       slow_receive, lambda message: asyncio.sleep(0)))
+        await asyncio.sleep(0.35)
+        report = json.loads((await _call(app, "/live"))[1]["body"])
+        assert report["inflight"] == 0 and report["live"]  # still uploading: nothing owed yet
+        await task
+        assert live.inflight == 0 and live.report()["stalled_s"] == 0.0  # answered in full
+
+    asyncio.run(scenario())
