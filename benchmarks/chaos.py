@@ -225,7 +225,8 @@ def main() -> int:
     plot(result, out.with_suffix(".png"))
     keys = ("requests_total", "requests_lost", "requests_wrong", "kv_blocks_leaked", "shm_segments_leaked",
             "max_stall_s", "server_crashes_from_bad_input", "p99_ttft_during_faults / p99_ttft_quiet", "num_faults")
-    print(json.dumps({k: result.get(k) for k in keys}, indent=1))
+    print(json.dumps({**{k: result.get(k) for k in keys}, "router_cuts": len(result.get("router_cuts", [])),
+                      "cuts_outside_faults": result.get("cuts_outside_faults")}, indent=1))
     return 0
 
 

@@ -54,7 +54,7 @@ def test_six_faults_of_six_kinds_lose_nothing_answer_right_and_leak_nothing(tmp_
     shm_left = left_after_stop(dep.shm_at_start)
     summary = {k: result[k] for k in ("requests_total", "requests_lost", "requests_wrong", "retried_requests",
                                       "kv_blocks_leaked", "shm_segments_leaked", "max_stall_s", "leaks", "new_shm",
-                                      "fault_kinds")}
+                                      "fault_kinds", "router_cuts", "cuts_outside_faults")}
     print(json.dumps({**summary, "shm_left_after_stop": shm_left, "phases_s": {k: round(v, 1) for k, v in phases.items()}},
                      indent=1))
     assert sorted(result["fault_kinds"]) == sorted(k for k, _ in QUICK_PLAN), result["faults"]

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from vllm_disagg.testing.chaos import leaks
 from vllm_disagg.testing.chaos.clients import ChaosClients
+from vllm_disagg.testing.chaos.cuts import cuts_outside_faults, router_cuts
 from vllm_disagg.testing.chaos.faults import KINDS, Fault, FaultInjector, signal_group
 from vllm_disagg.testing.chaos.workload import References, schedule
 from vllm_disagg.testing.up import group_alive
@@ -327,7 +328,7 @@ def run_campaign(dep: Deployment, refs: References, cfg: CampaignConfig, log=pri
     base = leaks.snapshot(dep.instances(), dep.token)
     plan = schedule(len(refs.prompts) * 50, cfg.rps, cfg.seed)
     requests = refs.requests(plan, cfg.seed)
-    t0 = time.monotonic()
+    t0, t0_wall = time.monotonic(), time.time()
     load_avg = [os.getloadavg()]
     until = t0 + cfg.quiet_s + cfg.duration_s
     sender = threading.Thread(target=clients.run, args=(requests, t0, until), name="chaos-sender", daemon=True)
@@ -344,7 +345,10 @@ def run_campaign(dep: Deployment, refs: References, cfg: CampaignConfig, log=pri
     time.sleep(3)  # P frees pushes after its request ended; the routers' polls settle
     end = leaks.snapshot(dep.instances(), dep.token)
     clients.close()
-    return report(clients.outcomes, faults, base, end, t0, cfg, load_avg, healthy)
+    result = report(clients.outcomes, faults, base, end, t0, cfg, load_avg, healthy)
+    result["router_cuts"] = router_cuts([dep.workdir / f"{r['name']}.log" for r in dep.routers], t0_wall)
+    result["cuts_outside_faults"] = cuts_outside_faults(result["router_cuts"], result["faults"])
+    return result
 
 
 def _warm_up(clients: ChaosClients, refs: References, cfg: CampaignConfig) -> None:

@@ -1,0 +1,36 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The chaos report's router cuts: read from router log lines (the format of the soak's logs) and set
+against the faults, so a cut of a working instance shows as `cuts_outside_faults`."""
+
+from __future__ import annotations
+
+import datetime
+
+from vllm_disagg.testing.chaos.cuts import cuts_outside_faults, router_cuts
+
+T0 = datetime.datetime(2026, 11, 27, 0, 0, 0).timestamp()
+
+
+def _line(t_s: float, url: str, role: str, stalled_s: float) -> str:
+    wall = datetime.datetime.fromtimestamp(T0 + t_s)
+    return (f"{wall:%Y-%m-%d %H:%M:%S},{wall.microsecond // 1000:03d} WARNING vllm_disagg.router.health: dropping "
+            f"instance {url} ({role}) from its pool: no progress for {stalled_s} s with 1 requests on it "
+            "(adaptive limit 2.0 s)")
+
+
+def test_cuts_are_read_from_every_router_and_checked_against_process_faults(tmp_path):
+    (tmp_path / "router-0.log").write_text("\n".join([
+        "2026-11-27 00:00:01,000 INFO vllm_disagg.router.health: instance http://d (decode) is healthy",
+        _line(12.4, "http://d", "decode", 2.4),  # inside a SIGSTOP of D (10-20 s)
+        _line(45.0, "http://d", "decode", 2.1),  # 15 s after attention0 was killed: waiting on its restart
+        _line(200.0, "http://p", "prefill", 2.2),  # nothing was wrong then: a false cut
+    ]))
+    (tmp_path / "router-1.log").write_text(_line(12.6, "http://d", "decode", 2.6))
+    faults = [{"kind": "stop", "target": "decode0", "t_start_s": 10.0, "t_end_s": 20.0},
+              {"kind": "kill", "target": "attention0", "t_start_s": 30.0, "t_end_s": 30.0},
+              {"kind": "bad_http", "target": "http://p", "t_start_s": 195.0, "t_end_s": 205.0}]
+    cuts = router_cuts([tmp_path / "router-0.log", tmp_path / "router-1.log", tmp_path / "missing.log"], T0)
+    assert [(c["t_s"], c["router"], c["role"], c["stalled_s"]) for c in cuts] == [
+        (12.4, "router-0", "decode", 2.4), (12.6, "router-1", "decode", 2.6),
+        (45.0, "router-0", "decode", 2.1), (200.0, "router-0", "prefill", 2.2)]
+    assert [c["t_s"] for c in cuts_outside_faults(cuts, faults)] == [200.0]  # bad HTTP holds nothing up

@@ -1,0 +1,47 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The routers' stall cuts during a campaign, read back from their logs and set against the faults.
+
+A cut of an instance that no process fault was holding up is a false cut: the hang detection took a
+working instance out of routing. Stop 24 and 25 checked that by lining log times up with the fault
+list by hand; this puts the check in the report (`router_cuts`, `cuts_outside_faults`).
+"""
+
+from __future__ import annotations
+
+import datetime
+import re
+from pathlib import Path
+
+_CUT = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) WARNING vllm_disagg\.router\.health: dropping instance "
+                  r"(\S+) \((\w+)\) from its pool: no progress for ([\d.]+) s")
+PROCESS_FAULTS = ("kill", "stop", "stop_engine", "slow")
+"""Faults that hold an instance's progress up; a cut while none runs is a false cut."""
+KILL_AFTERMATH_S = 60.0
+"""A kill holds its target, and a decode instance waiting on a killed attention server, up until the
+restart is done (30-60 s for a vLLM instance here): its window runs this long."""
+
+
+def router_cuts(log_paths: list[Path], t0_wall: float) -> list[dict]:
+    """Every stall cut in the routers' logs, in seconds since the load started (`t0_wall`, time.time())."""
+    cuts = []
+    for path in log_paths:
+        try:
+            lines = path.read_text(errors="replace").splitlines()
+        except OSError:
+            continue
+        for line in lines:
+            m = _CUT.match(line)
+            if m is None:
+                continue
+            wall = datetime.datetime.strptime(m[1], "%Y-%m-%d %H:%M:%S").timestamp() + int(m[2]) / 1000
+            cuts.append({"t_s": round(wall - t0_wall, 3), "router": path.stem, "instance": m[3], "role": m[4],
+                         "stalled_s": float(m[5])})
+    return sorted(cuts, key=lambda c: c["t_s"])
+
+
+def cuts_outside_faults(cuts: list[dict], faults: list[dict], slack_s: float = 2.0) -> list[dict]:
+    """Cuts whose stall (`t_s - stalled_s` .. `t_s`) overlaps no process fault (± `slack_s`: the logs'
+    clock and the campaign's differ by the time a log line takes)."""
+    windows = [(f["t_start_s"] - slack_s, f["t_end_s"] + slack_s + (KILL_AFTERMATH_S if f["kind"] == "kill" else 0))
+               for f in faults if f["kind"] in PROCESS_FAULTS]
+    return [c for c in cuts if not any(a <= c["t_s"] and c["t_s"] - c["stalled_s"] <= b for a, b in windows)]
