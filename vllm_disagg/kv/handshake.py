@@ -33,6 +33,7 @@ __all__ = [
     "HandshakeInfo",
     "MsgType",
     "SideMsg",
+    "cancel_msg",
     "VersionMismatch",
     "auth_proof",
     "check_compatible",
@@ -145,6 +146,11 @@ def encode_msg(msg: SideMsg) -> bytes:
     ids = np.asarray(msg.block_ids, dtype="<i4").tobytes()
     head = _HEADER.pack(_MAGIC, PROTOCOL_VERSION, int(msg.type), len(body), len(msg.block_ids), len(trace))
     return head + body + ids + trace
+
+
+def cancel_msg(transfer_id: str, reason: str) -> bytes:
+    """CANCEL of push `transfer_id` (sent by D's receiver, and by the router for a decode half it cut)."""
+    return encode_msg(SideMsg(MsgType.CANCEL, {"transfer_id": transfer_id, "reason": reason[:200]}))
 
 
 def decode_msg(data: bytes | memoryview, peer: str = "?") -> SideMsg:

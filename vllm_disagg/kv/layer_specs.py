@@ -7,7 +7,8 @@ allocator off for a connector without `SupportsHMA` (this one), so a hybrid mode
 are allocated like full ones (every block kept; the window still applies in the kernel), and a model
 whose every layer is windowed (Mistral) keeps one sliding-window group whose blocks both sides
 address with the same ids (D registers from its first block inside the window: vLLM gives it the
-null block for the ones before, `scheduler.num_leading_null_blocks`). Every layer must have the same block shape (the handshake compares one).
+null block for the ones before, `scheduler.num_leading_null_blocks`). Every layer must have the
+same block shape (the handshake compares one).
 Anything else (several groups, Mamba/MLA/cross-attention specs, a spec field a newer vLLM added)
 refuses to start, naming it: the push never ships bytes it does not understand.
 """

@@ -22,6 +22,7 @@ from vllm_disagg.kv.handshake import (
     HandshakeInfo,
     MsgType,
     SideMsg,
+    cancel_msg,
     check_compatible,
     decode_msg,
     encode_msg,
@@ -261,8 +262,7 @@ class PushReceiver:
     def _send_cancel(self, remote: str, transfer_id: str, reason: str) -> bool:
         try:
             reply = decode_msg(self._client.call(
-                remote, encode_msg(SideMsg(MsgType.CANCEL, {"transfer_id": transfer_id, "reason": reason[:200]})),
-                timeout=_CANCEL_TIMEOUT_S), remote)
+                remote, cancel_msg(transfer_id, reason), timeout=_CANCEL_TIMEOUT_S), remote)
             if reply.type is MsgType.CANCEL_ACK:
                 return True
             logger.info("KV push %s: prefill answered CANCEL with %s", transfer_id, reply.type.name)

@@ -19,7 +19,7 @@ import logging
 from typing import Any
 
 from vllm_disagg.errors import DisaggError
-from vllm_disagg.kv.handshake import MsgType, SideMsg, decode_msg, encode_msg
+from vllm_disagg.kv.handshake import MsgType, cancel_msg, decode_msg
 from vllm_disagg.transport import TransportOptions, get_transport
 
 logger = logging.getLogger(__name__)
@@ -50,8 +50,7 @@ class PushCanceller:
         try:
             channel = self._control.connect_msg(address, timeout=self.timeout_s)
             try:
-                channel.send(encode_msg(SideMsg(MsgType.CANCEL, {"transfer_id": transfer_id,
-                                                                 "reason": reason[:200]})), timeout=self.timeout_s)
+                channel.send(cancel_msg(transfer_id, reason), timeout=self.timeout_s)
                 reply = decode_msg(bytes(channel.recv(timeout=self.timeout_s).header), address)
             finally:
                 channel.close()
