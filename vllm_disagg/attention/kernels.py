@@ -1,6 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Attention over a server's paged KV shard, behind one interface: vLLM's CPU kernel here,
-FlashAttention on GPU.
+"""Attention over a server's paged KV shard, one interface: vLLM's CPU kernel here, FlashAttention on GPU.
 
 `AttentionKernel` owns the KV tensors of one shard (all layers x its KV heads) and answers
 three calls per layer: `write_kv` (the scheduler's slot_mapping), `attend` (full attention,
@@ -8,10 +7,9 @@ vLLM's kernel, exactly what a local vLLM would compute) and `attend_prev` (atten
 request's tokens *before* its new one, with the LSE, for send-Q-early).
 
 `TorchPagedKernel` is plain torch (SDPA) on CPU or a CUDA device: what runs where vLLM does not (the
-GPU kit's machine, `docs/gpu.md`). `CpuAttentionKernel` runs `CPUAttentionBackendImpl` (ops.cpu_attn_reshape_and_cache /
-cpu_attention_with_kv_cache) with a stub layer. The CPU kernel returns no LSE, so `attend_prev`
-reads the paged cache back in plain torch; that needs the ISA's block-interior layout, which
-`_probe_layout` verifies at start-up against the real kernel (`supports_lse` is False otherwise).
+GPU kit's machine, `docs/gpu.md`). `CpuAttentionKernel` runs `CPUAttentionBackendImpl` with a stub
+layer. Its kernel returns no LSE, so `attend_prev` reads the paged cache back in plain torch, which
+`_probe_layout` checks at start-up (README.md, "kernels.py").
 """
 
 from __future__ import annotations

@@ -5,14 +5,8 @@ The prefill instance's `PushSender` (the P/D connector, unchanged transport) wri
 each layer into this server's cache regions: head-wise, each server's block is one KV-head slice of
 the prefill block (contiguous in the CPU layout `[num_blocks, num_kv_heads, block_size, 2*head_dim]`);
 request-wise, whole blocks. Block ids are the decode model worker's, which are the servers' ids.
-
-Lifecycle: `attach(caches)` once the first client's INIT fixed the geometry (again if it changes:
-the old receiver closes, its in-flight writes fail at the sender), a thread drains the transport's
-landing notifications into per-transfer byte counts, the decode model worker polls them with
-`GET /kv/landed?ids=T1,T2` (JSON `{transfer_id: bytes}`, `-1` while nothing landed) and drops them
-with `&forget=1` once it has counted them. Counts nobody collects (the decode worker died, or the push
-was cancelled) are reclaimed after `ttl_s` (default 120 s, above any push timeout) and beyond
-`_MAX_ENTRIES`, oldest first; gauge `vllm:disagg_attention_kv_ingest_unclaimed`.
+The decode model worker polls the bytes landed per transfer (`GET /kv/landed`); counts nobody
+collects expire. Lifecycle, polling and reclaiming: README.md, "kv_ingest.py".
 """
 
 from __future__ import annotations

@@ -2,15 +2,14 @@
 """The attention server: its own process (not a vLLM engine) that owns one shard of the paged KV
 (all layers x its KV heads) and computes attention for it, layer by layer.
 
-Lifecycle: `start()` opens a `MsgListener` on the chosen transport and an HTTP port
-(`server_http.py`: `/health`, `/metrics`, `/kv/retained`, `/kv/landed`); each accepted channel is served by one thread (`wire.py` documents the
-conversation). The KV survives a client reconnect with the same geometry, so a restarted model
-worker loses nothing: the blocks the old session registered become the retained set
-(`retain.py`), listed at `GET /kv/retained` and copied into the new session's blocks by RESTORE.
-Prefill pushes (`--kv-transport`, `kv_ingest.py`) write blocks unseen by this code, so the decode
-worker CLAIMs a push's blocks before registering it with the prefill side (same write check).
-`stop()` closes everything. A bad frame gets an ERROR reply and the
-server keeps serving; a lost peer ends only that session.
+Lifecycle: `start()` opens a `MsgListener` on the chosen transport and an HTTP port (`server_http.py`:
+`/health`, `/metrics`, `/kv/retained`, `/kv/landed`); each accepted channel is served by one thread
+(`wire.py` documents the conversation). The KV survives a client reconnect with the same geometry, so a
+restarted model worker loses nothing: the blocks the old session registered become the retained set
+(`retain.py`), listed at `GET /kv/retained` and copied into the new session's blocks by RESTORE. Prefill
+pushes (`--kv-transport`, `kv_ingest.py`) write blocks unseen by this code, so the decode worker CLAIMs a
+push's blocks before registering it with the prefill side (same write check). `stop()` closes everything.
+A bad frame gets an ERROR reply and the server keeps serving; a lost peer ends only that session.
 """
 
 from __future__ import annotations

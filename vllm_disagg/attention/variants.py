@@ -180,7 +180,7 @@ def collect_layer_attrs(vllm_config, specs: dict) -> list[LayerAttrs]:
     from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
     from vllm.model_executor.models.utils import extract_layer_index
 
-    mc, pc = vllm_config.model_config, vllm_config.parallel_config
+    model_config, parallel_config = vllm_config.model_config, vllm_config.parallel_config
     by_index: dict[int, object] = {}
     for name, layer in vllm_config.compilation_config.static_forward_context.items():
         if not isinstance(layer, AttentionLayerBase):
@@ -192,13 +192,14 @@ def collect_layer_attrs(vllm_config, specs: dict) -> list[LayerAttrs]:
         if index in by_index:
             raise UnsupportedAttention(f"{name}: a second attention layer in decoder layer {index}")
         by_index[index] = layer
-    num_layers = mc.get_num_layers(pc)
+    num_layers = model_config.get_num_layers(parallel_config)
     if sorted(by_index) != list(range(num_layers)):
         raise UnsupportedAttention(f"remote attention needs one attention layer per decoder layer (0..{num_layers - 1}); "
                                    f"the model has them at {sorted(by_index)}")
     windows = {ly.layer_name: _impl_window(ly) for ly in by_index.values()}
     sched = sched_windows(vllm_config, specs, windows)
-    heads, kv_heads, head_size = mc.get_num_attention_heads(pc), mc.get_num_kv_heads(pc), mc.get_head_size()
+    heads = model_config.get_num_attention_heads(parallel_config)
+    kv_heads, head_size = model_config.get_num_kv_heads(parallel_config), model_config.get_head_size()
     return [layer_attrs(by_index[i], heads, kv_heads, head_size, sched.get(by_index[i].layer_name, -1))
             for i in range(num_layers)]
 

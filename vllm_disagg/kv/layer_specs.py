@@ -1,15 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
 """What the KV push can ship: per-layer KV cache specs it knows, refused by name otherwise.
 
-The push copies each layer's whole blocks byte for byte, one block table per request. That holds
-for vLLM's full-attention and sliding-window layers in one KV cache group: vLLM turns its hybrid
-allocator off for a connector without `SupportsHMA` (this one), so a hybrid model's windowed layers
-are allocated like full ones (every block kept; the window still applies in the kernel), and a model
-whose every layer is windowed (Mistral) keeps one sliding-window group whose blocks both sides
-address with the same ids (D registers from its first block inside the window: vLLM gives it the
-null block for the ones before, `scheduler.num_leading_null_blocks`). Every layer must have the
-same block shape (the handshake compares one).
-Anything else (several groups, Mamba/MLA/cross-attention specs, a spec field a newer vLLM added)
+The push copies each layer's whole blocks byte for byte, one block table per request. That holds for
+vLLM's full-attention and sliding-window layers in one KV cache group: vLLM turns its hybrid allocator
+off for a connector without `SupportsHMA` (this one), so a hybrid model's windowed layers are allocated
+like full ones (every block kept; the window still applies in the kernel), and a model whose every layer
+is windowed (Mistral) keeps one sliding-window group whose blocks both sides address with the same ids
+(D registers from its first block inside the window: vLLM gives it the null block for the ones before,
+`scheduler.num_leading_null_blocks`). Every layer must have the same block shape (the handshake compares
+one). Anything else (several groups, Mamba/MLA/cross-attention specs, a spec field a newer vLLM added)
 refuses to start, naming it: the push never ships bytes it does not understand.
 """
 

@@ -1,18 +1,15 @@
 # SPDX-License-Identifier: Apache-2.0
 """Spans of the connector: where a P/D request's time goes on each instance.
 
-Prefill (P):  prefill.queue (arrival -> scheduled), prefill.compute (scheduled -> finished).
-Plain (a whole request on one instance with the connector, e.g. a Lamina model worker without P):
-              queue (arrival -> scheduled), prefill (-> first output token), decode (-> finished).
-Decode (D):   decode.queue (arrival -> blocks allocated), kv.wait (-> the push landed or failed; a
-              failure is a `fallback` event with its reason: D recomputes), decode.first_step (->
-              first output token seen), decode (-> finished).
+In EngineCore, P: prefill.queue, prefill.compute; D: decode.queue, kv.wait (a failed push is a
+`fallback` event with its reason: D recomputes), decode.first_step, decode; a whole request on one
+instance (e.g. a Lamina model worker without P): queue, prefill, decode. The workers add `kv.push`
+(P, `record_push_span`) and `kv.receive` (D: registration with P -> every byte landed, or the
+failure). Each span's start and end: the table in vllm_disagg/observe/README.md.
 Only requests whose `trace_headers` carry a sampled trace are tracked (vLLM passes them only when
 started with `--otlp-traces-endpoint`); everything else costs one dict lookup. The kv.wait and
 prefill.compute contexts go to the worker (`RecvSpec`/`SaveSpec.trace`), so P's push span joins the
-trace under D's wait (D's worker sends its `kv.receive` context on REGISTER). With async scheduling (GPU) the first token is seen one step late.
-P's worker adds `kv.push` (`record_push_span`): per-write events, bytes and exposed time; D's worker
-`kv.receive` (registration with P -> every byte landed, or the failure).
+trace under D's wait (D's worker sends its `kv.receive` context on REGISTER).
 """
 
 from __future__ import annotations

@@ -7,8 +7,7 @@ vLLM ships each step's snapshot to the frontend, where `DisaggKVPromMetrics.obse
     vllm:disagg_kv_bytes_pushed_total            counter    bytes written to decode instances
     vllm:disagg_kv_layer_transfer_seconds        histogram  one layer's write (issue -> landed)
     vllm:disagg_kv_request_transfer_seconds      histogram  first write issued -> last write landed
-    vllm:disagg_kv_exposed_transfer_seconds      histogram  part of a push after prefill ended
-                                                            (not hidden behind compute)
+    vllm:disagg_kv_exposed_transfer_seconds      histogram  part of a push after prefill ended (exposed)
     vllm:disagg_kv_fallbacks_total               counter    decode requests recomputed locally
     vllm:disagg_kv_handshake_failures_total      counter    transfers refused by the handshake
 """

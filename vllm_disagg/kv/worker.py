@@ -6,12 +6,10 @@ On `register_kv_caches` it builds this worker's `HandshakeInfo`, opens the trans
 `kv.kv_port`, sender thread) and/or `PushReceiver` (kv_consumer: KV receiver with one region per
 layer). Per step: `bind` hands the metadata to them, `save_kv_layer` marks a layer written behind an
 event on the forward stream (`layer_events.py`; the sender pushes its whole blocks once the event
-completed), `wait_for_save` marks the step's forward done,
-`get_transfer_results` reports pushes that are over and receives that landed or failed.
-Nothing here blocks the forward pass except `bind` after a preemption (bounded).
-A Lamina model worker also restores retained blocks on its attention servers in `start_load_kv`
-(before the forward, only on steps that load) and registers written blocks (`kv/lamina/reuse.py`);
-its receiver CLAIMs a prefill push's blocks on the servers before registering it (`lamina/targets.py`).
+completed), `wait_for_save` marks the step's forward done, `get_transfer_results` reports pushes
+that are over and receives that landed or failed. Nothing here blocks the forward pass except
+`bind` after a preemption (bounded). A Lamina model worker's extra steps (restoring retained
+blocks, registering written ones, CLAIMs before a push): README.md, "worker.py".
 """
 
 from __future__ import annotations
@@ -37,6 +35,9 @@ from vllm_disagg.transport import Transport, TransportOptions, get_transport
 
 if TYPE_CHECKING:
     import torch
+
+    from vllm_disagg.kv.push_receiver import PushReceiver
+    from vllm_disagg.kv.push_sender import PushSender
 
 __all__ = ["DisaggConnectorWorker", "kv_settings"]
 SpecT = TypeVar("SpecT", RecvSpec, CancelSpec)
@@ -68,8 +69,8 @@ class DisaggConnectorWorker:
         self._stats = DisaggKVConnectorStats()
         self._stats_lock = threading.Lock()
         self.layer_ids: dict[str, int] = {}
-        self.sender: Any = None
-        self.receiver: Any = None
+        self.sender: PushSender | None = None
+        self.receiver: PushReceiver | None = None  # or its Lamina subclass, AttnPushReceiver
         self.events = device_events("cpu")
         """Where `save_kv_layer` records its per-layer event: the KV tensors' device."""
         self._recoveries_sent = 0  # attention-server recoveries the scheduler was told of

@@ -5,13 +5,8 @@ vLLM's engine and its workers share memory through /dev/shm files (`psm_*` messa
 semaphores) that they unlink on a clean exit. A SIGKILLed instance (a crash, the OOM killer, a chaos
 run) unlinks nothing: measured, three entries per killed decode instance. `ShmSweeper` remembers
 which /dev/shm files each instance's process group has mapped (from /proc/<pid>/maps, polled by the
-supervisor) and, once the group is gone, unlinks those that no live process still maps.
-
-Python's named semaphores (`sem.mp-*`, e.g. the lock vLLM's executor hands its workers) are not mapped
-by anyone once their objects are gone, yet stay until the group's resource tracker unlinks them at
-exit, which a SIGKILLed tracker never does. An unmapped semaphore can never be opened again (that
-takes a live object to pickle), so the sweep also unlinks the unmapped `sem.mp-*` files created
-since the dead group started (measured: one per SIGKILLed instance).
+supervisor) and, once the group is gone, unlinks those that no live process still maps, and the
+unmapped `sem.mp-*` files created since the dead group started (why: README.md, "shm_sweep.py").
 """
 
 from __future__ import annotations

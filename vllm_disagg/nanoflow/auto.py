@@ -1,11 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """`num_nano_batches: "auto"`: split a step into nano-batches only where that is predicted to pay.
 
-Nano-batching gains only where ops with different bottlenecks overlap; every split step pays the
-fixed per-op cost once per nano-batch, and memory-bound GEMMs read their weights once per
-nano-batch. On CPU the executor serialises vLLM's attention and GEMM kernels (they share one
-scratch pad, executor.CPU_KERNEL_LOCK), so only network-bound ops overlap there: remote attention
-at pipeline depth 2 and the TP all-reduce. "auto" therefore means:
+Nano-batching gains only where ops with different bottlenecks overlap; every split step pays the fixed
+per-op cost, and memory-bound GEMMs read their weights, once per nano-batch. On CPU the executor
+serialises vLLM's attention and GEMM kernels (they share one scratch pad, executor.CPU_KERNEL_LOCK),
+so only network-bound ops overlap there (remote attention at pipeline depth 2, TP all-reduce). "auto":
 - a tuned plan (`vllm-disagg tune`, its search always lets n=1 compete): its counts, on steps of at
   least `plan.break_even_tokens` tokens (`break_even_tokens` below, from the plan's own cost model);
 - no plan: n=1 (vLLM's plain forward, the runner stays inert) unless a network-bound op exists;

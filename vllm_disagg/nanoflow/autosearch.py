@@ -8,9 +8,7 @@ For each candidate (dense batch size from the profiled fast sizes, nano-batch co
    shorter, and repeat until no move helps, with the total capped at the device budget;
 3. keep the candidate with the highest tokens/s. A one-unit "inline" candidate (everything on the
    whole device, nothing overlaps) always competes, so the plan never loses to no overlap in the
-   model's own estimate.
-
-More: README.md, "autosearch.py".
+   model's own estimate. More: README.md, "autosearch.py".
 """
 
 from __future__ import annotations

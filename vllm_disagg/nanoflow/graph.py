@@ -3,14 +3,12 @@
 
 One structure serves both the executor (which runs the ops in the scheduled per-unit order) and
 the autosearch (which estimates the step time of a candidate plan from profiled op costs). Keeping
-them on one graph is what makes the searched plan the plan that runs.
+them on one graph is what makes the searched plan the plan that runs. More: README.md, "graph.py".
 
 Per decoder layer `l`, with `n_attn` fine nano-batches `a` and `n_dense` coarse nano-batches `b`
 (`n_attn % n_dense == 0`, coarse `b` = fine `[b*k, (b+1)*k)`):
 
     kqv[l,a] -> attn[l,a] -> o[l,b] -> (ar_o[l,b]) -> ugd[l,b] -> (ar_d[l,b]) -> kqv[l+1,a]
-
-More: README.md, "graph.py".
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ and aggregates per-step timings into a periodic log line.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -62,11 +63,11 @@ class ThroughputLog:
         self.last_log = time.monotonic()
         self.optimal: float | None = None
         try:
-            mc = vllm_config.model_config
+            model_config = vllm_config.model_config
             peak = plan.peak_flops or measure_peak_flops()
-            dtype_bytes = torch.tensor([], dtype=mc.dtype).element_size()
+            dtype_bytes = torch.tensor([], dtype=model_config.dtype).element_size()
             tp = vllm_config.parallel_config.tensor_parallel_size
-            self.optimal = optimal_tokens_per_s(mc.hf_config, dtype_bytes, peak, tp)
+            self.optimal = optimal_tokens_per_s(model_config.hf_config, dtype_bytes, peak, tp)
         except (AttributeError, TypeError, ValueError) as err:
             logger.warning("nanoflow: cannot compute optimal throughput: %s", err)
 
@@ -119,14 +120,15 @@ class PairedSteps:
     def summary(self) -> dict | None:
         wall, cpu, steps = [0.0, 0.0], [0.0, 0.0], 0
         matched = []
-        for tokens, b in self._buckets.items():
-            (ps, pn, pc), (ns, nn, nc) = b["plain"], b["nano"]
-            if pn and nn:
-                weight = pn + nn
-                wall[0] += weight * ps / pn
-                wall[1] += weight * ns / nn
-                cpu[0] += weight * pc / pn
-                cpu[1] += weight * nc / nn
+        for tokens, bucket in self._buckets.items():
+            plain_seconds, plain_steps, plain_cpu_seconds = bucket["plain"]
+            nano_seconds, nano_steps, nano_cpu_seconds = bucket["nano"]
+            if plain_steps and nano_steps:
+                weight = plain_steps + nano_steps
+                wall[0] += weight * plain_seconds / plain_steps
+                wall[1] += weight * nano_seconds / nano_steps
+                cpu[0] += weight * plain_cpu_seconds / plain_steps
+                cpu[1] += weight * nano_cpu_seconds / nano_steps
                 steps += weight
                 matched.append((weight * tokens, tokens))
         if not steps:
@@ -145,14 +147,20 @@ class PairedSteps:
         """The token counts carrying the most matched work, each with its own ratios."""
         rows = []
         for _, tokens in weighted:
-            (ps, pn, pc), (ns, nn, nc) = self._buckets[tokens]["plain"], self._buckets[tokens]["nano"]
-            cpu_ok = pc == pc and nc == nc and nc > 0
+            bucket = self._buckets[tokens]
+            plain_seconds, plain_steps, plain_cpu_seconds = bucket["plain"]
+            nano_seconds, nano_steps, nano_cpu_seconds = bucket["nano"]
+            measured = not (math.isnan(plain_cpu_seconds) or math.isnan(nano_cpu_seconds))  # NaN: no CPU time
+            cpu_ok = measured and nano_cpu_seconds > 0
             rows.append(
                 {
                     "tokens": tokens,
-                    "steps": pn + nn,
-                    "nano_over_plain": round((ps / pn) / (ns / nn), 4),
-                    "nano_over_plain_cpu_time": round((pc / pn) / (nc / nn), 4) if cpu_ok else None,
+                    "steps": plain_steps + nano_steps,
+                    "nano_over_plain": round((plain_seconds / plain_steps) / (nano_seconds / nano_steps), 4),
+                    "nano_over_plain_cpu_time": (
+                        round((plain_cpu_seconds / plain_steps) / (nano_cpu_seconds / nano_steps), 4)
+                        if cpu_ok else None
+                    ),
                 }
             )
         return rows

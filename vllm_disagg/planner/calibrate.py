@@ -8,9 +8,7 @@ arrival times actually used (`arrivals_s`). The simulator replays exactly those
 arrivals on one prompt and one token machine, through the same router policy
 and batching code as every other simulation, and the predicted TTFT/TBT
 percentiles are compared with the measured ones. Nothing from the validation
-workload feeds the model.
-
-More: README.md, "calibrate.py".
+workload feeds the model. More: README.md, "calibrate.py".
 """
 
 from __future__ import annotations

@@ -2,19 +2,14 @@
 """The router's API surface: every route plain `vllm serve` offers, handled by its class.
 
 - `PD`: /v1/completions and /v1/chat/completions go through the P/D push path (proxy.py).
-- `WHOLE`: other generation and pooling work (/v1/messages, /v1/responses, /inference/v1/generate,
-  /pooling, ...) runs whole on one instance the policy picks (JSQ; decode pool first); streamed
-  answers are relayed as they come. These bodies carry no push protocol, so they take no P/D route
-  (`fallbacks{reason="endpoint"}`).
+- `WHOLE`: other generation and pooling work runs whole on one instance the policy picks (JSQ; decode
+  pool first): these bodies carry no push protocol, so they take no P/D route.
 - `STATELESS`: any healthy instance answers the same (/tokenize, /v1/models, /version, docs, ...).
-- `ADMIN`: every healthy instance must do it (/reset_prefix_cache, /sleep, LoRA loading, weight
-  updates, ...): fanned out; the answer is the instances' common status and the first body, else
-  502 naming which instance answered what. An instance that is down misses it.
-- `STATEFUL`: /v1/responses/{id} and its cancel, and a response with `previous_response_id`, go
-  to the instance that created that response (`ResponseStore`); an id the router never saw goes
-  to any instance, which answers with plain vLLM's own status and error body.
+- `ADMIN`: fanned out to every healthy instance; their common status and the first body, else 502.
+- `STATEFUL`: the instance that created the response (`ResponseStore`); an unknown id: any instance.
 - `LOCAL`: the router's own /health, /ping, /metrics.
-Paths no class knows get FastAPI's `{"detail": "Not Found"}` (404) or 405, as plain vLLM answers.
+Each class's routes and answers: README.md, "API surface". Paths no class knows get FastAPI's
+`{"detail": "Not Found"}` (404) or 405, as plain vLLM answers.
 """
 
 from __future__ import annotations

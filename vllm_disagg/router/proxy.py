@@ -4,7 +4,8 @@
 Push path: P gets `max_tokens=1` + `do_remote_decode`, D the client's body + `do_remote_prefill`,
 both at once with one `transfer_id`; D's answer is relayed byte for byte, P's only checked for
 errors (when P fails, D recomputes the prompt). Single-prompt requests go through `ReplayRun`
-(replay_run.py); others (batch prompts, n > 1, echo) are re-routed once on a refused connection.
+(replay_run.py); others (batch prompts, n > 1, echo) are relayed as they are (relay.py) and
+re-routed once on a refused connection.
 Admission: a new request that finds no healthy instance waits up to `admission_wait_s`, woken by
 the scheduler's membership callback, then gets 503. Nothing waits without a timeout.
 """
@@ -30,15 +31,9 @@ from vllm_disagg.router.metrics import RouterMetrics
 from vllm_disagg.router.policy import NoHealthyInstanceError
 from vllm_disagg.router.pools import Instance, InstancePools, Route
 from vllm_disagg.router.push_cancel import PushCanceller
+from vllm_disagg.router.relay import ConnectFailed, Relay
 from vllm_disagg.router.replay_run import ReplayRun
-from vllm_disagg.router.upstream import (
-    FAILED,
-    UPSTREAM_ERRORS,
-    client_gone,
-    error_response,
-    route_headers,
-    sse_error,
-)
+from vllm_disagg.router.upstream import FAILED, UPSTREAM_ERRORS, client_gone, error_response
 
 logger = logging.getLogger(__name__)
 
@@ -46,42 +41,6 @@ logger = logging.getLogger(__name__)
 _CLIENT_CHECK_S = 1.0
 _WAIT_BUCKETS = (0.1, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300)
 _RETRY_AFTER_S = 2
-
-
-class _ConnectFailed(Exception):
-    """The target refused the connection, or was cut (left routing), before the client saw anything:
-    safe to re-route."""
-
-    def __init__(self, instance: Instance, why: str = "refused a connection") -> None:
-        super().__init__(f"{instance.url}: {why}")
-        self.instance, self.why = instance, why
-
-
-class _Relay:
-    """One not-replayable attempt, so that `cut` can end it when its instance leaves routing (a hung
-    instance answers nothing: without the cut the request would wait out read_timeout_s)."""
-
-    def __init__(self, route: Route) -> None:
-        self.route = route
-        self.post: asyncio.Task | None = None
-        self.resp: aiohttp.ClientResponse | None = None
-        self.cut_from: str | None = None
-        self.sent = False  # bytes of it reached the client
-
-    def cut(self, instance_id: str) -> None:
-        route = self.route
-        prefill_left = route.prefill is not None and route.prefill.instance_id == instance_id and not self.sent
-        if self.cut_from is not None or (route.target.instance_id != instance_id and not prefill_left):
-            return
-        self.cut_from = instance_id
-        logger.warning("cutting a request off %s: %s left routing", route.target.url,
-                       "it" if not prefill_left else f"its prefill instance {route.prefill.url}")
-        if self.resp is not None:
-            self.resp.content.set_exception(ConnectionResetError(
-                f"instance {route.target.url} left routing (failed health checks, or no progress for "
-                "--stall-timeout-s); this request (batch prompt, n > 1 or echo) cannot be continued elsewhere"))
-        elif self.post is not None:
-            self.post.cancel()
 
 
 class Proxy:
@@ -151,7 +110,7 @@ class Proxy:
                 return self.no_route_response(endpoint, why)
             try:
                 return await self._serve(request, route, body, endpoint, start)
-            except _ConnectFailed as exc:
+            except ConnectFailed as exc:
                 self.health.drop(exc.instance, exc.why)
                 reason = "reroute_connect_error" if exc.why == "refused a connection" else "reroute_left_routing"
                 self.metrics.fallbacks.labels(reason).inc()
@@ -272,12 +231,12 @@ class Proxy:
     async def _serve(self, request: web.Request, route: Route, body: dict[str, Any], endpoint: str,
                      start: float) -> web.StreamResponse:
         p_task, d_body = await self.start_prefill(route, body, endpoint)
-        relay = _Relay(route)
+        relay = Relay(self, route)
         self.cuts[route.req_id] = relay.cut
         ok = False
         try:
             with spans.phase("router.decode", instance=route.target.url, route=route.kind):
-                out = await self._relay(request, route, d_body, endpoint, start, relay)
+                out = await relay.run(request, d_body, endpoint, start)
             ok = out.status == 200 and not out.get(FAILED, False)
             return out
         finally:
@@ -380,85 +339,6 @@ class Proxy:
         finally:
             self.metrics.prefill_latency.observe(time.monotonic() - t0)
             self.pools.prefill_done(route.req_id)
-
-    async def _relay(self, request: web.Request, route: Route, d_body: dict[str, Any], endpoint: str,
-                     start: float, relay: _Relay) -> web.StreamResponse:
-        target = route.target
-        relay.post = asyncio.ensure_future(self.session.post(f"{target.url}/v1/{endpoint}", json=d_body))
-        try:
-            resp = await relay.post
-        except asyncio.CancelledError:
-            if relay.cut_from is None or asyncio.current_task().cancelling():
-                raise  # not our cut: the handler itself is being cancelled
-            raise _ConnectFailed(target, "left routing before it answered") from None
-        except aiohttp.ClientConnectorError as exc:
-            raise _ConnectFailed(target) from exc
-        except UPSTREAM_ERRORS as exc:
-            self.count(endpoint, route, "error", start)
-            return error_response(502, f"instance {target.url} failed before answering: {exc!r}")
-        relay.resp = resp
-        try:
-            if relay.cut_from is not None:
-                raise _ConnectFailed(target, "left routing before it answered")
-            headers = route_headers(route)
-            if resp.status == 200 and resp.content_type == "text/event-stream":
-                return await self._relay_stream(request, route, resp, headers, endpoint, start, relay)
-            try:
-                data = await resp.read()
-            except UPSTREAM_ERRORS as exc:
-                if relay.cut_from is not None:  # nothing reached the client: another instance answers it
-                    raise _ConnectFailed(target, "left routing before it answered") from exc
-                self.count(endpoint, route, "error", start)
-                self.health.record(target, False)
-                return error_response(502, f"instance {target.url} failed mid-response: {exc!r}")
-            self.metrics.ttft.labels(route.kind).observe(time.monotonic() - start)
-            self.count(endpoint, route, "ok" if resp.status == 200 else f"http_{resp.status}", start)
-            return web.Response(body=data, status=resp.status, headers=headers,
-                                content_type=resp.content_type or "application/json")
-        finally:
-            resp.close()
-
-    async def _relay_stream(self, request: web.Request, route: Route, resp: aiohttp.ClientResponse,
-                            headers: dict[str, str], endpoint: str, start: float, relay: _Relay) -> web.StreamResponse:
-        out = web.StreamResponse(status=200, headers={**headers, "Cache-Control": "no-cache"})
-        out.content_type = "text/event-stream"
-        await out.prepare(request)
-        relay.sent = True
-        first = True
-        while True:
-            try:
-                chunk = await resp.content.readany()
-            except UPSTREAM_ERRORS as exc:
-                return await self._end_stream_with_error(out, route, endpoint, start, exc)
-            if not chunk:
-                break
-            if first:
-                self.metrics.ttft.labels(route.kind).observe(time.monotonic() - start)
-                first = False
-            route.target.last_progress = time.monotonic()  # the stall watchdog's evidence
-            self.pools.decode_progress(route.req_id, chunk.count(b"data: "))
-            try:
-                await out.write(chunk)
-            except (ConnectionError, RuntimeError):
-                # the client went away; closing `resp` aborts the request upstream
-                self.count(endpoint, route, "client_gone", start)
-                out[FAILED] = True
-                return out
-        self.count(endpoint, route, "ok", start)
-        with contextlib.suppress(ConnectionError, RuntimeError):
-            await out.write_eof()
-        return out
-
-    async def _end_stream_with_error(self, out: web.StreamResponse, route: Route, endpoint: str,
-                                     start: float, exc: BaseException) -> web.StreamResponse:
-        logger.error("decode instance %s failed mid-stream for %s: %r", route.target.url, route.req_id, exc)
-        self.health.record(route.target, False)
-        self.count(endpoint, route, "error", start)
-        out[FAILED] = True
-        with contextlib.suppress(ConnectionError, RuntimeError):
-            await out.write(sse_error(f"instance {route.target.url} failed mid-stream: {exc!r}"))
-            await out.write_eof()
-        return out
 
     def count(self, endpoint: str, route: Route, outcome: str, start: float) -> None:
         self.metrics.requests.labels(endpoint, route.kind, outcome).inc()

@@ -8,9 +8,7 @@ ids` with `max_tokens`/`min_tokens` reduced by what was generated. Its chunks ar
 client sees one uninterrupted completion: the first attempt's `id`/`created`, no second
 `prompt_token_ids`, usage counted against the original prompt, chat chunks for a chat request, and
 no `token_ids` unless the client asked for them. Non-streamed requests carry no partial output, so
-they are re-sent whole (`generated == []`).
-
-More: README.md, "replay.py".
+they are re-sent whole (`generated == []`). More: README.md, "replay.py".
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 from aiohttp import web
 
-from vllm_disagg.router import bodies, replay, spans
+from vllm_disagg.router import bodies, replay, spans, upstream
 from vllm_disagg.router.pools import Instance, Route
 from vllm_disagg.router.upstream import FAILED, UPSTREAM_ERRORS, error_response, route_headers, sse_error
 
@@ -167,14 +167,12 @@ class ReplayRun:
         # A task, so that `_cut` can end the wait for the headers (a hung instance sends none).
         self._post = asyncio.ensure_future(self.p.session.post(f"{target.url}/v1/{endpoint}", json=d_body))
         try:
-            resp = await self._post
-        except asyncio.CancelledError:
-            if self._cut_from is None or asyncio.current_task().cancelling():
-                raise  # not our cut: the handler itself is being cancelled
-            raise _AttemptFailed("left_routing", target, "left routing before it answered") from None
+            resp = await upstream.await_headers(self._post, lambda: self._cut_from is not None)
         except UPSTREAM_ERRORS as exc:
             reason = "connect" if isinstance(exc, aiohttp.ClientConnectorError) else "no_answer"
             raise _AttemptFailed(reason, target, repr(exc)) from exc
+        if resp is None:
+            raise _AttemptFailed("left_routing", target, "left routing before it answered")
         self._resp = resp
         if self._cut_from is not None:  # cut between the headers and here
             resp.close()

@@ -1,11 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 """What the proxy and the replay run share about answering through an instance: the errors that
-mean it is gone or stuck, OpenAI-style error bodies and events, and the route headers."""
+mean it is gone or stuck, OpenAI-style error bodies and events, the route headers, and the wait for
+an answer's headers that a cut can end."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 
 import aiohttp
 from aiohttp import web
@@ -34,6 +36,17 @@ def route_headers(route: Route) -> dict[str, str]:
     if route.prefill is not None:
         headers["x-disagg-prefill"] = route.prefill.url
     return headers
+
+
+async def await_headers(post: asyncio.Future, was_cut: Callable[[], bool]) -> aiohttp.ClientResponse | None:
+    """The answer of a POST that runs as a task, so that a cut (its instance left routing) can cancel the
+    wait for the headers (a hung instance sends none): None when the cut ended it."""
+    try:
+        return await post
+    except asyncio.CancelledError:
+        if not was_cut() or asyncio.current_task().cancelling():
+            raise  # not our cut: the handler itself is being cancelled
+        return None
 
 
 def client_gone(request: web.Request) -> bool:

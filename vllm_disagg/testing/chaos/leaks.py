@@ -1,16 +1,15 @@
 # SPDX-License-Identifier: Apache-2.0
 """End-of-run leak checks of the chaos campaign, on every instance and attention server.
 
-`snapshot` is taken once the deployment is warm and idle, and again after the run has drained:
-KV blocks in use (vLLM's `vllm:kv_cache_usage_perc`: free blocks equal the start when it is back to
-0), requests running or waiting, attention sessions and queues, retained KV past its TTL, and per
-process group the processes, threads and sockets; plus the `/dev/shm` entries of the whole box and
-which of them a live process maps. `compare` lists what is left over: a /dev/shm entry is leaked when
-it is new and no live process maps it (a restarted instance's own files are new names, not leaks).
-Python's semaphores (`sem.mp-*`) are unmapped even while their instance lives (its resource tracker
-unlinks them at exit), so `left_after_stop` checks them, and everything else, once the deployment
-stopped. A restarted instance is compared with the same role's first snapshot (a new process of the
-same command).
+`snapshot` is taken once the deployment is warm and idle, and again after the run has drained: KV blocks
+in use (vLLM's `vllm:kv_cache_usage_perc`: free blocks equal the start when it is back to 0), requests
+running or waiting, attention sessions and queues, retained KV past its TTL, and per process group the
+processes, threads and sockets; plus the `/dev/shm` entries of the whole box and which of them a live
+process maps. `compare` lists what is left over: a /dev/shm entry is leaked when it is new and no live
+process maps it (a restarted instance's own files are new names, not leaks). Python's semaphores
+(`sem.mp-*`) are unmapped even while their instance lives (its resource tracker unlinks them at exit),
+so `left_after_stop` checks them, and everything else, once the deployment stopped. A restarted instance
+is compared with the same role's first snapshot (a new process of the same command).
 """
 
 from __future__ import annotations

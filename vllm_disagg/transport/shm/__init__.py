@@ -2,13 +2,12 @@
 """`shm` backend: same-host transfers through shared memory.
 
 KV push, one copy: the receiver moves each registered tensor's storage into shared memory *in
-place* (torch's `share_memory_` machinery swaps the storage's data pointer, so every existing
-view, including vLLM's, stays valid) and passes the fds over its unix socket (SCM_RIGHTS). The
-sender maps them and copies blocks straight into the receiver's KV cache; the small KV_WRITE frame
-that follows carries ids and the notification, on the same socket, in order. Where the kernel
-refuses (no room in /dev/shm, fds dropped, mmap fails) that region's bytes travel inline on the
-socket instead (two copies, as tcp), with a warning; nothing fails.
-
+place* (torch's `share_memory_` machinery swaps the storage's data pointer, so every existing view,
+vLLM's included, stays valid) and passes the fds over its unix socket (SCM_RIGHTS). The sender maps
+them and copies blocks straight into the receiver's KV cache; the small KV_WRITE frame that follows
+carries ids and the notification, on the same socket, in order. Where the kernel refuses (no room in
+/dev/shm, fds dropped, mmap fails) that region's bytes travel inline on the socket instead (two
+copies, as tcp), with a warning; nothing fails.
 Messages: a ring pair in a memfd with eventfd wake-ups (`ring.py`); the unix socket stays open as
 the liveness signal. Addresses are abstract unix socket names (`@vllm-disagg-...`).
 """
