@@ -3,14 +3,13 @@
 
 vLLM's `/health` only sees an engine that died: a SIGSTOPped EngineCore or one stuck inside a step
 passes it. Here EngineCore says "a step started" on every schedule (`StepBeacon.beat`, called by
-DisaggConnector's scheduler half) with one datagram to an abstract unix socket (no file, gone with
-the process), and the API server (`LiveMiddleware`, `vllm serve --middleware
-vllm_disagg.liveness.LiveMiddleware`) answers `GET /live` with how long the instance has had work
-(generate requests in flight, or a scheduled step) without progress (a step, or a response chunk).
-`/health` turns 503 past `VLLM_DISAGG_STALL_TIMEOUT_S` (default 10). The router cuts an instance
-whose `stalled_s` passes its `--stall-timeout-s` and replays its requests. README: router/README.md.
-Who imports it: `kv/scheduler.py` (the beacon, in EngineCore) and vLLM's API server through
-`--middleware` (named by `launch/local.py` and the k8s manifests). Stdlib only (base layer).
+DisaggConnector's scheduler half) with one datagram to an abstract unix socket (no file, gone with the
+process), and the API server (`vllm serve --middleware vllm_disagg.liveness.LiveMiddleware`) answers
+`GET /live` with how long the instance has had work (generate requests in flight, or a scheduled step)
+without progress (a step, or a response chunk). `/health` turns 503 past `VLLM_DISAGG_STALL_TIMEOUT_S`
+(default 10); the router cuts an instance whose `stalled_s` passes its `--stall-timeout-s` and replays
+its requests (router/README.md). Imported by `kv/scheduler.py` (the beacon) and, through `--middleware`,
+vLLM's API server (named by `launch/local.py` and the k8s manifests). Stdlib only (base layer).
 """
 
 from __future__ import annotations
@@ -36,8 +35,10 @@ _MIN_BEAT_GAP_S = 0.05  # busy engines step every few ms: one datagram per 50 ms
 ENV_SOCKET = "VLLM_DISAGG_LIVE_SOCKET"
 ENV_STALL_TIMEOUT = "VLLM_DISAGG_STALL_TIMEOUT_S"
 _NUM_STEP_SAMPLES = 64
-MIN_STEP_SAMPLES = 8
-"""Busy steps seen before `expected_step_s` is reported (fewer say too little about this engine)."""
+MIN_STEP_SAMPLES = 3
+"""Busy steps seen before `expected_step_s` is reported. Each sample over-states its step (beats are at
+most one per 50 ms), so a few are safe; 8 left a restarted engine on the fixed limit for minutes at
+low load (a short request gives 1-3 samples), and the chaos soak's 7.7 s SIGSTOP of it went uncut."""
 
 
 def socket_name(api_server_pid: int) -> str:
@@ -224,6 +225,7 @@ class LiveState:
             expected = self.expected_step_s()
             return {"live": stalled is None or stalled <= stall_timeout_s(), "stalled_s": stalled,
                     "expected_step_s": None if expected is None else round(expected, 4),
+                    "num_step_samples": len(self._steps),
                     "inflight": self.inflight, "engine_busy": self.engine_busy, "num_beats": self.num_beats,
                     "since_beat_s": round(now - self.last_beat, 3) if self.num_beats else None}
 
@@ -269,13 +271,14 @@ class LiveMiddleware:
             return await self.app(scope, receive, send)
         if method != "POST" or not path.startswith("/v1/"):
             return await self.app(scope, receive, send)
-        state, answered, request_id = self.state, False, None
+        state, answered, gone, request_id = self.state, False, False, None
 
         async def counting_receive():
-            nonlocal request_id
+            nonlocal request_id, gone
             message = await receive()
             if request_id is None and message.get("type") == "http.request" and not message.get("more_body"):
                 request_id = state.request_started()  # owed from the body's end: a slow upload is not a stall
+            gone = gone or message.get("type") == "http.disconnect"
             return message
 
         async def counting_send(message):
@@ -283,7 +286,8 @@ class LiveMiddleware:
             if message.get("type") == "http.response.body":
                 if message.get("body"):
                     state.chunk_sent()
-                answered = answered or not message.get("more_body", False)
+                # after the client left, the server drops what is sent: an abort's error reply is no answer
+                answered = answered or (not gone and not message.get("more_body", False))
             await send(message)
 
         try:

@@ -195,6 +195,37 @@ def test_a_request_answered_without_the_engine_owes_nothing(state, monkeypatch):
     asyncio.run(scenario())
 
 
+def test_a_reply_sent_after_the_client_left_is_no_answer(state, monkeypatch):
+    """The router cuts a request off a SIGSTOPped engine by closing the connection; vLLM then aborts it
+    and sends an error reply the server drops. Counted as an answer, that cleared the debt and the
+    stopped instance rejoined routing a second after its cut (issue 18, found with a restarted D)."""
+    live, beacon = state
+    monkeypatch.setattr("vllm_disagg.liveness._STATE", live)
+    messages = [{"type": "http.request", "body": b"{}", "more_body": False}, {"type": "http.disconnect"}]
+
+    async def aborting_app(scope, receive, send):
+        await receive()  # the body
+        await receive()  # vLLM's disconnect listener: the client left
+        await send({"type": "http.response.start", "status": 500, "headers": []})
+        await send({"type": "http.response.body", "body": b"aborted"})
+
+    async def receive():
+        return messages.pop(0)
+
+    async def send(message):
+        pass
+
+    async def scenario():
+        beacon.beat(0)
+        await asyncio.sleep(0.05)
+        await LiveMiddleware(aborting_app)({"type": "http", "path": "/v1/completions", "method": "POST"},
+                                           receive, send)
+        await asyncio.sleep(0.35)
+        assert not live.report()["live"]  # owed until the engine steps (no heartbeat here)
+
+    asyncio.run(scenario())
+
+
 def test_an_unanswered_request_owes_a_step_only_while_the_engine_process_is_silent(state, monkeypatch):
     """Cut before it was answered: owed until the next step, unless EngineCore's heartbeat shows an
     idle engine that runs (the API server dropped the request before handing it over)."""
