@@ -98,6 +98,13 @@ class Trace:
         return self.roots[0]
 
     @property
+    def orphans(self) -> list[dict[str, Any]]:
+        """Spans whose parent is not in the trace: usually not exported yet (each process's batch
+        exporter flushes on its own schedule), so the waterfall is incomplete."""
+        ids = {s["span_id"] for s in self.spans}
+        return [s for s in self.spans if s["parent_span_id"] and s["parent_span_id"] not in ids]
+
+    @property
     def services(self) -> set[str]:
         return {s["service"] for s in self.spans}
 
@@ -206,6 +213,9 @@ def render(t: Trace, events: bool = False, width: int = _BAR) -> str:
     lines = [f"trace {root['trace_id']}  {total / 1e6:.1f} ms  {len(t.spans)} spans from "
              f"{len(t.processes)} processes  (critical path: *)",
              f"{'start':>9} {'dur':>9}  {'':<{width}}  span [process]"]
+    if t.orphans:
+        lines.insert(1, f"incomplete: the parents of {len(t.orphans)} spans are not here (not exported yet: "
+                        "each process exports every few seconds; run it again)")
 
     def bar(start: int, end: int) -> str:
         a = max(0, min(width - 1, int((start - t0) * width / total)))
@@ -266,9 +276,21 @@ def _plain(attrs: dict[str, Any]) -> str:
 
 
 def _self_times(t: Trace) -> list[tuple[str, int]]:
-    """Critical-path time by span name: each span's window less what its own critical children cover."""
+    """Critical-path time by span name: each span's window less what its own critical children cover.
+    A layer-wise push runs beside P's prefill: its time before the `prefill_done` event is P still
+    computing layers, not transfer, and is named so (the part after it is the exposed push)."""
     totals: dict[str, int] = defaultdict(int)
     for span, lo, hi in t.critical_path():
-        covered = sum(end - start for _, start, end in t.critical_children(span, (lo, hi)))
-        totals[f"{span['name']} [{_where(span)}]"] += (hi - lo) - covered
+        windows = [(start, end) for _, start, end in t.critical_children(span, (lo, hi))]
+        name = f"{span['name']} [{_where(span)}]"
+        done = next((e["time_ns"] for e in span["events"] if e["name"] == "prefill_done"), None)
+        if done is not None and lo < done < hi:
+            totals[f"{name} waiting for P's prefill layers"] += _uncovered(lo, done, windows)
+            lo = done
+        totals[name] += _uncovered(lo, hi, windows)
     return sorted(totals.items(), key=lambda kv: -kv[1])
+
+
+def _uncovered(lo: int, hi: int, windows: list[tuple[int, int]]) -> int:
+    """Nanoseconds of [lo, hi) outside the (disjoint) windows."""
+    return (hi - lo) - sum(max(0, min(end, hi) - max(start, lo)) for start, end in windows)

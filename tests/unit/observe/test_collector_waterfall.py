@@ -87,6 +87,24 @@ def test_render_marks_the_critical_path_and_sums_self_time():
     assert "critical path covers 99.0 %" in text
 
 
+def test_a_push_waiting_for_prefill_layers_is_not_called_transfer_time():
+    """kv.push runs beside P's prefill (layer by layer): the real trace in observe/README.md put 206 ms
+    of it on the critical path, 205 of them before P's last layer (`prefill_done`)."""
+    t = _pd_trace()
+    t.named("kv.push")[0]["events"].append({"name": "prefill_done", "time_ns": 22 * MS, "attributes": {}})
+    text = render(t)
+    assert "19.0 ms  kv.push [prefill0]" not in text
+    assert "17.0 ms  kv.push [prefill0] waiting for P's prefill layers" in text
+    assert "2.0 ms  kv.push [prefill0]" in [ln.strip() for ln in text.splitlines()]
+
+
+def test_a_trace_missing_its_parents_says_it_is_incomplete():
+    spans = [s for s in _pd_trace().spans if s["name"] != "router.request"]  # the router's root not flushed yet
+    text = render(Trace(spans))
+    assert "incomplete: the parents of 3 spans are not here" in text.splitlines()[1]
+    assert "incomplete" not in render(_pd_trace())
+
+
 def test_an_opentelemetry_collectors_otlp_json_file_reads_the_same(tmp_path):
     """What the OTel Collector's `file` exporter writes: one ExportTraceServiceRequest as JSON per line."""
     from google.protobuf import json_format
