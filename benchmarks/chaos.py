@@ -224,9 +224,12 @@ def main() -> int:
     out.write_text(json.dumps(result, indent=1) + "\n")
     plot(result, out.with_suffix(".png"))
     keys = ("requests_total", "requests_lost", "requests_wrong", "kv_blocks_leaked", "shm_segments_leaked",
-            "max_stall_s", "server_crashes_from_bad_input", "p99_ttft_during_faults / p99_ttft_quiet", "num_faults")
+            "max_stall_s", "server_crashes_from_bad_input", "p99_ttft_during_faults / p99_ttft_quiet",
+            "p99_ttft_during_faults_with_a_serving_instance / p99_ttft_quiet", "num_faults")
+    slow = result.get("slow_requests", [])
     print(json.dumps({**{k: result.get(k) for k in keys}, "router_cuts": len(result.get("router_cuts", [])),
-                      "cuts_outside_faults": result.get("cuts_outside_faults")}, indent=1))
+                      "cuts_outside_faults": result.get("cuts_outside_faults"), "num_slow_requests": len(slow),
+                      "slow_with_no_serving_instance": sum(s["no_serving_instance"] for s in slow)}, indent=1))
     return 0
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import datetime
 
-from vllm_disagg.testing.chaos.cuts import cuts_outside_faults, router_cuts
+from vllm_disagg.testing.chaos.cuts import cuts_outside_faults, router_cuts, slow_requests
 
 T0 = datetime.datetime(2026, 11, 27, 0, 0, 0).timestamp()
 
@@ -34,3 +34,19 @@ def test_cuts_are_read_from_every_router_and_checked_against_process_faults(tmp_
         (12.4, "router-0", "decode", 2.4), (12.6, "router-1", "decode", 2.6),
         (45.0, "router-0", "decode", 2.1), (200.0, "router-0", "prefill", 2.2)]
     assert [c["t_s"] for c in cuts_outside_faults(cuts, faults)] == [200.0]  # bad HTTP holds nothing up
+
+
+def test_slow_requests_name_their_faults_and_whether_any_instance_could_serve():
+    """The stop-25 soak's worst window: D killed (restarting for up to 60 s), then P's EngineCore
+    stopped: nothing could serve, unlike a request that waited out a SIGSTOP of D alone."""
+    faults = [{"kind": "kill", "target": "decode0", "t_start_s": 539.0, "t_end_s": 539.0},
+              {"kind": "stop_engine", "target": "prefill0", "t_start_s": 554.7, "t_end_s": 563.6},
+              {"kind": "stop_engine", "target": "decode0", "t_start_s": 619.8, "t_end_s": 627.6},
+              {"kind": "bad_http", "target": "http://d", "t_start_s": 573.0, "t_end_s": 583.0}]
+    outcomes = [{"key": "85/chat", "t_sent_s": 554.7, "ttft_s": 9.85},
+                {"key": "3/completions", "t_sent_s": 620.2, "ttft_s": 7.71},
+                {"key": "fast", "t_sent_s": 620.3, "ttft_s": 0.4}, {"key": "lost", "t_sent_s": 1.0, "ttft_s": None}]
+    slow = slow_requests(outcomes, faults, ["prefill0", "decode0"], bound_s=1.5)
+    assert [(s["key"], s["faults"], s["no_serving_instance"]) for s in slow] == [
+        ("85/chat", ["kill decode0", "stop_engine prefill0"], True),
+        ("3/completions", ["stop_engine decode0"], False)]

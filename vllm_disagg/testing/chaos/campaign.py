@@ -27,7 +27,7 @@ from pathlib import Path
 
 from vllm_disagg.testing.chaos import leaks
 from vllm_disagg.testing.chaos.clients import ChaosClients
-from vllm_disagg.testing.chaos.cuts import cuts_outside_faults, router_cuts
+from vllm_disagg.testing.chaos.cuts import cuts_outside_faults, router_cuts, slow_requests
 from vllm_disagg.testing.chaos.faults import KINDS, Fault, FaultInjector, signal_group
 from vllm_disagg.testing.chaos.workload import References, schedule
 from vllm_disagg.testing.up import group_alive
@@ -348,7 +348,25 @@ def run_campaign(dep: Deployment, refs: References, cfg: CampaignConfig, log=pri
     result = report(clients.outcomes, faults, base, end, t0, cfg, load_avg, healthy)
     result["router_cuts"] = router_cuts([dep.workdir / f"{r['name']}.log" for r in dep.routers], t0_wall)
     result["cuts_outside_faults"] = cuts_outside_faults(result["router_cuts"], result["faults"])
+    _explain_slow(result, [i["name"] for i in dep.instances() if i["role"] in ("prefill", "decode", "mixed")])
     return result
+
+
+def _explain_slow(result: dict, serving: list[str]) -> None:
+    """`slow_requests`: past the goal (3 x quiet p99), with the faults each waited through; and, as a
+    secondary key, the during-faults p99 without the requests sent while no instance could serve."""
+    quiet = result["p99_ttft_quiet_s"]
+    if not quiet:
+        return
+    slow = slow_requests(result["outcomes"], result["faults"], serving, 3 * quiet)
+    result["slow_requests"] = slow
+    blocked = {(s["key"], s["t_sent_s"]) for s in slow if s["no_serving_instance"]}
+    windows = [(f["t_start_s"], f["t_end_s"] + 30.0) for f in result["faults"]]
+    during = [o["ttft_s"] for o in result["outcomes"] if o["ttft_s"] is not None
+              and any(a <= o["t_sent_s"] <= b for a, b in windows) and (o["key"], o["t_sent_s"]) not in blocked]
+    p99 = _p99(during)
+    result["p99_ttft_during_faults_with_a_serving_instance_s"] = p99
+    result["p99_ttft_during_faults_with_a_serving_instance / p99_ttft_quiet"] = round(p99 / quiet, 3) if p99 else None
 
 
 def _warm_up(clients: ChaosClients, refs: References, cfg: CampaignConfig) -> None:

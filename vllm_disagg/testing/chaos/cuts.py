@@ -1,9 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The routers' stall cuts during a campaign, read back from their logs and set against the faults.
+"""The routers' stall cuts and the slow requests of a campaign, set against the faults.
 
 A cut of an instance that no process fault was holding up is a false cut: the hang detection took a
 working instance out of routing. Stop 24 and 25 checked that by lining log times up with the fault
-list by hand; this puts the check in the report (`router_cuts`, `cuts_outside_faults`).
+list by hand; this puts the check in the report (`router_cuts`, `cuts_outside_faults`). A slow
+request is listed with the faults it waited through and whether, for a while, every instance that
+could serve it was held up (then no router could have done better).
 """
 
 from __future__ import annotations
@@ -39,9 +41,33 @@ def router_cuts(log_paths: list[Path], t0_wall: float) -> list[dict]:
     return sorted(cuts, key=lambda c: c["t_s"])
 
 
+def _held(fault: dict, slack_s: float = 0.0) -> tuple[float, float]:
+    """When a process fault holds its target up (a kill: until the restart is done)."""
+    aftermath = KILL_AFTERMATH_S if fault["kind"] == "kill" else 0.0
+    return fault["t_start_s"] - slack_s, fault["t_end_s"] + slack_s + aftermath
+
+
 def cuts_outside_faults(cuts: list[dict], faults: list[dict], slack_s: float = 2.0) -> list[dict]:
     """Cuts whose stall (`t_s - stalled_s` .. `t_s`) overlaps no process fault (± `slack_s`: the logs'
     clock and the campaign's differ by the time a log line takes)."""
-    windows = [(f["t_start_s"] - slack_s, f["t_end_s"] + slack_s + (KILL_AFTERMATH_S if f["kind"] == "kill" else 0))
-               for f in faults if f["kind"] in PROCESS_FAULTS]
+    windows = [_held(f, slack_s) for f in faults if f["kind"] in PROCESS_FAULTS]
     return [c for c in cuts if not any(a <= c["t_s"] and c["t_s"] - c["stalled_s"] <= b for a, b in windows)]
+
+
+def slow_requests(outcomes: list[dict], faults: list[dict], serving: list[str], bound_s: float) -> list[dict]:
+    """Requests whose TTFT passed `bound_s`, each with the faults that overlap its wait and
+    `no_serving_instance`: some moment of the wait when every instance in `serving` (the names that
+    can answer alone: prefill, decode, mixed) was held up by a process fault."""
+    slow = []
+    for o in outcomes:
+        if o.get("ttft_s") is None or o["ttft_s"] <= bound_s:
+            continue
+        lo, hi = o["t_sent_s"], o["t_sent_s"] + o["ttft_s"]
+        hit = [f for f in faults if f["t_start_s"] <= hi and _held(f)[1] >= lo]
+        held = {name: [_held(f) for f in hit if f["target"] == name and f["kind"] in PROCESS_FAULTS]
+                for name in serving}
+        moments = [lo] + [a for ws in held.values() for a, _ in ws if lo <= a <= hi]
+        blocked = bool(serving) and any(all(any(a <= t <= b for a, b in held[n]) for n in serving) for t in moments)
+        slow.append({"key": o.get("key"), "t_sent_s": lo, "ttft_s": round(o["ttft_s"], 3),
+                     "faults": [f"{f['kind']} {f['target']}" for f in hit], "no_serving_instance": blocked})
+    return slow
