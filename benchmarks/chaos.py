@@ -170,6 +170,7 @@ def main() -> int:
     ap.add_argument("--stall-timeout-s", type=float, default=10.0)
     ap.add_argument("--stall-factor", type=float, default=None,
                     help="the routers' adaptive hang detection (router --stall-factor); default off")
+    ap.add_argument("--stall-min-s", type=float, default=None, help="the adaptive limit's floor (router --stall-min-s)")
     ap.add_argument("--fuzz-frames", type=int, default=10000,
                     help="per port, token holder's frames of every type (in process); 0 skips the fuzz phases")
     ap.add_argument("--deployment-fuzz-frames", type=int, default=2000,
@@ -194,14 +195,15 @@ def main() -> int:
     out = Path(args.out or REPO / "benchmarks" / "results" / ("chaos_quick.json" if quick else "chaos.json"))
     t_start = time.time()
     result: dict = {"benchmark": "chaos", "quick": quick, "loadavg_start": os.getloadavg(),
-                    "router_stall": {"stall_timeout_s": stall_timeout_s, "stall_factor": args.stall_factor}}
+                    "router_stall": {"stall_timeout_s": stall_timeout_s, "stall_factor": args.stall_factor,
+                                     "stall_min_s": args.stall_min_s}}
     if args.fuzz_frames and not quick:
         result["fuzz_in_process"] = fuzz_in_process(args.fuzz_frames)
     if args.fuzz_only:
         print(json.dumps(result, indent=1))
         return 0
     dep = Deployment(workdir, path, num_attention=0 if quick else args.attention, stall_timeout_s=stall_timeout_s,
-                     stall_factor=args.stall_factor)
+                     stall_factor=args.stall_factor, stall_min_s=args.stall_min_s)
     try:
         dep.start()
         result.update(run_campaign(dep, refs, cfg))

@@ -73,6 +73,8 @@ class Deployment:
     stall_timeout_s: float = 10.0
     stall_factor: float | None = None
     """The routers' `--stall-factor` (adaptive hang detection); None: the fixed stall_timeout_s only."""
+    stall_min_s: float | None = None
+    """The routers' `--stall-min-s` (the adaptive limit's floor); None: the router's default."""
     engine_args: list[str] = field(default_factory=lambda: list(ENGINE_ARGS))
     token: str = field(default_factory=lambda: secrets.token_hex(16))
     up: subprocess.Popen | None = None
@@ -121,6 +123,8 @@ class Deployment:
                "--reuse-port", "--stall-timeout-s", str(self.stall_timeout_s), "--health-interval-s", "1"]
         if self.stall_factor is not None:
             cmd += ["--stall-factor", str(self.stall_factor)]
+        if self.stall_min_s is not None:
+            cmd += ["--stall-min-s", str(self.stall_min_s)]
         for inst in state["instances"]:
             if inst["role"] == "prefill":
                 cmd += ["--prefill", inst["url"], "--prefill-kv", inst["kv"]]
