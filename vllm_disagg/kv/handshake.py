@@ -148,9 +148,13 @@ def encode_msg(msg: SideMsg) -> bytes:
     return head + body + ids + trace
 
 
-def cancel_msg(transfer_id: str, reason: str) -> bytes:
-    """CANCEL of push `transfer_id` (sent by D's receiver, and by the router for a decode half it cut)."""
-    return encode_msg(SideMsg(MsgType.CANCEL, {"transfer_id": transfer_id, "reason": reason[:200]}))
+def cancel_msg(transfer_id: str, reason: str, relayed: bool = False) -> bytes:
+    """CANCEL of push `transfer_id` (sent by D's receiver, and by the router for a decode half it cut);
+    `relayed`: passed on by rank 0 of a TP prefill instance, so not passed on again."""
+    body: dict = {"transfer_id": transfer_id, "reason": reason[:200]}
+    if relayed:
+        body["relayed"] = True
+    return encode_msg(SideMsg(MsgType.CANCEL, body))
 
 
 def decode_msg(data: bytes | memoryview, peer: str = "?") -> SideMsg:

@@ -21,6 +21,7 @@ from vllm_disagg.kv.handshake import (
     MsgType,
     SideMsg,
     VersionMismatch,
+    cancel_msg,
     check_compatible,
     decode_msg,
     encode_msg,
@@ -38,7 +39,7 @@ from vllm_disagg.kv.push_plan import (
     parse_targets,
     shard_writes,
 )
-from vllm_disagg.kv.side_channel import SideChannelServer
+from vllm_disagg.kv.side_channel import SideChannelServer, call_once
 from vllm_disagg.kv.spans import is_traced, record_push_span
 from vllm_disagg.kv.stats import StatsSink
 from vllm_disagg.transport import BlockWrite, KVPeer, Transport
@@ -60,6 +61,7 @@ class PushSender:
         self._cond = threading.Condition()
         self.plan = PushPlan(layers, self.block_size, cfg)
         self._stop = threading.Event()
+        self._control = control
         self.server = SideChannelServer(control.listen_msg(), self._on_message)
         self.address = self.server.address
         self._sender = data.kv_sender(name=self.address)
@@ -126,7 +128,10 @@ class PushSender:
         if msg.type is MsgType.REGISTER:
             return encode_msg(self._on_register(msg, peer))
         if msg.type is MsgType.CANCEL:
-            self._on_cancel(msg.transfer_id, str(msg.body.get("reason") or "push timeout"))
+            reason = str(msg.body.get("reason") or "push timeout")
+            self._on_cancel(msg.transfer_id, reason)
+            if not msg.body.get("relayed"):
+                self._relay_cancel(msg.transfer_id, reason)
             return encode_msg(SideMsg(MsgType.CANCEL_ACK, {"transfer_id": msg.transfer_id}))
         logger.warning("KV side channel: unexpected %s from %s; ignored", msg.type.name, peer)
         return None
@@ -161,6 +166,25 @@ class PushSender:
             self._cond.notify()
         if push is not None:
             self._wait_quiet([push.req_id])
+
+    def _relay_cancel(self, transfer_id: str, reason: str) -> None:
+        """Rank 0 of a TP > 1 prefill instance passes a CANCEL on to its other ranks (kv_port + r, same
+        host), each holding its KV-head slice of the push's blocks: the router knows only kv_port. A
+        decode rank's own CANCEL to its rank arrives twice then, which cancelling allows."""
+        info = self.handshake
+        if info.tp_rank != 0 or info.tp_size <= 1:
+            return
+        host, _, port = self.address.rpartition(":")
+        targets = [f"{host}:{int(port) + rank}" for rank in range(1, info.tp_size)]
+        threading.Thread(target=self._send_cancels, args=(targets, transfer_id, reason),
+                         name="disagg-kv-cancel-relay", daemon=True).start()
+
+    def _send_cancels(self, targets: list[str], transfer_id: str, reason: str) -> None:
+        for address in targets:
+            try:
+                call_once(self._control.connect_msg, address, cancel_msg(transfer_id, reason, relayed=True), 2.0)
+            except (DisaggError, OSError) as err:  # that rank frees the blocks at its push timeout
+                logger.info("KV push %s: CANCEL not passed on to rank at %s (%s)", transfer_id, address, err)
 
     # ------------------------------------------------------------ sender thread
     def _run(self) -> None:

@@ -19,7 +19,7 @@ from vllm.logger import init_logger
 from vllm_disagg.errors import DisaggError, PeerLostError, ProtocolError, TransportTimeout
 from vllm_disagg.transport import MsgChannel, MsgListener
 
-__all__ = ["SideChannelServer", "SideChannelClient"]
+__all__ = ["SideChannelServer", "SideChannelClient", "call_once"]
 
 logger = init_logger(__name__)
 _IDLE_RECV_S = 60.0
@@ -160,3 +160,14 @@ class SideChannelClient:
     def close(self) -> None:
         for address in list(self._channels):
             self.drop(address)
+
+
+def call_once(connect: Callable[[str, float], Any], address: str, payload: bytes, timeout: float) -> bytes:
+    """One message and its reply on a channel of its own, closed after: a CANCEL from the router, or
+    one a prefill instance's rank 0 passes on to its other ranks."""
+    channel = connect(address, timeout)
+    try:
+        channel.send(payload, timeout=timeout)
+        return bytes(channel.recv(timeout=timeout).header)
+    finally:
+        SideChannelServer._close(channel)

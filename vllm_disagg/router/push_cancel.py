@@ -9,7 +9,7 @@ decode half after P answered, it sends P the same CANCEL (kv/handshake.py, MsgTy
 side channel, signed with the deployment's shared token, in the background and bounded.
 
 TP > 1 prefill instances serve one side channel per rank (kv_port + rank); the router knows only
-kv_port, so it cancels rank 0 and the other ranks' blocks still wait for the timeout.
+kv_port, so it cancels rank 0, which passes the CANCEL on to its other ranks (kv/push_sender.py).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import Any
 
 from vllm_disagg.errors import DisaggError
 from vllm_disagg.kv.handshake import MsgType, cancel_msg, decode_msg
+from vllm_disagg.kv.side_channel import call_once
 from vllm_disagg.transport import TransportOptions, get_transport
 
 logger = logging.getLogger(__name__)
@@ -48,12 +49,8 @@ class PushCanceller:
     def _cancel(self, address: str, transfer_id: str, reason: str) -> bool:
         self.num_sent += 1
         try:
-            channel = self._control.connect_msg(address, timeout=self.timeout_s)
-            try:
-                channel.send(cancel_msg(transfer_id, reason), timeout=self.timeout_s)
-                reply = decode_msg(bytes(channel.recv(timeout=self.timeout_s).header), address)
-            finally:
-                channel.close()
+            raw = call_once(self._control.connect_msg, address, cancel_msg(transfer_id, reason), self.timeout_s)
+            reply = decode_msg(raw, address)
         except (DisaggError, OSError) as err:
             logger.info("KV push %s: CANCEL to prefill %s not delivered (%s); it frees the blocks at its "
                         "push timeout", transfer_id, address, err)

@@ -5,6 +5,7 @@ prefill side channel (`PushSender` over tcp, no engine: the test plays the engin
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import socket
 import threading
 import time
@@ -26,16 +27,17 @@ INFO = HandshakeInfo(model="m", dtype="float32", block_size=BS, kv_layout="cpu:f
                      num_layers=NUM_LAYERS, num_kv_heads=2, head_size=4, block_nbytes=2 * BS * 8 * 4)
 
 
-def _prefill_side_channel() -> PushSender:
+def _prefill_side_channel(info: HandshakeInfo = INFO, port: int = 0) -> PushSender:
     layers = [torch.randn(8, 2, BS, 8) for _ in range(NUM_LAYERS)]
-    return PushSender(*(get_transport("tcp", TransportOptions(auth_token="tok", timeout_s=5.0)) for _ in range(2)),
-                      INFO, "tok", layers, KVTransferSection(push_timeout_s=30.0),
+    control = get_transport("tcp", TransportOptions(auth_token="tok", timeout_s=5.0, port=port))
+    return PushSender(control, get_transport("tcp", TransportOptions(auth_token="tok", timeout_s=5.0)),
+                      info, "tok", layers, KVTransferSection(push_timeout_s=30.0),
                       (DisaggKVConnectorStats(), threading.Lock()))
 
 
-def _prefill_waiting_for_decode(transfer_id: str) -> PushSender:
+def _prefill_waiting_for_decode(transfer_id: str, info: HandshakeInfo = INFO, port: int = 0) -> PushSender:
     """A prefill instance whose request `p1` finished and now waits (30 s) for D to register."""
-    sender = _prefill_side_channel()
+    sender = _prefill_side_channel(info, port)
     sender.bind(DisaggConnectorMetadata(save_specs=[SaveSpec("p1", (1, 2), 40, 40, transfer_id, True)]))
     for layer in range(NUM_LAYERS):
         sender.layer_saved(layer)
@@ -69,6 +71,44 @@ def test_a_cut_decode_half_frees_the_prefill_blocks_at_once_not_at_the_push_time
         assert done == {"p1"} and time.monotonic() - t0 < 10  # not its push_timeout_s (30 s)
     finally:
         sender.close()
+
+
+def _two_free_ports() -> int:
+    """A port p with p + 1 free too: a TP=2 prefill instance's ranks listen on kv_port + rank."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        with socket.socket() as a, socket.socket() as b:
+            try:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+    raise AssertionError("no two adjacent free ports")
+
+
+def test_rank_0_of_a_tp_prefill_instance_passes_the_cancel_on_to_its_other_ranks():
+    """The router knows only kv_port (rank 0); rank 1 holds its own KV-head slice of the push's blocks
+    and, before, kept them for its 30 s push timeout."""
+    port = _two_free_ports()
+    ranks = [_prefill_waiting_for_decode("t-tp", dataclasses.replace(INFO, tp_size=2, tp_rank=rank), port + rank)
+             for rank in range(2)]
+    try:
+        t0 = time.monotonic()
+        canceller = PushCanceller("tok")
+        asyncio.run(_cancel(canceller, _decode_body("t-tp", ranks[0].address)))
+        assert canceller.num_sent == 1 and canceller.num_acked == 1  # one CANCEL, to rank 0 only
+        for sender in ranks:
+            deadline = time.monotonic() + 10
+            while not (done := sender.finished_sending()) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert done == {"p1"}
+        assert time.monotonic() - t0 < 10  # not the push timeout (30 s)
+    finally:
+        for sender in ranks:
+            sender.close()
 
 
 def test_a_wrong_token_a_dead_prefill_or_no_kv_params_cost_a_bounded_try_and_never_raise():
