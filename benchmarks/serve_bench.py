@@ -25,6 +25,7 @@ import argparse
 import contextlib
 import fcntl
 import json
+import math
 import os
 import signal
 import statistics
@@ -248,10 +249,12 @@ def median_of(rows: list[dict], key: str) -> float | None:
 
 
 def paired_ratio(runs: list[dict], a: str, b: str, key: str, kind: str = "headline") -> dict | None:
-    """Median over rounds of a's metric / b's in the same round (pairs from one round saw the same box)."""
+    """Median over rounds of a's metric / b's in the same round (pairs from one round saw the same box).
+    A round where b scored 0 and a did not is an unbounded ratio, not a missing one: dropping it (as
+    before) hid that vLLM's NIXL P/D kept no request within the SLO; 0/0 rounds say nothing."""
     ra, rb = {r["round"]: r for r in cell(runs, a, kind)}, {r["round"]: r for r in cell(runs, b, kind)}
-    ratios = [metric(ra[i], key) / metric(rb[i], key) for i in sorted(ra.keys() & rb.keys())
-              if metric(ra[i], key) is not None and metric(rb[i], key)]
+    pairs = [(metric(ra[i], key), metric(rb[i], key)) for i in sorted(ra.keys() & rb.keys())]
+    ratios = [x / y if y else math.inf for x, y in pairs if x is not None and y is not None and (x or y)]
     if not ratios:
         return None
     return {"median": statistics.median(ratios), "rounds": ratios}
@@ -286,8 +289,11 @@ def summary(bench: Bench, plain: str | None, max_rates: dict, prediction: dict |
     ours, nixl = "ours_tcp", "vllm_nixl"
 
     def ratio(a, b, key, kind="headline"):
+        """The paired median; "unbounded" when b scored 0 in most rounds that a did not (JSON has no inf)."""
         got = paired_ratio(runs, a, b, key, kind) if a and b else None
-        return None if got is None else got["median"]
+        if got is None:
+            return None
+        return "unbounded" if math.isinf(got["median"]) else got["median"]
 
     def rate_ratio(a, b):
         ra, rb = (max_rates.get(x, {}).get("max_rate") for x in (a, b))

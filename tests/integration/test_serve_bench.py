@@ -31,7 +31,7 @@ def test_serve_bench_runs_on_a_small_trace_and_both_pd_deployments_move_their_kv
     assert set(GOAL_KEYS) <= printed.keys()
     assert printed["vllm_nixl_kv_bytes"] > 0 and printed["vllm_nixl_recomputes"] == 0
     assert printed["nixl_verified"] is True and printed["ours_verified"] is True
-    assert printed["ttft_p50_ratio_vs_vllm_nixl"] is not None  # the goodput ratio is None if NIXL's goodput is 0
+    assert printed["ttft_p50_ratio_vs_vllm_nixl"] is not None  # the goodput ratio is "unbounded" if NIXL kept none
     result = json.loads(out.read_text())
     runs = {r["deployment"]: r for r in result["runs"]}
     assert runs.keys() == {"vllm_nixl", "ours_tcp"}
