@@ -19,9 +19,16 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 from aiohttp import web
 
-from vllm_disagg.router import bodies, replay, spans, upstream
+from vllm_disagg.router import bodies, replay, spans
 from vllm_disagg.router.pools import Instance, Route
-from vllm_disagg.router.upstream import FAILED, UPSTREAM_ERRORS, error_response, route_headers, sse_error
+from vllm_disagg.router.upstream import (
+    FAILED,
+    UPSTREAM_ERRORS,
+    await_headers,
+    error_response,
+    route_headers,
+    sse_error,
+)
 
 if TYPE_CHECKING:
     from vllm_disagg.router.proxy import Proxy
@@ -167,7 +174,7 @@ class ReplayRun:
         # A task, so that `_cut` can end the wait for the headers (a hung instance sends none).
         self._post = asyncio.ensure_future(self.p.session.post(f"{target.url}/v1/{endpoint}", json=d_body))
         try:
-            resp = await upstream.await_headers(self._post, lambda: self._cut_from is not None)
+            resp = await await_headers(self._post, lambda: self._cut_from is not None)
         except UPSTREAM_ERRORS as exc:
             reason = "connect" if isinstance(exc, aiohttp.ClientConnectorError) else "no_answer"
             raise _AttemptFailed(reason, target, repr(exc)) from exc

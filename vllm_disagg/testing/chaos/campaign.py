@@ -365,9 +365,8 @@ def _explain_slow(result: dict, serving: list[str]) -> None:
     slow = slow_requests(result["outcomes"], result["faults"], serving, 3 * quiet)
     result["slow_requests"] = slow
     blocked = {(s["key"], s["t_sent_s"]) for s in slow if s["no_serving_instance"]}
-    windows = [(f["t_start_s"], f["t_end_s"] + 30.0) for f in result["faults"]]
-    during = [o["ttft_s"] for o in result["outcomes"] if o["ttft_s"] is not None
-              and any(a <= o["t_sent_s"] <= b for a, b in windows) and (o["key"], o["t_sent_s"]) not in blocked]
+    during = [o["ttft_s"] for o in result["outcomes"] if o["during_faults"] and o["ttft_s"] is not None
+              and (o["key"], o["t_sent_s"]) not in blocked]
     p99 = _p99(during)
     result["p99_ttft_during_faults_with_a_serving_instance_s"] = p99
     result["p99_ttft_during_faults_with_a_serving_instance / p99_ttft_quiet"] = round(p99 / quiet, 3) if p99 else None
@@ -391,8 +390,9 @@ def _p99(values: list[float]) -> float | None:
 def report(outcomes, faults: list[Fault], base: dict, end: dict, t0: float, cfg: CampaignConfig,
            load_avg: list, healthy: bool) -> dict:
     windows = [(f.t_start, f.t_end + 30.0) for f in faults]  # a fault's aftermath counts as "during"
-    during = [o.ttft_s for o in outcomes if o.ttft_s is not None and any(a <= o.t_sent <= b for a, b in windows)]
-    quiet = [o.ttft_s for o in outcomes if o.ttft_s is not None and not any(a <= o.t_sent <= b for a, b in windows)]
+    in_faults = [any(a <= o.t_sent <= b for a, b in windows) for o in outcomes]
+    during = [o.ttft_s for o, flag in zip(outcomes, in_faults) if flag and o.ttft_s is not None]
+    quiet = [o.ttft_s for o, flag in zip(outcomes, in_faults) if not flag and o.ttft_s is not None]
     p99_f, p99_q = _p99(during), _p99(quiet)
     diff = leaks.compare(base, end)
     counts = {k: sum(1 for o in outcomes if o.outcome == k) for k in ("ok", "wrong", "lost", "left")}
@@ -410,7 +410,8 @@ def report(outcomes, faults: list[Fault], base: dict, end: dict, t0: float, cfg:
         "all_healthy_at_end": healthy,
         "retried_requests": sum(1 for o in outcomes if o.num_attempts > 1),
         "outcomes": [{**{k: v for k, v in asdict(o).items() if k != "last_token_at"},
-                      "t_sent_s": round(o.t_sent - t0, 3)} for o in outcomes],
+                      "t_sent_s": round(o.t_sent - t0, 3), "during_faults": flag}
+                     for o, flag in zip(outcomes, in_faults)],
         "config": {**asdict(cfg), "fault_every_s": list(cfg.fault_every_s),
                    "plan": [list(p) for p in cfg.plan] if cfg.plan else None},
         "loadavg_before": load_avg[0], "loadavg_after": load_avg[-1],
