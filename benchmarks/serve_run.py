@@ -26,7 +26,7 @@ from vllm_disagg.planner.goodput import HEADLINE_SLO, from_bench_detailed, summa
 _KEEP = ("vllm:request_queue_time_seconds", "vllm:request_prefill_time_seconds", "vllm:time_to_first_token_seconds",
          "vllm:prompt_tokens_by_source", "vllm:request_prefill_kv_computed_tokens", "vllm:disagg_kv_",
          "vllm:nixl_", "vllm:disagg_router_prefill_latency", "vllm:disagg_router_time_to_first_byte",
-         "vllm:num_preemptions", "vllm:request_success")
+         "vllm:num_preemptions", "vllm:request_success", "vllm:disagg_router_requests")
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -189,11 +189,17 @@ def kv_check(run: Running, d: dict[str, dict]) -> dict | None:
                                                                     "vllm:nixl_num_kv_expired_reqs_total"))
     # a request may compute its last prompt token locally (connector-dependent): allow one per request
     recomputed = max(0.0, d_local - num)
-    recomputes = 0 if recomputed == 0 else max(1, round(recomputed / max(1.0, p_tokens / max(num, 1.0))))
+    estimate = 0 if recomputed == 0 else max(1, round(recomputed / max(1.0, p_tokens / max(num, 1.0))))
+    # the router's Splitwise overflow sends a whole request to one instance when P's queue is long: D
+    # computes that prompt itself by design (route "plain"), which is no recompute
+    routed_whole = round(sum(v for k, v in d.get("router", {}).items()
+                             if k.startswith("vllm:disagg_router_requests") and "route=plain" in k))
+    recomputes = max(0, estimate - routed_whole)
     return {"kv_bytes": nbytes, "decode_requests": num, "prefill_prompt_tokens": p_tokens,
             "decode_transferred_tokens": d_external, "decode_local_prompt_tokens": d_local,
-            "recomputes": recomputes, "transfer_failures": failures,
-            "verified": nbytes > 0 and recomputes == 0 and not failures and d_external >= p_tokens - num}
+            "routed_whole": routed_whole, "recomputes": recomputes, "transfer_failures": failures,
+            "verified": nbytes > 0 and recomputes == 0 and not failures
+            and (routed_whole > 0 or d_external >= p_tokens - num)}
 
 
 def _by_source(d: dict, source: str) -> float:

@@ -1,0 +1,52 @@
+# SPDX-License-Identifier: Apache-2.0
+"""serve_bench's check that a P/D deployment moved its KV (benchmarks/serve_run.py kv_check), on
+known metric deltas: a request the router's overflow sent whole to D is no recompute; a push that
+fell back, or prompt tokens D computed with no such route, fail the check."""
+
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+from serve_run import kv_check  # noqa: E402
+
+LOCAL = "vllm:prompt_tokens_by_source_total{source=local_compute}"
+EXTERNAL = "vllm:prompt_tokens_by_source_total{source=external_kv_transfer}"
+
+
+def _run(kind: str = "ours"):
+    return SimpleNamespace(deployment=SimpleNamespace(is_pd=True, kind=kind))
+
+
+def _deltas(d_local: float, *, routed_whole: int = 0, fallbacks: float = 0.0, num: int = 20) -> dict:
+    """20 requests of 800 prompt tokens; P computes the prompts it got, D the last token of each."""
+    pushed = 800 * (num - routed_whole)
+    return {
+        "prefill": {LOCAL: pushed, "vllm:disagg_kv_bytes_pushed_total": 1e6},
+        "decode": {LOCAL: d_local, EXTERNAL: pushed - (num - routed_whole), "vllm:request_success_total": num,
+                   "vllm:disagg_kv_fallbacks_total": fallbacks},
+        "router": {"vllm:disagg_router_requests_total{endpoint=/v1/completions,outcome=ok,route=pd}":
+                   num - routed_whole,
+                   "vllm:disagg_router_requests_total{endpoint=/v1/completions,outcome=ok,route=plain}": routed_whole},
+    }
+
+
+def test_every_prompt_pushed_is_verified():
+    kv = kv_check(_run(), _deltas(d_local=20))
+    assert kv["verified"] and kv["recomputes"] == 0 and kv["routed_whole"] == 0
+
+
+def test_a_request_the_router_sent_whole_to_decode_is_no_recompute():
+    kv = kv_check(_run(), _deltas(d_local=20 - 1 + 800, routed_whole=1))
+    assert kv["verified"] and kv["recomputes"] == 0 and kv["routed_whole"] == 1
+
+
+def test_a_push_that_fell_back_fails_the_check():
+    kv = kv_check(_run(), _deltas(d_local=20 + 799, fallbacks=1))
+    assert not kv["verified"] and kv["recomputes"] == 1 and kv["transfer_failures"] == 1
+
+
+def test_prompt_tokens_computed_on_decode_without_a_whole_route_are_recomputes():
+    kv = kv_check(_run("vllm"), _deltas(d_local=20 + 2 * 799))
+    assert not kv["verified"] and kv["recomputes"] == 2
