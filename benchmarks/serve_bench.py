@@ -76,8 +76,8 @@ class Plan:
     deployments: list[str] = field(default_factory=lambda: ["plain_default", "plain_bind01", "vllm_nixl", "ours_tcp",
                                                             "ours_shm", "ours_nano"])
     saturation: list[str] = field(default_factory=lambda: ["plain_default", "plain_bind01", "vllm_nixl", "ours_tcp",
-                                                           "ours_traced"])
-    """Also run at the saturation rate when chosen (ours_traced: only with --deployments ...,ours_traced)."""
+                                                           "ours_traced", "ours_mixed"])
+    """Also run at the saturation rate when chosen (ours_traced, ours_mixed: only when --deployments names them)."""
     bisect: list[str] = field(default_factory=lambda: ["plain", "vllm_nixl", "ours_tcp"])
     """'plain' = the better plain binding."""
     bisect_steps: int = 3
@@ -322,9 +322,10 @@ def summary(bench: Bench, plain: str | None, max_rates: dict, prediction: dict |
     }
     plain_goodput = med.get(plain, {}).get("headline", {}).get("goodput") if plain else None
     secondary = {f"{k}_{a}_vs_{b}": ratio(a, b, m, kind) for a, b in ((o, plain) for o in (
-        "ours_shm", "ours_nano", "vllm_nixl")) for k, m, kind in (("goodput_ratio", "goodput", "headline"),
+        "ours_shm", "ours_nano", "ours_mixed", "vllm_nixl")) for k, m, kind in (("goodput_ratio", "goodput", "headline"),
                                                                   ("ttft_p50_ratio", "ttft_p50_ms", "headline"),
-                                                                  ("p99_tbt_ratio", "tbt_p99_ms", "headline"))}
+                                                                  ("p99_tbt_ratio", "tbt_p99_ms", "headline"),
+                                                                  ("throughput_ratio", "output_tok_s", "saturation"))}
     return {**keys, "quick": quick, "plain_baseline": plain, "plain_goodput_at_rate": plain_goodput,
             "rate_in_goal_band": None if plain_goodput is None else 0.3 <= plain_goodput <= 0.7,
             "slo": asdict(HEADLINE_SLO), "rate": bench.plan.rate, "secondary": secondary,

@@ -52,6 +52,8 @@ class Deployment:
     traced: bool = False
     """ours only: `up --trace` (every process exports its spans at the default sampling to a receiver in
     `up`'s process, on the same cores): what tracing costs (issue 20's tracing_overhead_ratio)."""
+    up_args: tuple[str, ...] = ()
+    """ours only: more `vllm-disagg up` flags (e.g. the router's overflow thresholds)."""
 
     @property
     def is_pd(self) -> bool:
@@ -68,6 +70,8 @@ DEPLOYMENTS = {d.name: d for d in (
     Deployment("ours_shm", "ours", transport="shm"),
     Deployment("ours_nano", "ours", transport="tcp", nano=True),
     Deployment("ours_traced", "ours", transport="tcp", traced=True),
+    # Splitwise's mixed pool sooner: once D has 2048 output tokens pending, P also decodes whole requests
+    Deployment("ours_mixed", "ours", transport="tcp", up_args=("--decode-queue-threshold", "2048")),
 )}
 
 
@@ -162,6 +166,7 @@ def _start_ours(run: Running, model: str, max_model_len: int) -> None:
         cmd += ["--disagg-num-nano-batches", "auto"]
     if dep.traced:
         cmd += ["--trace"]
+    cmd += list(dep.up_args)
     run.procs.append(_spawn(cmd, _env(), run.log_dir / "up.log"))
     run.instances = {"state_file": str(state)}
 

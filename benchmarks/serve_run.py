@@ -193,7 +193,7 @@ def kv_check(run: Running, d: dict[str, dict]) -> dict | None:
     # the router's Splitwise overflow sends a whole request to one instance when P's queue is long: D
     # computes that prompt itself by design (route "plain"), which is no recompute
     routed_whole = round(sum(v for k, v in d.get("router", {}).items()
-                             if k.startswith("vllm:disagg_router_requests") and "route=plain" in k))
+                             if k.startswith("vllm:disagg_router_requests_total") and "route=plain" in k))
     recomputes = max(0, estimate - routed_whole)
     return {"kv_bytes": nbytes, "decode_requests": num, "prefill_prompt_tokens": p_tokens,
             "decode_transferred_tokens": d_external, "decode_local_prompt_tokens": d_local,

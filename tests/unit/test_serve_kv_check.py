@@ -28,7 +28,9 @@ def _deltas(d_local: float, *, routed_whole: int = 0, fallbacks: float = 0.0, nu
                    "vllm:disagg_kv_fallbacks_total": fallbacks},
         "router": {"vllm:disagg_router_requests_total{endpoint=/v1/completions,outcome=ok,route=pd}":
                    num - routed_whole,
-                   "vllm:disagg_router_requests_total{endpoint=/v1/completions,outcome=ok,route=plain}": routed_whole},
+                   "vllm:disagg_router_requests_total{endpoint=/v1/completions,outcome=ok,route=plain}": routed_whole,
+                   # prometheus' creation timestamp of a label set first seen in this window: not a count
+                   "vllm:disagg_router_requests_created{endpoint=/v1/completions,outcome=ok,route=plain}": 1.8e9},
     }
 
 
