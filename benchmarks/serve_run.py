@@ -192,8 +192,7 @@ def kv_check(run: Running, d: dict[str, dict]) -> dict | None:
     estimate = 0 if recomputed == 0 else max(1, round(recomputed / max(1.0, p_tokens / max(num, 1.0))))
     # the router's Splitwise overflow sends a whole request to one instance when P's queue is long: D
     # computes that prompt itself by design (route "plain"), which is no recompute
-    routed_whole = round(sum(v for k, v in d.get("router", {}).items()
-                             if k.startswith("vllm:disagg_router_requests_total") and "route=plain" in k))
+    routed_whole = round(_counter(d.get("router", {}), "vllm:disagg_router_requests_total", "route=plain"))
     recomputes = max(0, estimate - routed_whole)
     return {"kv_bytes": nbytes, "decode_requests": num, "prefill_prompt_tokens": p_tokens,
             "decode_transferred_tokens": d_external, "decode_local_prompt_tokens": d_local,
@@ -203,4 +202,9 @@ def kv_check(run: Running, d: dict[str, dict]) -> dict | None:
 
 
 def _by_source(d: dict, source: str) -> float:
-    return sum(v for k, v in d.items() if k.startswith("vllm:prompt_tokens_by_source") and f"source={source}" in k)
+    return _counter(d, "vllm:prompt_tokens_by_source_total", f"source={source}")
+
+
+def _counter(d: dict, name: str, label: str) -> float:
+    """A counter's samples with `label`, summed over its other labels (never its `_created` timestamps)."""
+    return sum(v for k, v in d.items() if k.startswith(name + "{") and label in k)
