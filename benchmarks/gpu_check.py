@@ -40,8 +40,10 @@ STEPS = {  # step -> (module, budget in seconds on a warm machine, modules it im
 CALL_LIMIT_S, SESSION_LIMIT_S = 480, 900  # per step (8 min) and all four (15 min), warm machine
 DEVICE_LACKS = ("vllm", "fastapi", "uvicorn", "gguf", "flashinfer", "ray", "pyverbs", "mscclpp",
                 "kubernetes_validate", "pydantic", "pydantic_core", "annotated_types", "typing_inspection", "nixl",
-                "nixl_cu13", "nixl_cu12")
+                "nixl_cu13", "nixl_cu12", "opentelemetry")
 """Top-level modules of the project's dependencies that the lent machine's image does not have."""
+DIST_MODULES = {"opentelemetry_api": "opentelemetry"}
+"""Carried distributions whose top-level module has another name."""
 
 
 def device_call(step: str) -> dict:
@@ -115,7 +117,7 @@ def import_check(steps: list[str]) -> dict[str, str]:
     packages the device lacks, minus the carried wheels, cannot be imported: module -> error or ""."""
     import wheels
 
-    carried = {wheels._norm(n) for n, _ in wheels.specs()}
+    carried = {DIST_MODULES.get(wheels._norm(n), wheels._norm(n)) for n, _ in wheels.specs()}
     blocked = sorted(set(DEVICE_LACKS) - carried)
     modules = [m for s in steps for m in (STEPS[s][0], *STEPS[s][2])]
     script = _IMPORT_PROBE.format(blocked=blocked, modules=modules)

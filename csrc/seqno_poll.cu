@@ -99,6 +99,23 @@ int vd_seqno_probe_async(const void* seqword, uint64_t expect, uint64_t max_spin
   return static_cast<int>(cudaGetLastError());
 }
 
+// Load every kernel of this library now. Under CUDA's lazy module loading (the default since 12.2)
+// the first launch of a kernel loads it, and loading waits for the kernels already running: a writer
+// launched for the first time while a wait kernel spins on its word deadlocks until the spin bound.
+// The GPU kit saw exactly that on an H200 (step a, stream_write). Call once before the first wait.
+int vd_seqno_preload(void) {
+  cudaFuncAttributes attr;
+  const void* kernels[] = {reinterpret_cast<const void*>(&seqno_wait_kernel),
+                           reinterpret_cast<const void*>(&seqno_wait_many_kernel),
+                           reinterpret_cast<const void*>(&seqno_probe_kernel),
+                           reinterpret_cast<const void*>(&seqno_write_kernel)};
+  for (const void* kernel : kernels) {
+    cudaError_t err = cudaFuncGetAttributes(&attr, kernel);
+    if (err != cudaSuccess) return static_cast<int>(err);
+  }
+  return 0;
+}
+
 int vd_seqno_write_async(void* seqword, uint64_t value, void* written_ns, void* stream) {
   seqno_write_kernel<<<1, 32, 0, static_cast<cudaStream_t>(stream)>>>(
       static_cast<volatile unsigned long long*>(seqword), value, static_cast<unsigned long long*>(written_ns));

@@ -16,6 +16,8 @@ else
   echo "run_step.sh: no .whl/ carried (name .whl in the call's carry); steps b and d need it" >&2
 fi
 export PYTHONPATH="$PWD:$PWD/benchmarks/gpu:$SITE${PYTHONPATH:+:$PYTHONPATH}"
+# EAGER: the seqno wait (step a) deadlocks a lazily loaded kernel launched behind it (docs/gpu.md).
+export CUDA_MODULE_LOADING=EAGER
 export PYTHONUNBUFFERED=1 VLLM_DISAGG_AUTH_TOKEN="${VLLM_DISAGG_AUTH_TOKEN:-gpu-kit-token}"
 OUT="${OUT:-benchmarks/results/gpu}"
 mkdir -p "$OUT"

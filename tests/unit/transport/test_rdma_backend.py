@@ -175,3 +175,15 @@ def test_rdma_completion_env_accepts_seqword_and_imm_only(monkeypatch):
     monkeypatch.setenv(envs.VLLM_DISAGG_RDMA_COMPLETION, "write_with_imm")
     with pytest.raises(ValueError, match="VLLM_DISAGG_RDMA_COMPLETION"):
         envs.rdma_completion()
+
+
+def test_seqno_waiter_refuses_lazy_cuda_module_loading(monkeypatch):
+    """A lazily loaded kernel launched behind a spinning wait blocks the host (seen on an H200)."""
+    from vllm_disagg.transport.rdma.gpu import SeqnoWaiter
+
+    monkeypatch.delenv("CUDA_MODULE_LOADING", raising=False)
+    with pytest.raises(TransportUnavailable, match="CUDA_MODULE_LOADING=EAGER"):
+        SeqnoWaiter("/nonexistent/libvd_seqno.so")
+    monkeypatch.setenv("CUDA_MODULE_LOADING", "EAGER")
+    with pytest.raises(TransportUnavailable, match="not loadable"):
+        SeqnoWaiter("/nonexistent/libvd_seqno.so")

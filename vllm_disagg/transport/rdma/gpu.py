@@ -91,9 +91,17 @@ def register_gpu_memory(dev, mem, remote_write: bool) -> GpuMR:
 class SeqnoWaiter:
     """Enqueue `wait until *seqword >= expect` on a CUDA stream (kernel from csrc/seqno_poll.cu).
 
-    Load the library built by `csrc/build.sh` (`libvd_seqno.so`, or `$VLLM_DISAGG_SEQNO_LIB`)."""
+    Load the library built by `csrc/build.sh` (`libvd_seqno.so`, or `$VLLM_DISAGG_SEQNO_LIB`).
+    Needs `CUDA_MODULE_LOADING=EAGER`: under lazy loading a kernel launched for the first time
+    while the wait spins blocks its launching host thread until the spin ends (seen on an H200,
+    GPU kit step a), so a dead peer would hang the host for the whole spin bound."""
 
     def __init__(self, lib_path: str | None = None):
+        loading = os.environ.get("CUDA_MODULE_LOADING", "LAZY")
+        if loading.upper() != "EAGER":
+            raise TransportUnavailable(
+                f"device-side seqno wait needs CUDA_MODULE_LOADING=EAGER before CUDA starts (it is {loading})"
+            )
         path = (
             lib_path
             or envs.seqno_lib()
@@ -113,6 +121,9 @@ class SeqnoWaiter:
             ctypes.c_void_p,
         ]
         self._lib.vd_seqno_wait_async.restype = ctypes.c_int
+        # Load the kernels now: a lazily loaded kernel launched while a wait spins would wait for it.
+        if (rc := self._lib.vd_seqno_preload()) != 0:
+            raise TransportUnavailable(f"seqno polling kernels could not be loaded: CUDA error {rc}")
 
     def enqueue(
         self, seqword_ptr: int, expect: int, stream_ptr: int, status_ptr: int, max_spins: int = 1 << 30
