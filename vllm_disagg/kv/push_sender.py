@@ -10,6 +10,7 @@ More: README.md, "push_sender.py".
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 from vllm.logger import init_logger
@@ -66,6 +67,8 @@ class PushSender:
         self.address = self.server.address
         self._sender = data.kv_sender(name=self.address)
         self._peers: dict[str, KVPeer] = {}
+        self._issuing: set[str] = set()
+        """req_ids whose writes the sender thread planned and is issuing (outside the lock)."""
         self.timeline = self.plan.timeline
         self._thread = threading.Thread(target=self._run, name="disagg-kv-sender", daemon=True)
         self._thread.start()
@@ -108,7 +111,14 @@ class PushSender:
             return bool(self.plan.pushes)
 
     def _wait_quiet(self, req_ids: list[str]) -> None:
-        """Block (bounded) until no write of `req_ids` still reads blocks that are being reused."""
+        """Block (bounded) until no write of `req_ids` still reads blocks that are being reused.
+
+        First until the sender thread has issued what it planned for them: a write planned before a
+        CANCEL and issued after its ACK would land in blocks D has already freed."""
+        deadline = time.monotonic() + self.cfg.push_timeout_s
+        with self._cond:
+            while self._issuing.intersection(req_ids) and (left := deadline - time.monotonic()) > 0:
+                self._cond.wait(left)
         for req_id in req_ids:
             push = self.plan.pushes.get(req_id)
             for handle, *_ in list(push.handles) if push else ():
@@ -193,10 +203,18 @@ class PushSender:
             with self._cond:
                 self.plan.promote_ready()
                 work: list[WorkItem] = self.plan.plan()
-            for push, writes, layer in work:
-                self._issue(push, writes, layer)
-            with self._cond:
-                self._reap()
+                self._issuing = {push.req_id for push, _, _ in work}
+            try:
+                for push, writes, layer in work:
+                    with self._cond:
+                        if push.error is not None:  # cancelled or failed since planned: write nothing more
+                            continue
+                    self._issue(push, writes, layer)
+            finally:
+                with self._cond:
+                    self._issuing = set()
+                    self._cond.notify_all()
+                    self._reap()
 
     def _idle(self) -> None:
         """Wait for the oldest saved layer's event (outside the lock: the forward stream is running),
