@@ -190,15 +190,18 @@ def kv_check(run: Running, d: dict[str, dict]) -> dict | None:
     # a request may compute its last prompt token locally (connector-dependent): allow one per request
     recomputed = max(0.0, d_local - num)
     estimate = 0 if recomputed == 0 else max(1, round(recomputed / max(1.0, p_tokens / max(num, 1.0))))
-    # the router's Splitwise overflow sends a whole request to one instance when P's queue is long: D
-    # computes that prompt itself by design (route "plain"), which is no recompute
-    routed_whole = round(_counter(d.get("router", {}), "vllm:disagg_router_requests_total", "route=plain"))
-    recomputes = max(0, estimate - routed_whole)
+    # the router's Splitwise overflow sends a whole request to one instance when a queue is long: on D
+    # that prompt is computed by design, no recompute; on P (the mixed pool) it is no push either
+    whole_on = {pool: round(_counter(d.get("router", {}), "vllm:disagg_router_whole_requests_total", f"pool={pool}"))
+                for pool in ("decode", "prefill")}
+    recomputes = max(0, estimate - whole_on["decode"])
+    # every prompt P computed reached D, unless P served some whole (then P's count holds theirs too)
+    tokens_arrived = whole_on["prefill"] > 0 or d_external >= p_tokens - (num - whole_on["decode"])
     return {"kv_bytes": nbytes, "decode_requests": num, "prefill_prompt_tokens": p_tokens,
             "decode_transferred_tokens": d_external, "decode_local_prompt_tokens": d_local,
-            "routed_whole": routed_whole, "recomputes": recomputes, "transfer_failures": failures,
-            "verified": nbytes > 0 and recomputes == 0 and not failures
-            and (routed_whole > 0 or d_external >= p_tokens - num)}
+            "routed_whole": sum(whole_on.values()), "routed_whole_by_pool": whole_on, "recomputes": recomputes,
+            "transfer_failures": failures,
+            "verified": nbytes > 0 and recomputes == 0 and not failures and tokens_arrived}
 
 
 def _by_source(d: dict, source: str) -> float:

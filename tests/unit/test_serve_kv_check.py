@@ -19,18 +19,23 @@ def _run(kind: str = "ours"):
     return SimpleNamespace(deployment=SimpleNamespace(is_pd=True, kind=kind))
 
 
-def _deltas(d_local: float, *, routed_whole: int = 0, fallbacks: float = 0.0, num: int = 20) -> dict:
-    """20 requests of 800 prompt tokens; P computes the prompts it got, D the last token of each."""
+def _deltas(d_local: float, *, routed_whole: int = 0, whole_on_prefill: int = 0, fallbacks: float = 0.0,
+            num: int = 20, external_short: int = 0) -> dict:
+    """`num` requests of 800 prompt tokens; P computes the prompts it got, D the last token of each.
+    `routed_whole` of D's requests came whole to D; P served `whole_on_prefill` more whole."""
     pushed = 800 * (num - routed_whole)
     return {
-        "prefill": {LOCAL: pushed, "vllm:disagg_kv_bytes_pushed_total": 1e6},
-        "decode": {LOCAL: d_local, EXTERNAL: pushed - (num - routed_whole), "vllm:request_success_total": num,
-                   "vllm:disagg_kv_fallbacks_total": fallbacks},
+        "prefill": {LOCAL: pushed + 800 * whole_on_prefill, "vllm:disagg_kv_bytes_pushed_total": 1e6},
+        "decode": {LOCAL: d_local, EXTERNAL: pushed - (num - routed_whole) - external_short,
+                   "vllm:request_success_total": num, "vllm:disagg_kv_fallbacks_total": fallbacks},
         "router": {"vllm:disagg_router_requests_total{endpoint=/v1/completions,outcome=ok,route=pd}":
                    num - routed_whole,
-                   "vllm:disagg_router_requests_total{endpoint=/v1/completions,outcome=ok,route=plain}": routed_whole,
+                   "vllm:disagg_router_requests_total{endpoint=/v1/completions,outcome=ok,route=plain}":
+                   routed_whole + whole_on_prefill,
+                   "vllm:disagg_router_whole_requests_total{pool=decode}": routed_whole,
+                   "vllm:disagg_router_whole_requests_total{pool=prefill}": whole_on_prefill,
                    # prometheus' creation timestamp of a label set first seen in this window: not a count
-                   "vllm:disagg_router_requests_created{endpoint=/v1/completions,outcome=ok,route=plain}": 1.8e9},
+                   "vllm:disagg_router_whole_requests_created{pool=decode}": 1.8e9},
     }
 
 
@@ -52,3 +57,19 @@ def test_a_push_that_fell_back_fails_the_check():
 def test_prompt_tokens_computed_on_decode_without_a_whole_route_are_recomputes():
     kv = kv_check(_run("vllm"), _deltas(d_local=20 + 2 * 799))
     assert not kv["verified"] and kv["recomputes"] == 2
+
+
+def test_requests_the_mixed_pool_served_whole_on_prefill_are_no_recompute():
+    kv = kv_check(_run(), _deltas(d_local=20, whole_on_prefill=3))
+    assert kv["verified"] and kv["routed_whole_by_pool"] == {"decode": 0, "prefill": 3}
+
+
+def test_whole_requests_on_prefill_do_not_excuse_a_recompute_on_decode():
+    """Before the pool label, any whole route excused D's local prompt tokens; now only D's own do."""
+    kv = kv_check(_run(), _deltas(d_local=20 + 799, whole_on_prefill=1))
+    assert not kv["verified"] and kv["recomputes"] == 1
+
+
+def test_pushed_tokens_that_never_reached_decode_fail_the_check_even_with_whole_routes_to_decode():
+    kv = kv_check(_run(), _deltas(d_local=20 - 1 + 800, routed_whole=1, external_short=400))
+    assert not kv["verified"] and kv["recomputes"] == 0

@@ -25,6 +25,11 @@ class RouterMetrics:
             "vllm:disagg_router_requests", "Client requests by endpoint, route and outcome.",
             ["endpoint", "route", "outcome"], registry=r,
         )
+        self.whole_requests = Counter(
+            "vllm:disagg_router_whole_requests", "Requests one instance served whole (no KV push), by that "
+            "instance's home pool: decode (the overflow, a pair that cannot push), prefill (the mixed pool).",
+            ["pool"], registry=r,
+        )
         self.fallbacks = Counter(
             "vllm:disagg_router_fallbacks", "Requests not served by the P/D push path, by reason.",
             ["reason"], registry=r,

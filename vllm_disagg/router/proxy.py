@@ -342,4 +342,6 @@ class Proxy:
 
     def count(self, endpoint: str, route: Route, outcome: str, start: float) -> None:
         self.metrics.requests.labels(endpoint, route.kind, outcome).inc()
+        if route.prefill is None:
+            self.metrics.whole_requests.labels(route.target.pool.value).inc()
         self.metrics.latency.labels(route.kind).observe(time.monotonic() - start)

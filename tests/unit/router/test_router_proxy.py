@@ -183,7 +183,9 @@ def test_without_prefill_instances_requests_go_whole_to_decode_and_count_as_fall
             status, headers, _ = await _post(session, url, {"prompt": "x", "max_tokens": 1})
             assert status == 200 and headers["x-disagg-route"] == "plain"
             assert "kv_transfer_params" not in ds[0].bodies[-1]
-            assert 'vllm:disagg_router_fallbacks_total{reason="mixed_pool"}' in r.metrics.render().decode()
+            text = r.metrics.render().decode()
+            assert 'vllm:disagg_router_fallbacks_total{reason="mixed_pool"}' in text
+            assert 'vllm:disagg_router_whole_requests_total{pool="decode"} 1.0' in text  # serve_bench's KV check
     run(scenario())
 
 
