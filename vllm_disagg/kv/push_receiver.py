@@ -145,6 +145,8 @@ class PushReceiver:
                     if recv.fatal:
                         continue
                 if recv.state in _OVER:
+                    if recv.state is RecvState.FAILED and not self._fenced(recv.spec.transfer_id):
+                        continue  # one of its writes is still landing: report it (blocks freed) once done
                     del self._recvs[req_id]
                     (done if recv.state is RecvState.DONE else failed).add(req_id)
                     if recv.span is not None:
@@ -156,6 +158,10 @@ class PushReceiver:
         if failed:
             self._record(lambda s: [s.record_fallback() for _ in failed])
         return done | failed, failed
+
+    def _fenced(self, transfer_id: str) -> bool:
+        """No byte of `transfer_id` lands here from now on (no own receiver: the KV lands elsewhere)."""
+        return self._receiver is None or self._receiver.fence(transfer_id)
 
     def take_errors(self) -> dict[str, tuple[str, bool]]:
         """req_id -> (reason, fatal) for failures announced since the last call."""

@@ -233,6 +233,13 @@ class KVReceiver(ABC):
         """Names of senders whose connection broke since the last call (drained). Optional."""
         return []
 
+    def fence(self, transfer_id: str) -> bool:
+        """Drop every write of `transfer_id` that lands from now on (the decode side gave up on it and
+        its blocks go back to vLLM); True once none of its writes is mid-landing, else call again.
+        Here: True. Where the sender places the bytes itself (shm's copy, RDMA, NIXL) the receiver
+        cannot stop them, and the sender's CANCEL_ACK (no write in flight) is the fence."""
+        return True
+
     @abstractmethod
     def close(self) -> None:
         """Stop serving and release resources; idempotent."""

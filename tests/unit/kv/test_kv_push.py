@@ -21,6 +21,7 @@ from vllm_disagg.kv.push_receiver import PushReceiver
 from vllm_disagg.kv.push_sender import PushSender
 from vllm_disagg.kv.stats import DisaggKVConnectorStats
 from vllm_disagg.observe.context import TraceContext
+from vllm_disagg.testing.throttle import ThrottledProxy
 from vllm_disagg.transport import TransportOptions, get_transport
 
 BS, NUM_LAYERS, NUM_BLOCKS = 16, 3, 32
@@ -263,6 +264,29 @@ def test_cancelling_a_waiting_receive_frees_both_sides_at_once_and_lands_nothing
         assert not pair.d_layers[1].any() and not pair.d_layers[2].any()  # layers written after: never sent
     finally:
         pair.close()
+
+
+def test_bytes_still_on_a_slow_link_when_decode_gives_up_never_land_in_its_freed_blocks():
+    """A throttled link: the push outlasts D's timeout, and P's side channel cannot acknowledge the
+    CANCEL in time (its writes are stuck in the link), so D gives up unacknowledged while the bytes
+    keep arriving. Once D reports the failure (vLLM frees the blocks and hands them to other
+    requests), nothing more of that push may land in them: the tcp receiver fences the transfer."""
+    pair = Pair(timeout=30.0)
+    proxy = ThrottledProxy(pair.receiver.address, rate_bytes_per_s=2048)  # 21 KiB take ~10 s
+    pair.receiver.address = proxy.address  # D advertises the slow link, as behind a proxy
+    try:
+        pair.register("t1", range(10, 17), timeout=1.0)
+        pair.prefill_step([SaveSpec("p1", tuple(range(1, 8)), 100, 100, "t1", True)])
+        assert _until(pair.poll, timeout=20.0) == {"d-t1"} and pair.failed == {"d-t1"}
+        snapshot, forwarded = [layer.clone() for layer in pair.d_layers], proxy.num_forwarded
+        payload = 7 * NUM_LAYERS * INFO.block_nbytes
+        _until(lambda: proxy.num_forwarded >= payload, timeout=20.0)  # every byte went over the link
+        time.sleep(0.3)
+        assert proxy.num_forwarded - forwarded > INFO.block_nbytes  # KV bytes did arrive after the failure
+        assert all(torch.equal(a, b) for a, b in zip(snapshot, pair.d_layers, strict=True))
+    finally:
+        pair.close()
+        proxy.close()
 
 
 def test_cancelling_a_receive_that_already_landed_changes_nothing(pair):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import select
 import threading
+import time
 from typing import Any
 
 from vllm_disagg.errors import DisaggError, PeerLostError, ProtocolError, TransportTimeout
@@ -32,6 +33,8 @@ from vllm_disagg.transport.wire import T_BYE, T_KV_WRITE, SockStream, read_frame
 
 logger = logging.getLogger(__name__)
 _IDLE_POLL_S = 0.5
+_FENCE_TTL_S, _MAX_FENCED = 600.0, 4096
+_DRAIN_CHUNK = 1 << 20
 
 
 class StreamKVReceiver(NotificationInbox, KVReceiver):
@@ -47,6 +50,9 @@ class StreamKVReceiver(NotificationInbox, KVReceiver):
         self._peers: dict[bytes, PeerSequencer] = {}
         self._server: AuthServer | None = None
         self._closed = threading.Event()
+        self._fence_lock = threading.Lock()
+        self._fenced: dict[str, float] = {}  # transfer id -> when fenced: its later bytes are drained
+        self._landing: dict[int, str] = {}  # id(stream) -> transfer id whose bytes it is landing now
 
     # Setup
 
@@ -156,14 +162,39 @@ class StreamKVReceiver(NotificationInbox, KVReceiver):
                 f"KV_WRITE from {stream.peer}: payload {payload_len} bytes, expected "
                 f"{' or '.join(map(str, self._accepted_payloads(m.region_idx, nbytes)))}"
             )
-        if payload_len:
-            blocks = self._regions[m.region_idx].blocks
-            for _, first, length in runs(m.dst_ids):
-                stream.recv_into(memoryview(blocks[first : first + length]).cast("B"))
+        if payload_len and not self._begin_landing(stream, m.transfer_id):
+            _drain(stream, payload_len)  # given up on: its blocks may belong to another request now
+        elif payload_len:
+            try:
+                blocks = self._regions[m.region_idx].blocks
+                for _, first, length in runs(m.dst_ids):
+                    stream.recv_into(memoryview(blocks[first : first + length]).cast("B"))
+            finally:
+                with self._fence_lock:
+                    self._landing.pop(id(stream), None)
         self.stats.record_received(nbytes)
         for notif in seqr.chunk_done(m, nbytes):
             self.stats.record_received(0, notifications=1)
             self._notifs.put(notif)
+
+    def _begin_landing(self, stream: SockStream, transfer_id: str) -> bool:
+        with self._fence_lock:
+            if transfer_id in self._fenced:
+                return False
+            self._landing[id(stream)] = transfer_id
+            return True
+
+    def fence(self, transfer_id: str) -> bool:
+        """Bytes are landed here (recv_into), so a fence is exact: later writes of `transfer_id` are
+        read off the socket and dropped. True once none of its writes is mid-landing."""
+        now = time.monotonic()
+        with self._fence_lock:
+            self._fenced[transfer_id] = now
+            for tid in [t for t, at in self._fenced.items() if now - at > _FENCE_TTL_S]:
+                del self._fenced[tid]
+            while len(self._fenced) > _MAX_FENCED:
+                del self._fenced[next(iter(self._fenced))]
+            return transfer_id not in self._landing.values()
 
     def close(self) -> None:
         if self._closed.is_set():
@@ -171,3 +202,12 @@ class StreamKVReceiver(NotificationInbox, KVReceiver):
         self._closed.set()
         if self._server is not None:
             self._server.close()
+
+
+def _drain(stream: SockStream, num_bytes: int) -> None:
+    """Read `num_bytes` of a frame's payload and drop them (the stream stays in step)."""
+    scratch = memoryview(bytearray(min(num_bytes, _DRAIN_CHUNK)))
+    while num_bytes:
+        n = min(num_bytes, len(scratch))
+        stream.recv_into(scratch[:n])
+        num_bytes -= n

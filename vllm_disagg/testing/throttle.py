@@ -1,0 +1,82 @@
+# SPDX-License-Identifier: Apache-2.0
+"""A throttled TCP link for tests and chaos: a loopback proxy that forwards client -> target at a set
+byte rate (the other way at full speed).
+
+A slow link is the fault a killed or stopped peer does not show: the sender's writes complete into
+its socket buffers at once, and the bytes keep landing at the receiver long after either side gave
+up. Point a sender at `address` instead of the target's own (for the KV push: the decode side's
+advertised receiver address). Bounded: every socket closes with `close()`.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+_CHUNK = 1024
+
+
+class ThrottledProxy:
+    def __init__(self, target: str, rate_bytes_per_s: float, host: str = "127.0.0.1"):
+        if rate_bytes_per_s <= 0:
+            raise ValueError(f"rate must be positive, got {rate_bytes_per_s}")
+        self.target = target
+        self.rate = float(rate_bytes_per_s)
+        self.num_forwarded = 0
+        """Bytes forwarded client -> target so far."""
+        self._listener = socket.create_server((host, 0))
+        self.address = f"{host}:{self._listener.getsockname()[1]}"
+        self._socks: list[socket.socket] = [self._listener]
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        threading.Thread(target=self._accept, name="throttle-accept", daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._closed.is_set():
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            host, _, port = self.target.rpartition(":")
+            try:
+                upstream = socket.create_connection((host, int(port)), timeout=5.0)
+            except OSError:
+                client.close()
+                continue
+            upstream.settimeout(None)
+            with self._lock:
+                self._socks += [client, upstream]
+            threading.Thread(target=self._pump, args=(client, upstream, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, False), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, throttled: bool) -> None:
+        t0, sent = time.monotonic(), 0
+        try:
+            while data := src.recv(_CHUNK if throttled else 65536):
+                if throttled:
+                    sent += len(data)
+                    time.sleep(max(0.0, t0 + sent / self.rate - time.monotonic()))
+                dst.sendall(data)
+                if throttled:
+                    with self._lock:
+                        self.num_forwarded += len(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self._closed.set()
+        with self._lock:
+            socks, self._socks = self._socks, []
+        for s in socks:  # shutdown first: it wakes a pump blocked in recv, close alone may not
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()
