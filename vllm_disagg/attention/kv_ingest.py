@@ -116,13 +116,23 @@ class KVIngest:
                     self._landed.pop(t, None)
         return out
 
+    def fence(self, ids: list[str]) -> dict[str, bool]:
+        """The decode worker gave up on these pushes and reuses their blocks: drop their later bytes
+        (`KVReceiver.fence`). True per id once none of its writes is mid-landing here."""
+        with self._lock:
+            receiver = self._receiver
+            for t in ids:
+                self._landed.pop(t, None)
+        return {t: receiver is None or receiver.fence(t) for t in ids}
+
     def http_landed(self, path: str) -> dict[str, int]:
         """`/kv/landed?ids=A,B[&forget=1]`; ValueError (-> HTTP 400) on anything malformed."""
         query = parse_qs(urlsplit(path).query)
-        ids = [t for t in ",".join(query.get("ids", [])).split(",") if t]
-        if len(ids) > _MAX_IDS or any(len(t) > 64 or not set(t) <= _ID_CHARS for t in ids):
-            raise ValueError(f"ids: at most {_MAX_IDS} transfer ids of [0-9a-f-_], 64 chars each")
-        return self.landed(ids, forget=query.get("forget", ["0"])[0] == "1")
+        return self.landed(_ids(query), forget=query.get("forget", ["0"])[0] == "1")
+
+    def http_fence(self, path: str) -> dict[str, bool]:
+        """`POST /kv/fence?ids=A,B` (authorized by the server); ValueError (-> HTTP 400) if malformed."""
+        return self.fence(_ids(parse_qs(urlsplit(path).query)))
 
     def close(self) -> None:
         self._stop.set()
@@ -132,3 +142,10 @@ class KVIngest:
             receiver, self._receiver = self._receiver, None
         if receiver is not None:
             receiver.close()
+
+
+def _ids(query: dict[str, list[str]]) -> list[str]:
+    ids = [t for t in ",".join(query.get("ids", [])).split(",") if t]
+    if len(ids) > _MAX_IDS or any(len(t) > 64 or not set(t) <= _ID_CHARS for t in ids):
+        raise ValueError(f"ids: at most {_MAX_IDS} transfer ids of [0-9a-f-_], 64 chars each")
+    return ids

@@ -18,11 +18,12 @@ HTTP_TIMEOUT_S = 5.0
 MAX_IDS_PER_QUERY = 128
 
 
-def get_json(server: str, path: str, timeout_s: float = HTTP_TIMEOUT_S, token: str | None = None) -> dict:
+def get_json(server: str, path: str, timeout_s: float = HTTP_TIMEOUT_S, token: str | None = None,
+             method: str = "GET") -> dict:
     """`GET http://server/path` as a JSON object; a server that does not answer is `PeerLostError`."""
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
-        req = urllib.request.Request(f"http://{server}{path}", headers=headers)
+        req = urllib.request.Request(f"http://{server}{path}", headers=headers, method=method)
         with urllib.request.urlopen(req, timeout=timeout_s) as resp:
             out = json.loads(resp.read())
     except (OSError, ValueError) as err:  # HTTPError (401, 404) is an OSError
@@ -41,6 +42,15 @@ def kv_address(server: str, timeout_s: float = HTTP_TIMEOUT_S) -> str:
         raise DisaggError(f"attention server {server} runs kernel {info.get('kernel')!r}; prefill "
                           "pushes are written in vLLM's CPU layout")
     return str(info["kv_address"])
+
+
+def fence(server: str, transfer_ids: list[str], token: str, timeout_s: float = HTTP_TIMEOUT_S) -> bool:
+    """`POST /kv/fence`: `server` drops every later byte of these pushes; True once none is mid-landing."""
+    done = True
+    for start in range(0, len(transfer_ids), MAX_IDS_PER_QUERY):
+        chunk = transfer_ids[start:start + MAX_IDS_PER_QUERY]
+        done &= all(get_json(server, "/kv/fence?ids=" + ",".join(chunk), timeout_s, token, method="POST").values())
+    return done
 
 
 def landed_bytes(server: str, transfer_ids: list[str], timeout_s: float = HTTP_TIMEOUT_S) -> dict[str, int]:

@@ -3,7 +3,7 @@
 (all layers x its KV heads) and computes attention for it, layer by layer.
 
 Lifecycle: `start()` opens a `MsgListener` on the chosen transport and an HTTP port (`server_http.py`:
-`/health`, `/metrics`, `/kv/retained`, `/kv/landed`); each accepted channel is served by one thread
+`/health`, `/metrics`, `/kv/retained`, `/kv/landed`, `POST /kv/fence`); each accepted channel is served by one thread
 (`wire.py` documents the conversation). The KV survives a client reconnect with the same geometry, so a
 restarted model worker loses nothing: the blocks the old session registered become the retained set
 (`retain.py`), listed at `GET /kv/retained` and copied into the new session's blocks by RESTORE. Prefill

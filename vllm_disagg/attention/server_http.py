@@ -96,6 +96,24 @@ def handler_for(server: DisaggAttentionServer) -> type[BaseHTTPRequestHandler]:
             self.end_headers()
             self.wfile.write(body)
 
+        def do_POST(self) -> None:  # noqa: N802
+            if not self.path.startswith("/kv/fence") or server.ingest is None:
+                self.send_error(404, "POST /kv/fence?ids=... only")
+                return
+            if not server.authorized(self.headers.get("Authorization")):
+                self.send_error(401, "POST /kv/fence needs 'Authorization: Bearer <VLLM_DISAGG_AUTH_TOKEN>'")
+                return
+            try:
+                body = json.dumps(server.ingest.http_fence(self.path)).encode()
+            except ValueError as err:
+                self.send_error(400, str(err))
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
         def log_message(self, fmt, *args) -> None:
             logger.debug("attention http: " + fmt, *args)
 

@@ -15,6 +15,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from vllm_disagg.attention.client import DisaggAttentionClient
 from vllm_disagg.attention.server import DisaggAttentionServer
@@ -111,3 +112,65 @@ def test_a_prefill_killed_after_accepting_a_registration_is_noticed_within_a_pol
         if proc.poll() is None:
             proc.kill()
         receiver.close()
+
+
+def test_bytes_still_on_a_slow_link_never_land_in_attention_server_blocks_decode_gave_up():
+    """A throttled link from the prefill side to the attention server: D gives up on the push (its
+    CANCEL unanswered, the writes stuck in the link), vLLM reuses the blocks; the server must not
+    land the rest of the push in them. D reports the failure only once the server fenced it."""
+    from vllm_disagg.config import KVTransferSection
+    from vllm_disagg.kv.metadata import DisaggConnectorMetadata, SaveSpec
+    from vllm_disagg.kv.push_sender import PushSender
+    from vllm_disagg.testing.throttle import ThrottledProxy
+
+    NUM_BLOCKS = 4  # noqa: N806
+    server = DisaggAttentionServer(transport="tcp", kv_cache_bytes=4 << 20, auth_token=TOKEN, kv_transport="tcp")
+    info = server.start()
+    client = DisaggAttentionClient([info["http"]], transport="tcp", auth_token=TOKEN)
+    client.connect(num_layers=LAYERS, num_heads=4, num_kv_heads=KV_HEADS, head_size=HEAD, block_size=BS,
+                   dtype="float32", max_num_tokens=256)
+    tp = lambda: get_transport("tcp", TransportOptions(auth_token=TOKEN))  # noqa: E731
+    layers = [torch.randn(8, KV_HEADS, BS, 2 * HEAD) for _ in range(LAYERS)]
+    sender = PushSender(tp(), tp(), INFO, TOKEN, layers, KVTransferSection(push_timeout_s=PUSH_TIMEOUT_S, layerwise_threshold_tokens=0),
+                        (DisaggKVConnectorStats(), threading.Lock()))
+    ra = RemoteAttentionSection(servers=[info["http"]], transport="tcp", partition="head")
+    receiver = AttnPushReceiver(tp(), INFO, TOKEN, (DisaggKVConnectorStats(), threading.Lock()), "recompute", ra,
+                                client=lambda: client)
+    proxy = ThrottledProxy(receiver._kv_addresses()[0], rate_bytes_per_s=16384)  # 128 KiB on 2 streams: ~4 s
+    receiver._kv_addrs = [proxy.address]  # the prefill side reaches the server through the slow link
+    try:
+        receiver.start([RecvSpec("d1", "fe01", sender.address, tuple(range(1, NUM_BLOCKS + 1)), 0, NUM_BLOCKS * BS, 1.0)])
+        # four prefill chunks of one block each: eight writes, four per stream, most of them queued in the link
+        for i in range(NUM_BLOCKS):
+            spec = SaveSpec("p1", (i + 1,), (i + 1) * BS, NUM_BLOCKS * BS, "fe01", i == 0)
+            sender.bind(DisaggConnectorMetadata(save_specs=[spec]))
+            for layer in range(LAYERS):
+                sender.layer_saved(layer)
+            sender.step_done()
+            time.sleep(0.05)  # each step its own writes (the sender would merge ready blocks into one)
+        failed, _ = _poll_until_failed(receiver, "d1", 20.0)
+        assert failed == {"d1"}
+        caches = server.kernel.caches
+        snapshot, forwarded = [c.clone() for c in caches], proxy.num_forwarded
+        deadline = time.monotonic() + 20
+        while proxy.num_forwarded < NUM_BLOCKS * LAYERS * INFO.block_nbytes and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)
+        assert proxy.num_forwarded - forwarded > INFO.block_nbytes  # KV bytes did arrive after the failure
+        assert all(torch.equal(a, b) for a, b in zip(snapshot, caches, strict=True))
+    finally:
+        receiver.close()
+        sender.close()
+        proxy.close()
+        client.close()
+        server.stop()
+
+
+def _poll_until_failed(receiver: AttnPushReceiver, req_id: str, timeout_s: float) -> tuple[set, float]:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        done, failed = receiver.poll()
+        if req_id in done | failed:
+            return failed, time.monotonic() - t0
+        time.sleep(0.01)
+    return set(), timeout_s

@@ -88,6 +88,29 @@ def test_malformed_landing_polls_are_refused(path):
         ing.close()
 
 
+def test_the_fence_endpoint_wants_the_token_and_well_formed_ids():
+    """`POST /kv/fence` changes what lands: a stranger gets 401, malformed ids 400, a fence of a push
+    with nothing in flight answers true at once."""
+    import urllib.error
+    import urllib.request
+
+    from vllm_disagg.attention import queries
+    from vllm_disagg.attention.server import DisaggAttentionServer
+
+    server = DisaggAttentionServer(transport="tcp", kv_cache_bytes=1 << 20, auth_token=TOKEN, kv_transport="tcp")
+    http = server.start()["http"]
+    try:
+        for path, headers, status in (("/kv/fence?ids=ab", {}, 401),
+                                      ("/kv/fence?ids=a/b", {"Authorization": f"Bearer {TOKEN}"}, 400)):
+            req = urllib.request.Request(f"http://{http}{path}", headers=headers, method="POST")
+            with pytest.raises(urllib.error.HTTPError) as err:
+                urllib.request.urlopen(req, timeout=5)
+            assert err.value.code == status
+        assert queries.fence(http, ["ab-1", "cd_2"], TOKEN, 5.0) is True
+    finally:
+        server.stop()
+
+
 def test_push_counts_nobody_collects_are_reclaimed_after_the_ttl_and_past_the_cap(monkeypatch):
     """The decode worker that should collect a push's count died (or cancelled the push): the server
     does not keep the count forever."""

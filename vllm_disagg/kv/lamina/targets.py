@@ -55,6 +55,7 @@ class AttnPushReceiver(PushReceiver):
         self._where: dict[str, int] = {}  # transfer_id -> server (request-wise)
         self._totals: dict[str, int] = {}  # transfer_id -> bytes landed over all servers
         self._totals_lock = threading.Lock()
+        self._fences: set[str] = set()  # failed transfer ids no server lands a byte of any more
         # the attention servers use vLLM's CPU layout; our own tensors are zero-byte `meta` placeholders
         handshake = dataclasses.replace(handshake, kv_layout=handshake.kv_layout.replace("meta:", "cpu:", 1))
         super().__init__(control, None, handshake, token, [], stats, failure_policy)
@@ -158,11 +159,21 @@ class AttnPushReceiver(PushReceiver):
         self._kv_addrs = None if "attention server" in reason else self._kv_addrs
         super()._set_failed(recv, reason)
 
+    def _fenced(self, transfer_id: str) -> bool:
+        with self._totals_lock:
+            return transfer_id in self._fences
+
     # ------------------------------------------------------------ landing poller
     def _poll_loop(self) -> None:
         while not self._stop.wait(_POLL_S):
             with self._lock:
                 pending = [r.spec.transfer_id for r in self._recvs.values() if r.state is RecvState.REGISTERED]
+                failed = [r.spec.transfer_id for r in self._recvs.values() if r.state is RecvState.FAILED]
+            with self._totals_lock:
+                self._fences &= set(failed)
+                failed = [t for t in failed if t not in self._fences]
+            if failed:
+                self._fence(failed)
             if not pending:
                 continue
             try:
@@ -173,6 +184,22 @@ class AttnPushReceiver(PushReceiver):
                 continue
             with self._totals_lock:
                 self._totals = totals
+
+    def _fence(self, transfer_ids: list[str]) -> None:
+        """The servers drop every later byte of these failed pushes before vLLM reuses their blocks
+        (a slow link can still carry them after the prefill side's CANCEL went unanswered). A server
+        that does not answer lost its ingest with its process: nothing of them lands there."""
+        for transfer_id in transfer_ids:
+            done = True
+            for i, server in enumerate(self.servers):
+                if self.partition == "head" or self._where.get(transfer_id) == i:
+                    try:
+                        done &= queries.fence(server, [transfer_id], self.token, self.http_timeout_s)
+                    except DisaggError as err:
+                        logger.info("KV push %s: fence on attention server %s: %s", transfer_id, server, err)
+            if done:
+                with self._totals_lock:
+                    self._fences.add(transfer_id)
 
     def _landed(self, transfer_ids: list[str]) -> dict[str, int]:
         """Bytes landed per transfer, summed over the servers that receive it."""
