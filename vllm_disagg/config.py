@@ -67,6 +67,15 @@ class KVTransferSection(_Section):
     """A push that has not completed after this long is abandoned and D recomputes the prompt."""
     num_streams: int = Field(2, ge=1, le=64)
     """Parallel connections per peer for the tcp backend."""
+    advertise_address: str | None = None
+    """HOST:PORT the prefill side connects to for this decode instance's KV receiver, where that
+    differs from where it listens (a NAT, a Kubernetes Service, a proxy); tensor-parallel rank r
+    advertises PORT + r. Unset: the listening address."""
+
+    @field_validator("advertise_address")
+    @classmethod
+    def _advertise_is_host_port(cls, v: str | None) -> str | None:
+        return None if v is None else _check_host_port(v)
 
 
 class RemoteAttentionSection(_Section):

@@ -9,7 +9,8 @@ Used by test_pd_connector.py to run prefill, decode and plain engines in separat
     -> {"outputs": [[ids]], "finish_reasons": [...], "free_blocks": N, "timeline": [...], "elapsed_s": t}
     <- {"cmd": "exit"}
 
-ROLE is prefill, decode or plain. JSON_OPTIONS: kv_port, threshold, transport, policy, dtype, token,
+ROLE is prefill, decode or plain. JSON_OPTIONS: kv_port, threshold, transport, policy, dtype, token, advertise
+(decode: the KV receiver address given to the prefill side, e.g. a throttling proxy's),
 write_delay_s (prefill only: sleep before each KV write, to make "kill P mid-transfer" reliable),
 tp (tensor-parallel size; > 1 reports each rank's connector as "ranks" through `testing.kv_probe`),
 affinity (CPU ids for this engine's processes: workers inherit them before their OpenMP binding).
@@ -57,6 +58,7 @@ def _build_llm(role: str, model_dir: str, opts: dict):
                     "layerwise_threshold_tokens": opts.get("threshold", 256),
                     "push_timeout_s": opts.get("push_timeout_s", 30.0),
                     "transport": opts.get("transport", "tcp"),
+                    "advertise_address": opts.get("advertise"),
                 },
             }
         }

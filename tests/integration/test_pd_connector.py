@@ -206,6 +206,32 @@ def test_killing_prefill_mid_transfer_falls_back_to_local_prefill(
         prefill.close()
 
 
+def test_a_slow_link_past_the_push_timeout_falls_back_and_its_late_bytes_never_land(
+    tiny_model_dir, prompts, baseline, log_dir
+):
+    """The KV link is throttled (D advertises a proxy: `kv.advertise_address`), so every push outlasts
+    D's push timeout and P cannot answer the CANCEL in time. D recomputes the prompts into the blocks
+    it gave up on while the bytes keep arriving; the receiver's fence must drop them (tokens exact)."""
+    from vllm_disagg.testing.throttle import ThrottledProxy
+
+    d_port = _free_port()
+    proxy = ThrottledProxy(f"127.0.0.1:{d_port}", rate_bytes_per_s=512 << 10)  # 17 MiB on 2 streams: ~17 s
+    decode = Engine("decode", tiny_model_dir, log_dir, "1", kv_port=d_port, policy="recompute",
+                    advertise=proxy.address)
+    prefill, port = _start_prefill(tiny_model_dir, log_dir)
+    try:
+        _, d_out = _run_pd(prefill, decode, port, prompts, timeout_s=2.0)
+        forwarded_at_result = proxy.num_forwarded
+        assert d_out["outputs"] == baseline, "decode tokens differ from plain vLLM: late KV bytes landed?"
+        assert "recomputes the prompt" in decode.log_text()  # the pushes did fail over
+        time.sleep(1.0)
+        assert proxy.num_forwarded > forwarded_at_result  # and bytes were still arriving afterwards
+    finally:
+        proxy.close()  # P's stuck writes fail now; it frees their blocks
+        prefill.close()
+        decode.close()
+
+
 def test_handshake_mismatch_fails_fast_with_the_field_named(tiny_model_dir, prompts, log_dir):
     port = _free_port()
     prefill = Engine("prefill", tiny_model_dir, log_dir, "0", kv_port=port)

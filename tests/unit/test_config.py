@@ -84,3 +84,9 @@ def test_partition_defaults_to_auto_head_wise_only_when_the_servers_divide_the_k
     assert resolve_partition("auto", 3, 3) == "head"
     assert resolve_partition("auto", 2, 3) == "request"  # SmolLM2's 3 KV heads on 2 servers
     assert resolve_partition("head", 2, 3) == "head"  # explicit: left to fail with its own message
+
+
+def test_the_advertised_kv_address_must_be_host_port():
+    assert parse_disagg_config({"kv": {"advertise_address": "kv.example:7000"}}).kv.advertise_address == "kv.example:7000"
+    with pytest.raises(DisaggConfigError, match="advertise_address"):
+        parse_disagg_config({"kv": {"advertise_address": "no-port"}})

@@ -71,12 +71,15 @@ class PushReceiver:
     """Owns the decode worker's KV receiver (on `data`) and side-channel client (on `control`)."""
 
     def __init__(self, control: Transport, data: Transport | None, handshake: HandshakeInfo, token: str,
-                 layers: list[Any], stats: StatsSink, failure_policy: str = "recompute"):
+                 layers: list[Any], stats: StatsSink, failure_policy: str = "recompute",
+                 advertise_address: str | None = None):
         self.handshake, self.token = handshake, token
         self._on_failure = ("the decode instance recomputes the prompt" if failure_policy == "recompute"
                             else "the request fails (kv_load_failure_policy=fail)")
         self._stats, self._stats_lock = stats
-        self.address = self._open_receiver(data, layers)
+        listening = self._open_receiver(data, layers)
+        self.address = advertise_address or listening
+        """What REGISTER tells the prefill side to connect to (`kv.advertise_address`, else where we listen)."""
         self._client = SideChannelClient(lambda addr, timeout: control.connect_msg(addr, timeout=timeout))
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="disagg-kv-register")
         self._lock = threading.Lock()
@@ -86,7 +89,8 @@ class PushReceiver:
         self._errors: dict[str, tuple[str, bool]] = {}
         self.num_landed = 0
         """Receives whose every byte landed (the evidence, per TP rank, that pushes arrive here)."""
-        logger.info("KV push receiver listening on %s", self.address)
+        logger.info("KV push receiver listening on %s%s", listening,
+                    "" if self.address == listening else f", advertised as {self.address}")
 
     def _open_receiver(self, data: Transport | None, layers: list[Any]) -> str:
         """This worker's KV receiver, one region per layer (`kv.lamina.targets` lands KV elsewhere)."""

@@ -126,7 +126,15 @@ class DisaggConnectorWorker:
             self.receiver = PushReceiver(self._make_transport(self.kv, self.token, "tcp", 0),
                                          self._make_transport(self.kv, self.token, self.kv.transport, rx_port),
                                          info, self.token, layers, stats,
-                                         self.vllm_config.kv_transfer_config.kv_load_failure_policy)
+                                         self.vllm_config.kv_transfer_config.kv_load_failure_policy,
+                                         self._advertised())
+
+    def _advertised(self) -> str | None:
+        """`kv.advertise_address` for this rank: rank r advertises PORT + r, as it listens on kv_port + r."""
+        if not self.kv.advertise_address:
+            return None
+        host, _, port = self.kv.advertise_address.rpartition(":")
+        return f"{host}:{int(port) + self.rank}"
 
     @property
     def rank(self) -> int:
