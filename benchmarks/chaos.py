@@ -175,6 +175,9 @@ def main() -> int:
                     help="per port, token holder's frames of every type (in process); 0 skips the fuzz phases")
     ap.add_argument("--deployment-fuzz-frames", type=int, default=2000,
                     help="per port of the running deployment, strangers' frames (each a new connection)")
+    ap.add_argument("--plan", default=None,
+                    help="a fixed fault plan, KIND:ROLE,... in order (e.g. slow_link:decode,kill:prefill)")
+    ap.add_argument("--push-timeout-s", type=float, default=None, help="up --push-timeout-s (default: the plugin's)")
     ap.add_argument("--fuzz-only", action="store_true")
     ap.add_argument("--record-references", action="store_true")
     ap.add_argument("--out", default=None)
@@ -191,6 +194,8 @@ def main() -> int:
     quick = args.quick
     cfg = quick_config(args.seed) if quick else CampaignConfig(duration_s=args.duration_s, rps=args.rps,
                                                                seed=args.seed, stop_s=(5.0, 30.0))
+    if args.plan:
+        cfg.plan = tuple(tuple(item.split(":", 1)) if ":" in item else (item, "") for item in args.plan.split(","))
     stall_timeout_s = QUICK_STALL_TIMEOUT_S if quick else args.stall_timeout_s
     out = Path(args.out or REPO / "benchmarks" / "results" / ("chaos_quick.json" if quick else "chaos.json"))
     t_start = time.time()
@@ -202,8 +207,11 @@ def main() -> int:
     if args.fuzz_only:
         print(json.dumps(result, indent=1))
         return 0
-    dep = Deployment(workdir, path, num_attention=0 if quick else args.attention, stall_timeout_s=stall_timeout_s,
-                     stall_factor=args.stall_factor, stall_min_s=args.stall_min_s)
+    num_attention = 0 if quick else args.attention
+    dep = Deployment(workdir, path, num_attention=num_attention, stall_timeout_s=stall_timeout_s,
+                     stall_factor=args.stall_factor, stall_min_s=args.stall_min_s,
+                     slow_link=not quick and not num_attention,  # the throttled link is P -> D only
+                     push_timeout_s=args.push_timeout_s)
     try:
         dep.start()
         result.update(run_campaign(dep, refs, cfg))

@@ -55,6 +55,8 @@ FLAGS = [
          "Prompts with at least this many tokens are pushed layer by layer.", kind="int"),
     Flag("--disagg-push-timeout", "kv.push_timeout_s", "Seconds before D gives up on a push and recomputes.",
          kind="float"),
+    Flag("--disagg-kv-advertise", "kv.advertise_address",
+         "HOST:PORT the prefill side connects to for this decode instance's KV receiver (a NAT, a Service, a proxy)."),
     Flag("--disagg-attention-servers", "remote_attention.servers",
          "HOST:PORT of each attention worker (comma separated or repeated).", kind="list"),
     Flag("--disagg-attention-partition", "remote_attention.partition",

@@ -18,14 +18,14 @@ _CHUNK = 1024
 
 
 class ThrottledProxy:
-    def __init__(self, target: str, rate_bytes_per_s: float, host: str = "127.0.0.1"):
-        if rate_bytes_per_s <= 0:
-            raise ValueError(f"rate must be positive, got {rate_bytes_per_s}")
+    def __init__(self, target: str, rate_bytes_per_s: float | None, host: str = "127.0.0.1", port: int = 0):
         self.target = target
-        self.rate = float(rate_bytes_per_s)
+        self.rate: float | None = None
+        """Bytes per second client -> target; None: full speed (`set_rate` switches it, e.g. for a fault window)."""
+        self.set_rate(rate_bytes_per_s)
         self.num_forwarded = 0
         """Bytes forwarded client -> target so far."""
-        self._listener = socket.create_server((host, 0))
+        self._listener = socket.create_server((host, port))
         self.address = f"{host}:{self._listener.getsockname()[1]}"
         self._socks: list[socket.socket] = [self._listener]
         self._lock = threading.Lock()
@@ -50,13 +50,19 @@ class ThrottledProxy:
             threading.Thread(target=self._pump, args=(client, upstream, True), daemon=True).start()
             threading.Thread(target=self._pump, args=(upstream, client, False), daemon=True).start()
 
+    def set_rate(self, rate_bytes_per_s: float | None) -> None:
+        if rate_bytes_per_s is not None and rate_bytes_per_s <= 0:
+            raise ValueError(f"rate must be positive, got {rate_bytes_per_s}")
+        self.rate = None if rate_bytes_per_s is None else float(rate_bytes_per_s)
+
     def _pump(self, src: socket.socket, dst: socket.socket, throttled: bool) -> None:
-        t0, sent = time.monotonic(), 0
+        due = time.monotonic()  # when the next chunk may go: a byte budget at the current rate
         try:
             while data := src.recv(_CHUNK if throttled else 65536):
-                if throttled:
-                    sent += len(data)
-                    time.sleep(max(0.0, t0 + sent / self.rate - time.monotonic()))
+                rate = self.rate if throttled else None
+                if rate is not None:
+                    due = max(due, time.monotonic()) + len(data) / rate
+                    time.sleep(max(0.0, due - time.monotonic()))
                 dst.sendall(data)
                 if throttled:
                     with self._lock:

@@ -30,6 +30,7 @@ from vllm_disagg.testing.chaos.clients import ChaosClients
 from vllm_disagg.testing.chaos.cuts import cuts_outside_faults, router_cuts, slow_requests
 from vllm_disagg.testing.chaos.faults import KINDS, Fault, FaultInjector, signal_group
 from vllm_disagg.testing.chaos.workload import References, schedule
+from vllm_disagg.testing.throttle import ThrottledProxy
 from vllm_disagg.testing.up import group_alive
 
 ENGINE_ARGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "1024", "--block-size", "32",
@@ -82,6 +83,12 @@ class Deployment:
     router_port: int = 0
     shm_at_start: set[str] = field(default_factory=set)
     """/dev/shm before `up` started: after stop, anything new is left over (leaks.left_after_stop)."""
+    slow_link: bool = False
+    """P/D: the decode instance advertises a proxy in front of its KV receiver (`--disagg-kv-advertise`),
+    which the `slow_link` fault throttles; full speed otherwise."""
+    link: ThrottledProxy | None = None
+    push_timeout_s: float | None = None
+    """`up --push-timeout-s` (None: the plugin's default)."""
 
     @property
     def state_file(self) -> Path:
@@ -103,6 +110,11 @@ class Deployment:
                "--stall-timeout-s", str(self.stall_timeout_s)]
         if self.num_attention:
             cmd += ["--attention", str(self.num_attention), "--restart-attention", "--attention-transport", "tcp"]
+        if self.push_timeout_s:
+            cmd += ["--push-timeout-s", str(self.push_timeout_s)]
+        link_port = _free_port() if self.slow_link and not self.num_attention else None
+        if link_port:
+            cmd += ["--disagg-kv-advertise", f"127.0.0.1:{link_port}"]
         log = open(self.workdir / "up.log", "wb")  # noqa: SIM115 (the child's)
         self.up = subprocess.Popen([*cmd, *self.engine_args], stdout=log, stderr=subprocess.STDOUT,
                                    env=self._env(), start_new_session=True)
@@ -111,6 +123,9 @@ class Deployment:
             if self.up.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"up did not start: {(self.workdir / 'up.log').read_text()[-3000:]}")
             time.sleep(1)
+        if link_port:
+            (decode,) = [i for i in self.state()["instances"] if i["role"] == "decode"]
+            self.link = ThrottledProxy(decode["kv"], None, port=link_port)
         self.router_port = _free_port()
         for i in range(self.num_routers):
             self.routers.append({"name": f"router-{i}", "role": "router", "url": self.url, "pid": None})
@@ -125,6 +140,8 @@ class Deployment:
             cmd += ["--stall-factor", str(self.stall_factor)]
         if self.stall_min_s is not None:
             cmd += ["--stall-min-s", str(self.stall_min_s)]
+        if self.push_timeout_s:
+            cmd += ["--push-timeout-s", str(self.push_timeout_s)]  # the routers hand it to D per request
         for inst in state["instances"]:
             if inst["role"] == "prefill":
                 cmd += ["--prefill", inst["url"], "--prefill-kv", inst["kv"]]
@@ -230,6 +247,8 @@ class Deployment:
             time.sleep(0.2)
         for p in alive:
             signal_group(p, signal.SIGKILL)
+        if self.link is not None:
+            self.link.close()
         return [str(p) for p in alive]
 
 
@@ -282,7 +301,7 @@ def plan_faults(cfg: CampaignConfig, roles: list[str], rng: random.Random) -> li
             if not role_cycle:
                 role_cycle = [r for r in cfg.roles if r in roles]
                 rng.shuffle(role_cycle)
-            role = "router" if kind == "router_restart" else ("" if kind in ("garbage_frames", "bad_http")
+            role = "router" if kind == "router_restart" else ("" if kind in ("garbage_frames", "bad_http", "slow_link")
                                                               else role_cycle.pop())
             if kind == "stop_engine" and role == "attention":
                 role = "decode"  # an attention server has no EngineCore
@@ -301,6 +320,8 @@ def _inject(inj: FaultInjector, kind: str, role: str, cfg: CampaignConfig, rng: 
         return inj.stop(role, rng.uniform(*cfg.stop_s), engine_only=kind == "stop_engine")
     if kind == "slow":
         return inj.slow(role, rng.uniform(10, 20))
+    if kind == "slow_link":
+        return inj.slow_link(rng.uniform(10, 20))
     if kind == "garbage_frames":
         return inj.garbage_frames()
     return inj.bad_http(cfg.bad_http_s)

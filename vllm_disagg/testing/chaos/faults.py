@@ -4,7 +4,8 @@
 Kinds (`KINDS`): SIGKILL of an instance's process group (prefill, decode / model worker, attention
 server); SIGSTOP of a whole group for 5-30 s, or of its EngineCore alone (the API server keeps
 answering: only `/live` sees it); a slow peer (the group stopped and continued on a duty cycle, half
-its time gone); garbage, truncated and oversized frames from strangers on every KV and attention port;
+its time gone); a throttled KV link into the decode instance (`slow_link`: a proxy it advertises,
+`Deployment(slow_link=True)`); garbage, truncated and oversized frames from strangers on every KV and attention port;
 malformed, huge and slowloris HTTP on the router and the instances; SIGKILL of one of the routers
 (restarted at once: the other one behind the same port keeps serving). Every fault is bounded in time
 and undoes itself (SIGCONT, restart), so the run always ends with everything up.
@@ -24,7 +25,10 @@ from dataclasses import dataclass, field
 from vllm_disagg.errors import DisaggError
 from vllm_disagg.testing.fuzz import FuzzTarget, _stranger
 
-KINDS = ("kill", "stop", "stop_engine", "slow", "garbage_frames", "bad_http", "router_restart")
+KINDS = ("kill", "stop", "stop_engine", "slow", "slow_link", "garbage_frames", "bad_http", "router_restart")
+SLOW_LINK_BYTES_PER_S = 16 << 10
+"""The `slow_link` fault's rate into the decode instance's KV receiver: a long prompt's push then outlasts
+the push timeout, and the prefill side cannot answer the CANCEL in time (the receiver's fence is tested)."""
 
 
 @dataclass
@@ -127,6 +131,26 @@ class FaultInjector:
                 time.sleep(period_s * (1 - duty))
         finally:
             signal_group(inst["pid"], signal.SIGCONT)
+        fault.t_end = time.monotonic()
+        return fault
+
+    def slow_link(self, seconds: float, rate_bytes_per_s: float = SLOW_LINK_BYTES_PER_S) -> Fault:
+        """The KV link into the decode instance throttled for `seconds` (P/D only: with remote attention
+        the KV lands on the attention servers, not behind the link)."""
+        link = getattr(self.d, "link", None)
+        name = self.d.pick("decode", self.rng)["name"] if link is not None else "decode"
+        fault = Fault("slow_link", name, time.monotonic(), detail={"seconds": round(seconds, 1),
+                                                                  "bytes_per_s": rate_bytes_per_s})
+        if link is None:
+            fault.detail["skipped"] = "no throttled KV link (Deployment(slow_link=True), P/D without attention servers)"
+            fault.t_end = time.monotonic()
+            return fault
+        self.log(f"throttling the KV link into {name} to {rate_bytes_per_s / 1024:.0f} KiB/s for {seconds:.1f} s")
+        link.set_rate(rate_bytes_per_s)
+        try:
+            time.sleep(seconds)
+        finally:
+            link.set_rate(None)
         fault.t_end = time.monotonic()
         return fault
 
