@@ -20,7 +20,7 @@ MAX_IDS_PER_QUERY = 128
 
 def get_json(server: str, path: str, timeout_s: float = HTTP_TIMEOUT_S, token: str | None = None,
              method: str = "GET") -> dict:
-    """`GET http://server/path` as a JSON object; a server that does not answer is `PeerLostError`."""
+    """`GET` (or `method`) `http://server/path` as a JSON object; a server that does not answer is `PeerLostError`."""
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
         req = urllib.request.Request(f"http://{server}{path}", headers=headers, method=method)

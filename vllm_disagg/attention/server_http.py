@@ -90,11 +90,7 @@ def handler_for(server: DisaggAttentionServer) -> type[BaseHTTPRequestHandler]:
             else:
                 self.send_error(404, "try /health or /metrics")
                 return
-            self.send_response(200)
-            self.send_header("Content-Type", ctype)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            self._reply(body, ctype)
 
         def do_POST(self) -> None:  # noqa: N802
             if not self.path.startswith("/kv/fence") or server.ingest is None:
@@ -108,8 +104,11 @@ def handler_for(server: DisaggAttentionServer) -> type[BaseHTTPRequestHandler]:
             except ValueError as err:
                 self.send_error(400, str(err))
                 return
+            self._reply(body, "application/json")
+
+        def _reply(self, body: bytes, ctype: str) -> None:
             self.send_response(200)
-            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Type", ctype)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)

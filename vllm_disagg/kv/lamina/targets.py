@@ -187,29 +187,37 @@ class AttnPushReceiver(PushReceiver):
 
     def _fence(self, transfer_ids: list[str]) -> None:
         """The servers drop every later byte of these failed pushes before vLLM reuses their blocks
-        (a slow link can still carry them after the prefill side's CANCEL went unanswered). A server
-        that does not answer lost its ingest with its process: nothing of them lands there."""
-        for transfer_id in transfer_ids:
-            done = True
-            for i, server in enumerate(self.servers):
-                if self.partition == "head" or self._where.get(transfer_id) == i:
-                    try:
-                        done &= queries.fence(server, [transfer_id], self.token, self.http_timeout_s)
-                    except DisaggError as err:
-                        logger.info("KV push %s: fence on attention server %s: %s", transfer_id, server, err)
-            if done:
-                with self._totals_lock:
-                    self._fences.add(transfer_id)
+        (a slow link can still carry them after the prefill side's CANCEL went unanswered). One call
+        per server; where one of its pushes is still mid-landing, all of them are asked again next
+        round. A server that does not answer lost its ingest with its process: nothing lands there."""
+        fenced = set(transfer_ids)
+        for server, mine in self._per_server(transfer_ids):
+            try:
+                if not queries.fence(server, mine, self.token, self.http_timeout_s):
+                    fenced -= set(mine)
+            except DisaggError as err:
+                logger.info("KV pushes %s: fence on attention server %s: %s", mine, server, err)
+        with self._totals_lock:
+            self._fences |= fenced
 
     def _landed(self, transfer_ids: list[str]) -> dict[str, int]:
         """Bytes landed per transfer, summed over the servers that receive it."""
         totals = dict.fromkeys(transfer_ids, 0)
-        for i, server in enumerate(self.servers):
-            mine = [t for t in transfer_ids if self.partition == "head" or self._where.get(t) == i]
+        for server, mine in self._per_server(transfer_ids):
             for transfer_id, num_bytes in queries.landed_bytes(server, mine, self.http_timeout_s).items():
                 if transfer_id in totals:
                     totals[transfer_id] += num_bytes
         return totals
+
+    def _per_server(self, transfer_ids: list[str]) -> list[tuple[str, list[str]]]:
+        """(server, the pushes of `transfer_ids` that write to it): all of them head-wise, the placed
+        ones request-wise; servers with none are left out."""
+        out = []
+        for i, server in enumerate(self.servers):
+            mine = [t for t in transfer_ids if self.partition == "head" or self._where.get(t) == i]
+            if mine:
+                out.append((server, mine))
+        return out
 
     def close(self) -> None:
         self._stop.set()

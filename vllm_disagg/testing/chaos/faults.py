@@ -137,7 +137,7 @@ class FaultInjector:
     def slow_link(self, seconds: float, rate_bytes_per_s: float = SLOW_LINK_BYTES_PER_S) -> Fault:
         """The KV link into the decode instance throttled for `seconds` (P/D only: with remote attention
         the KV lands on the attention servers, not behind the link)."""
-        link = getattr(self.d, "link", None)
+        link = self.d.link
         name = self.d.pick("decode", self.rng)["name"] if link is not None else "decode"
         fault = Fault("slow_link", name, time.monotonic(), detail={"seconds": round(seconds, 1),
                                                                   "bytes_per_s": rate_bytes_per_s})
