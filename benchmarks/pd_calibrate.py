@@ -159,8 +159,9 @@ async def decode_point(session, d_url: str, batch: int, context: int, tokens: in
     if len(gaps) < batch * 3:
         log(f"decode B={batch} ctx={context}: only {len(gaps)} steady gaps, skipped")
         return None
+    median = statistics.median(gaps)
     return {"batch_size": batch, "context_tokens": round(statistics.mean(ctx)),
-            "ms": 1e3 * statistics.median(gaps), "num_gaps": len(gaps)}
+            "ms": 1e3 * median, "num_gaps": len(gaps), "gap_ratios": [round(g / median, 4) for g in gaps]}
 
 
 async def decode_points(session, d_url: str, batches: list[int], contexts: list[int], tokens: int,
@@ -178,8 +179,24 @@ async def decode_points(session, d_url: str, batches: list[int], contexts: list[
     for rounds in runs.values():
         mid = sorted(rounds, key=lambda x: x["ms"])[len(rounds) // 2]
         rows.append({**mid, "rounds_ms": [x["ms"] for x in rounds]})
-        log(f"decode {rows[-1]}")
+        log(f"decode { {k: v for k, v in rows[-1].items() if k != 'gap_ratios'} }")
     return rows
+
+
+JITTER_QUANTILES = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.98, 0.99, 0.995, 0.999, 1.0)
+
+
+def step_jitter(decode_rows: list[dict]) -> dict:
+    """A profile's `step_jitter`: quantiles of every steady token gap over its point's median, pooled
+    (and the raw ratios taken out of the rows). The planner's curves are medians; this is the spread."""
+    import numpy as np
+
+    ratios = [r for row in decode_rows for r in row.pop("gap_ratios", [])]
+    if len(ratios) < 50:
+        return {}
+    return {"quantiles": list(JITTER_QUANTILES),
+            "ratios": [round(float(x), 4) for x in np.quantile(ratios, JITTER_QUANTILES)],
+            "num_gaps": len(ratios)}
 
 
 # ---------------------------------------------------------- (c) validation
@@ -430,6 +447,7 @@ def build_profile(pre: list[dict], dec: list[dict], val: dict, facts: dict, batc
                "layerwise_min_tokens": 0, "first_token_on": "decode",
                "kv_layerwise_overhead_ms": statistics.median(r["exposed_ms"] for r in pre if r["exposed_ms"] is not None)}
     measured = {k: v for k, v in val.items() if k not in ("requests", "p_engine")}
+    jitter = step_jitter(dec)
     return {"schema": "vllm-disagg-profile/1", "device": f"cpu x{os.cpu_count()} (1 core per instance)",
             "model": "smollm2-135m (dummy weights, bf16)",
             # Splitwise's form: a step costs the curve at its batch tokens, the batched points included
@@ -441,7 +459,7 @@ def build_profile(pre: list[dict], dec: list[dict], val: dict, facts: dict, batc
             "decode": dec,
             "kv_transfer": [{"num_tokens": r["num_tokens"], "ms": r["transfer_ms"]} for r in pre
                             if r["transfer_ms"] is not None],
-            "machine": machine, "measured": measured}
+            "machine": machine, "measured": measured, **({"step_jitter": jitter} if jitter else {})}
 
 
 # ------------------------------------------------------------------- main

@@ -36,11 +36,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+from serve_bisect import bisect, rate_bound, rate_ratio  # noqa: E402
 from serve_deploy import DEPLOYMENTS, started  # noqa: E402
 from serve_import import import_keys  # noqa: E402
-from serve_run import measure, warm_up  # noqa: E402
+from serve_run import log, measure, warm_up  # noqa: E402
 
-from vllm_disagg.planner.goodput import HEADLINE_SLO, bisect_max_rate  # noqa: E402
+from vllm_disagg.planner.goodput import HEADLINE_SLO  # noqa: E402
 from vllm_disagg.planner.traces import (  # noqa: E402
     TraceRequest,
     cap_lengths,
@@ -81,6 +82,11 @@ class Plan:
     bisect: list[str] = field(default_factory=lambda: ["plain", "vllm_nixl", "ours_tcp"])
     """'plain' = the better plain binding."""
     bisect_steps: int = 3
+    probe_cap_s: float = 150.0
+    """A bisection probe replays about this many seconds of arrivals (serve_bisect.py)."""
+    probe_min_requests: int = 8
+    bisect_hi: float | None = None
+    """Top of the rate search (default: `saturation_rate`)."""
     once: list[str] = field(default_factory=list)
     """Deployments measured in the first round only (e.g. the plain binding that is not the baseline)."""
     rate: float = HEADLINE_RATE
@@ -139,14 +145,17 @@ class Bench:
         self.runs: list[dict] = []  # every measured run: deployment, rate, round, metrics
         self.profiles: dict[str, dict] = {}  # planner profiles calibrated on the running deployments
         self.after_phase = lambda: None  # called after every deployment phase (checkpoint)
+        self.starts: dict[str, list] = {}
+        self.max_rates: dict[str, dict] = {}  # the rate search's brackets so far (serve_bisect.py)
 
-    def run_once(self, running, rate: float, round_idx: int, kind: str) -> dict:
-        path = write_trace(self.trace["requests"], rate, self.work, first_id(round_idx, kind, rate))
+    def run_once(self, running, rate: float, round_idx: int, kind: str, window: list | None = None) -> dict:
+        window = window or self.trace["requests"]
+        path = write_trace(window, rate, self.work, first_id(round_idx, kind, rate))
         name = f"{running.deployment.name}_r{round_idx}_{kind}_{rate:g}"
-        timeout = len(self.trace["requests"]) / rate + 900
-        log(f"{name}: replaying {len(self.trace['requests'])} requests at {rate:g} req/s")
-        row = measure(running, self.args.model_dir, path, len(self.trace["requests"]), self.work, name, timeout)
-        row.update(deployment=running.deployment.name, rate=rate, round=round_idx, kind=kind)
+        timeout = len(window) / rate + 900
+        log(f"{name}: replaying {len(window)} requests at {rate:g} req/s")
+        row = measure(running, self.args.model_dir, path, len(window), self.work, name, timeout)
+        row.update(deployment=running.deployment.name, rate=rate, round=round_idx, kind=kind, window_size=len(window))
         if row["kv"] is not None and not row["kv"]["verified"]:
             log(f"{name}: KV NOT VERIFIED: {row['kv']}")
         log(f"{name}: goodput {row['goodput'][HEADLINE_SLO.key]} ttft p50 {row['ttft_p50_ms']} "
@@ -162,16 +171,11 @@ class Bench:
             log(f"{name}: ready in {running.start_s:.0f} s")
             self.starts.setdefault(name, []).append({"start_s": running.start_s, "placement": running.placement})
             warm_up(running, min(600, self.args.max_model_len // 2))
-            if self.plan.predict and round_idx == 0 and name in CALIBRATED:
-                from serve_predict import calibrate
-
-                log(f"{name}: calibrating the planner")
-                self.profiles[name] = calibrate(running)
+            self.calibrate(running)
             for kind, rate in rates:
                 self.run_once(running, rate, round_idx, kind)
 
     def rounds(self) -> None:
-        self.starts: dict[str, list] = {}
         deps = self.plan.deployments
         for r in range(self.plan.rounds):
             order = deps[r % len(deps):] + deps[:r % len(deps)]  # rotate: no deployment always runs first
@@ -182,28 +186,14 @@ class Bench:
                 self.deployment(name, r, rates)
                 self.after_phase()
 
-    def bisect(self, plain: str) -> dict:
-        """Highest rate with >= 90 % goodput (headline SLO), one run per probe, bracket from the rounds."""
-        out = {}
-        for alias in self.plan.bisect:
-            name = plain if alias == "plain" else alias
-            known = {}
-            for row in self.runs:
-                if row["deployment"] == name:
-                    known.setdefault(row["rate"], []).append(row["goodput"][HEADLINE_SLO.key])
-            known = {rate: statistics.median(g) for rate, g in known.items()}
-            with heavy_lock(self.args.lock), started(DEPLOYMENTS[name], self.args.model_dir,
-                                                     self.args.max_model_len, self.work / "logs" / f"{name}_bisect") \
-                    as running:
-                warm_up(running, min(600, self.args.max_model_len // 2))
+    def calibrate(self, running) -> None:
+        """The planner's profile of a deployment it is compared on, once per run (serve_predict.py)."""
+        name = running.deployment.name
+        if self.plan.predict and name in CALIBRATED and name not in self.profiles:
+            from serve_predict import calibrate
 
-                def probe(rate: float, running=running) -> float:
-                    return self.run_once(running, round(rate, 4), -1, "bisect")["goodput"][HEADLINE_SLO.key]
-
-                out[alias] = bisect_max_rate(probe, lo=self.plan.rate / 4, hi=self.plan.saturation_rate,
-                                             steps=self.plan.bisect_steps, known=known) | {"deployment": name}
-            log(f"max rate {alias}: {out[alias]}")
-        return out
+            log(f"{name}: calibrating the planner")
+            self.profiles[name] = calibrate(running, self.args.max_model_len)
 
 
 @contextlib.contextmanager
@@ -228,10 +218,6 @@ def heavy_lock(paths: list[Path] | None):
         if time.monotonic() - t0 > 1:
             log(f"waited {time.monotonic() - t0:.0f} s for {', '.join(map(str, paths))}")
         yield
-
-
-def log(msg: str) -> None:
-    print(f"# {time.strftime('%H:%M:%S')} {msg}", file=sys.stderr, flush=True)
 
 
 # -------------------------------------------------------------- summary
@@ -295,21 +281,17 @@ def summary(bench: Bench, plain: str | None, max_rates: dict, prediction: dict |
             return None
         return "unbounded" if math.isinf(got["median"]) else got["median"]
 
-    def rate_ratio(a, b):
-        ra, rb = (max_rates.get(x, {}).get("max_rate") for x in (a, b))
-        return ra / rb if ra and rb else None
-
     nixl_rows = [r for r in runs if r["deployment"].startswith("vllm_nixl")]
     kv = [r["kv"] for r in nixl_rows]
     exposed = [r["breakdown"].get("push_exposed_ms") for r in cell(runs, ours, "headline")]
     keys = {
         "goodput_ratio_vs_plain": ratio(ours, plain, "goodput"),
-        "max_rate_ratio_vs_plain": rate_ratio("ours_tcp", "plain"),
+        "max_rate_ratio_vs_plain": rate_ratio(max_rates, "ours_tcp", "plain", bound_ok=True),
         "p99_tbt_ratio_vs_plain": ratio(ours, plain, "tbt_p99_ms"),
         "ttft_p50_ratio_vs_plain": ratio(ours, plain, "ttft_p50_ms"),
         "throughput_ratio_vs_plain": ratio(ours, plain, "output_tok_s", "saturation"),
         "goodput_ratio_vs_vllm_nixl": ratio(ours, nixl, "goodput"),
-        "max_rate_ratio_vs_vllm_nixl": rate_ratio("ours_tcp", "vllm_nixl"),
+        "max_rate_ratio_vs_vllm_nixl": rate_ratio(max_rates, "ours_tcp", "vllm_nixl", bound_ok=True),
         "ttft_p50_ratio_vs_vllm_nixl": ratio(ours, nixl, "ttft_p50_ms"),
         "vllm_nixl_kv_bytes": min((k["kv_bytes"] for k in kv), default=None),
         "vllm_nixl_recomputes": sum(k["recomputes"] + k["transfer_failures"] for k in kv) if kv else None,
@@ -326,6 +308,7 @@ def summary(bench: Bench, plain: str | None, max_rates: dict, prediction: dict |
                                                                   ("ttft_p50_ratio", "ttft_p50_ms", "headline"),
                                                                   ("p99_tbt_ratio", "tbt_p99_ms", "headline"),
                                                                   ("throughput_ratio", "output_tok_s", "saturation"))}
+    secondary |= {f"max_rate_ratio_vs_{b}_bound": rate_bound(max_rates, "ours_tcp", b) for b in ("plain", "vllm_nixl")}
     return {**keys, "quick": quick, "plain_baseline": plain, "plain_goodput_at_rate": plain_goodput,
             "rate_in_goal_band": None if plain_goodput is None else 0.3 <= plain_goodput <= 0.7,
             "slo": asdict(HEADLINE_SLO), "rate": bench.plan.rate, "secondary": secondary,
@@ -350,6 +333,11 @@ def main() -> int:
     parser.add_argument("--deployments", default=None, help="comma-separated subset of " + ",".join(DEPLOYMENTS))
     parser.add_argument("--once", default=None, help="comma-separated deployments measured in round 0 only")
     parser.add_argument("--no-bisect", action="store_true")
+    parser.add_argument("--bisect-only", action="store_true",
+                        help="only the rate search (and the planner's prediction at its rates) of --deployments; "
+                             "writes results/serve_bench_bisect.json, which serve_import.py reads its keys from")
+    parser.add_argument("--bisect-hi", type=float, default=None,
+                        help=f"top of the rate search, req/s (default the saturation rate, {SATURATION_RATE})")
     parser.add_argument("--no-saturation", action="store_true")
     parser.add_argument("--no-predict", action="store_true", help="skip the planner's calibration and prediction")
     parser.add_argument("--model", default="smollm2-135m", help="embedded model name or a local directory")
@@ -378,10 +366,14 @@ def main() -> int:
     if args.once:
         plan.once = args.once.split(",")
         plan.deployments += [d for d in plan.once if d not in plan.deployments]
+    if args.bisect_only:
+        plan.rounds = 0
+        plan.saturation = []
     if args.no_bisect:
         plan.bisect = []
     if args.no_saturation:
         plan.saturation = []
+    plan.bisect_hi = args.bisect_hi
     if args.no_predict:
         plan.predict = False
     from vllm_disagg.models import launch_model
@@ -394,6 +386,8 @@ def result_of(bench: Bench, args: argparse.Namespace, trace: dict, t0: float, pl
               prediction: dict | None) -> dict:
     keys = summary(bench, plain, max_rates, prediction, args.quick)
     return {**keys, "plan": asdict(bench.plan), "wall_s": time.monotonic() - t0,
+            "window": {"trace": args.trace, "max_model_len": args.max_model_len,
+                       "max_output_tokens": args.max_output_tokens},
             "trace": {k: v for k, v in trace.items() if k != "requests"}, "max_rates": max_rates,
             "medians": medians(bench.runs), "starts": bench.starts, "prediction": prediction, "runs": bench.runs}
 
@@ -405,20 +399,21 @@ def run(plan: Plan, args: argparse.Namespace) -> int:
     log(f"trace {trace['source']} window [{trace['start']}, +{plan.num_requests}): {trace['stats']}")
     bench = Bench(plan, args, work, trace)
     t0 = time.monotonic()
-    out = args.out or RESULTS / f"serve_bench{'_quick' if args.quick else ''}.json"
+    out = args.out or RESULTS / f"serve_bench{'_quick' if args.quick else '_bisect' if args.bisect_only else ''}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_suffix(".partial.json")  # a run cut short keeps what it measured
     bench.after_phase = lambda: partial.write_text(json.dumps(
-        result_of(bench, args, trace, t0, pick_plain(medians(bench.runs)), {}, None) | {"partial": True}, indent=1))
+        result_of(bench, args, trace, t0, pick_plain(medians(bench.runs)), bench.max_rates, None) | {"partial": True}, indent=1))
     bench.rounds()
-    plain = pick_plain(medians(bench.runs))
-    max_rates = bench.bisect(plain) if plan.bisect and plain else {}
+    plain = pick_plain(medians(bench.runs)) or next((d for d in plan.deployments if d.startswith("plain")), None)
+    max_rates = bisect(bench, plain, heavy_lock) if plan.bisect else {}
     prediction = None
     if plan.predict:
         from serve_predict import predict
 
         prediction = predict(bench.runs, trace["requests"], bench.profiles, args.model_dir, plain)
-    result = import_keys(result_of(bench, args, trace, t0, plain, max_rates, prediction), out.parent)
+    result = result_of(bench, args, trace, t0, plain, max_rates, prediction)
+    result = result if args.bisect_only else import_keys(result, out.parent)
     out.write_text(json.dumps(result, indent=1))
     partial.unlink(missing_ok=True)
     from serve_plot import plot

@@ -1,7 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
-"""serve_bench's keys that other benchmarks measure: the transport ratios (transport_bench.py) and what
-tracing costs (tracing_bench.py). Issue 14's and 20's keys then sit in one file, and each imported figure
-says which file, run and load it came from, so it is never mistaken for one measured in this run.
+"""serve_bench's keys that other runs measure: the transport ratios (transport_bench.py), what tracing
+costs (tracing_bench.py), and the rate search with the planner's prediction at its rates
+(`serve_bench.py --bisect-only`, over an hour on two cores, so run on its own). Issue 14's and 20's keys
+then sit in one file, and each imported figure says which file, run and load it came from, so it is
+never mistaken for one measured in this run.
 
     python benchmarks/serve_import.py [results/serve_bench.json]   # refresh after rerunning either
 """
@@ -14,14 +16,15 @@ from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results"
 SOURCES = {"push_vs_raw_tcp_same_streams": "transport_bench.json", "shm_vs_memcpy": "transport_bench.json",
-           "tracing_overhead_ratio": "tracing_bench.json"}
+           "tracing_overhead_ratio": "tracing_bench.json", "max_rate_ratio_vs_plain": "serve_bench_bisect.json",
+           "max_rate_ratio_vs_vllm_nixl": "serve_bench_bisect.json", "planner_max_error": "serve_bench_bisect.json"}
 
 
 def _provenance(name: str, source: dict) -> dict:
     load = source.get("load") or {}
     return {"from": f"benchmarks/results/{name}",
-            "loadavg_before": load.get("loadavg_before") or source.get("loadavg_before"),
-            "loadavg_after": load.get("loadavg_after") or source.get("loadavg_after"),
+            "loadavg_before": load.get("loadavg_before") or source.get("loadavg_before") or source.get("load_first"),
+            "loadavg_after": load.get("loadavg_after") or source.get("loadavg_after") or source.get("load_last"),
             **({"run_note": source["run_note"]} if source.get("run_note") else {})}
 
 

@@ -51,6 +51,9 @@ def _breakdown(ax, result: dict) -> None:
     """Mean TTFT by stage at the headline rate (medians over rounds)."""
     med = {d: v["headline"] for d, v in result["medians"].items() if "headline" in v}
     deps = sorted(med)
+    if not deps:  # a --bisect-only run has no headline rounds
+        ax.set_axis_off()
+        return
     for j, dep in enumerate(deps):
         bottom = 0.0
         for k, (key, label) in enumerate(_STAGES):

@@ -9,17 +9,24 @@ router's policy and vLLM's chunked-prefill batching, splitwise_sim.py) then repl
 window at every rate serve_bench ran, and goodput.py computes the same metrics from its token times.
 Errors: relative for TTFT and TBT percentiles, absolute (share of requests) for goodput; the goal
 counts rates where the deployment kept up (output tok/s >= 90 % of the offered tokens/s).
+
+    python benchmarks/serve_predict.py results/serve_bench_bisect.json   # predict again, offline
+
+predicts a finished run again from its stored profiles and runs (after a change to the planner),
+and rewrites its `prediction`, `planner_max_error` and plot.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import statistics
+import sys
 from pathlib import Path
 
 import aiohttp
-from pd_calibrate import batched_prefill_points, decode_points, prefill_points
+from pd_calibrate import batched_prefill_points, decode_points, prefill_points, step_jitter
 
 from vllm_disagg.planner.calibrate import measured_machine, sim_options
 from vllm_disagg.planner.catalog import ModelSpec
@@ -29,7 +36,7 @@ from vllm_disagg.planner.splitwise_sim import MachineGroup, simulate
 from vllm_disagg.planner.traces import TraceRequest, rescale_rate
 from vllm_disagg.router.policy import Pool
 
-CALIBRATION = {"prefill_sizes": [128, 512, 1024, 2048], "prefill_reps": 2, "batched_prompts": [2, 4],
+CALIBRATION = {"prefill_sizes": [128, 512, 1024, 2048], "prefill_reps": 3, "batched_prompts": [2, 4],
                "batched_reps": 2, "decode_batches": [1, 4, 8, 16], "decode_contexts": [512, 1024],
                "decode_tokens": 24, "decode_reps": 1}
 COMPARED = ("ttft_p50_ms", "ttft_p90_ms", "tbt_p50_ms", "tbt_p99_ms", "goodput")
@@ -37,9 +44,11 @@ KEPT_UP = 0.9
 """A run counts as below saturation when its output tok/s is at least this share of the offered tok/s."""
 
 
-def calibrate(running, plan: dict = CALIBRATION) -> dict:
-    """The profile (schema vllm-disagg-profile/1) of one running deployment: plain or ours 1P+1D."""
-    return asyncio.run(_calibrate(running, plan))
+def calibrate(running, max_model_len: int, plan: dict = CALIBRATION) -> dict:
+    """The profile (schema vllm-disagg-profile/1) of one running deployment: plain or ours 1P+1D.
+    Prompt sizes are capped below `max_model_len` (room for the output tokens)."""
+    sizes = sorted({min(n, max_model_len - 128) for n in plan["prefill_sizes"]})
+    return asyncio.run(_calibrate(running, plan | {"prefill_sizes": sizes}))
 
 
 async def _calibrate(running, plan: dict) -> dict:
@@ -64,6 +73,9 @@ async def _calibrate(running, plan: dict) -> dict:
                "prefill": [{"num_tokens": r["num_tokens"], "ms": r["prefill_ms"]} for r in pre],
                "prefill_batched": [{k: r[k] for k in ("num_prompts", "num_tokens", "ms")} for r in bat],
                "decode": dec, "machine": machine}
+    jitter = step_jitter(dec)  # takes the raw gap ratios out of `dec`
+    if jitter:
+        profile["step_jitter"] = jitter
     transfer = [{"num_tokens": r["num_tokens"], "ms": r["transfer_ms"]} for r in pre if r.get("transfer_ms")]
     if running.deployment.is_pd and transfer:
         profile["kv_transfer"] = transfer
@@ -99,21 +111,25 @@ def simulate_window(profile: dict, model: ModelSpec, window: list[TraceRequest],
 
 def predict(runs: list[dict], window: list[TraceRequest], profiles: dict[str, dict], model_dir: str,
             plain: str | None) -> dict:
-    """Predicted vs measured at every rate each calibrated deployment ran (medians over rounds)."""
+    """Predicted vs measured at every rate (and probe size) each calibrated deployment ran, medians
+    over rounds; a bisection probe replayed the window's first `window_size` requests, and so does the
+    simulator."""
     model = ModelSpec.from_hf_config(Path(model_dir) / "config.json", name="smollm2-135m")
-    offered_tokens = sum(r.num_output_tokens for r in window) / len(window)
     rows, points = [], []
     for dep, prof in profiles.items():
         if dep.startswith("plain") and dep != plain:
             continue
-        for rate in sorted({r["rate"] for r in runs if r["deployment"] == dep}):
-            meas_runs = [r for r in runs if r["deployment"] == dep and r["rate"] == rate]
+        mine = [r for r in runs if r["deployment"] == dep]
+        for rate, size in sorted({(r["rate"], r.get("window_size", len(window))) for r in mine}):
+            meas_runs = [r for r in mine if r["rate"] == rate and r.get("window_size", len(window)) == size]
+            sub = window[:size]
             meas = {k: _median([_get(r, k) for r in meas_runs]) for k in (*COMPARED, "output_tok_s")}
-            pred = simulate_window(prof, model, window, rate, pd=not dep.startswith("plain"))
+            pred = simulate_window(prof, model, sub, rate, pd=not dep.startswith("plain"))
             pred_vals = {k: _get(pred, k) for k in COMPARED}
+            offered_tokens = sum(r.num_output_tokens for r in sub) / len(sub)
             kept_up = (meas["output_tok_s"] or 0) >= KEPT_UP * rate * offered_tokens
             err = {k: _error(k, pred_vals[k], meas[k]) for k in COMPARED}
-            rows.append({"deployment": dep, "rate": rate, "kept_up": kept_up, "measured": meas,
+            rows.append({"deployment": dep, "rate": rate, "window_size": size, "kept_up": kept_up, "measured": meas,
                          "predicted": pred_vals, "error": err})
             points += [{"deployment": dep, "rate": rate, "metric": k, "measured": meas[k] / 1e3,
                         "predicted": pred_vals[k] / 1e3} for k in COMPARED[:4] if meas[k] and pred_vals[k]]
@@ -138,3 +154,32 @@ def _error(key: str, pred: float | None, meas: float | None) -> float | None:
     if key == "goodput":
         return pred - meas
     return (pred - meas) / meas if meas else None
+
+
+def main() -> int:
+    from serve_bench import DEFAULT_TRACE_DIR, load_trace
+    from serve_plot import plot
+
+    from vllm_disagg.models import launch_model
+
+    path = Path(sys.argv[1])
+    result = json.loads(path.read_text())
+    if not (result.get("prediction") or {}).get("profiles"):
+        raise SystemExit(f"{path}: no calibrated profiles to predict from (a run without --no-predict has them)")
+    window = result.get("window") or {"trace": result["trace"]["source"], "max_model_len": 2048,
+                                      "max_output_tokens": 512}
+    trace = load_trace(window["trace"], result["plan"]["num_requests"], window["max_model_len"],
+                       window["max_output_tokens"], DEFAULT_TRACE_DIR)
+    if trace["start"] != result["trace"]["start"]:
+        raise SystemExit(f"{path}: the trace window moved ({trace['start']} != {result['trace']['start']})")
+    result["prediction"] = predict(result["runs"], trace["requests"], result["prediction"]["profiles"],
+                                   launch_model("smollm2-135m"), result.get("plain_baseline"))
+    result["planner_max_error"] = result["prediction"]["max_abs_error_below_saturation"]
+    path.write_text(json.dumps(result, indent=1))
+    plot(result, path.with_suffix(".png"))
+    print(json.dumps({"planner_max_error": result["planner_max_error"]}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

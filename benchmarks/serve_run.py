@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -27,6 +28,10 @@ _KEEP = ("vllm:request_queue_time_seconds", "vllm:request_prefill_time_seconds",
          "vllm:prompt_tokens_by_source", "vllm:request_prefill_kv_computed_tokens", "vllm:disagg_kv_",
          "vllm:nixl_", "vllm:disagg_router_prefill_latency", "vllm:disagg_router_time_to_first_byte",
          "vllm:num_preemptions", "vllm:request_success", "vllm:disagg_router_requests")
+
+
+def log(msg: str) -> None:
+    print(f"# {time.strftime('%H:%M:%S')} {msg}", file=sys.stderr, flush=True)
 
 
 def scrape(url: str) -> dict[str, float]:

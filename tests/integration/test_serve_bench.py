@@ -39,3 +39,22 @@ def test_serve_bench_runs_on_a_small_trace_and_both_pd_deployments_move_their_kv
         assert run["num_requests"] == 6 and run["num_failed"] == 0 and run["num_gaps"] == run["output_tokens"] - 6
         assert run["kv"]["kv_bytes"] > 0 and run["kv"]["recomputes"] == 0 and run["kv"]["decode_requests"] == 6
     assert out.with_suffix(".png").stat().st_size > 10_000
+
+
+def test_the_rate_search_alone_probes_the_headline_rate_first_and_records_each_probe_window(smollm2_dir, tmp_path):
+    """`--bisect-only` (the hour-long search, run on its own): with no rounds in the same run, the headline
+    rate seeds the bracket (here also the top of the range: on a quiet box one probe ends the search)."""
+    out = tmp_path / "bisect.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks/serve_bench.py"), "--bisect-only", "--trace", "synthetic",
+           "--num-requests", "6", "--rate", "1", "--deployments", "ours_tcp", "--no-predict", "--max-model-len", "512",
+           "--max-output-tokens", "8", "--model", smollm2_dir, "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(out.read_text())
+    found = result["max_rates"]["ours_tcp"]
+    assert [s["rate"] for s in found["seeded"]] == [1.0]
+    assert found["max_rate"] is None or 0.25 <= found["max_rate"] <= 1.0
+    runs = result["runs"]
+    assert runs[0]["rate"] == 1.0 and len(runs) == 1 + len(found["probes"])
+    assert all(r["kind"] == "bisect" and r["window_size"] == 6 and r["kv"]["verified"] for r in runs)
+    assert "imported" not in result  # the headline file imports from this one, not the other way round

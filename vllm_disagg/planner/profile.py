@@ -75,6 +75,10 @@ class Profile:
     slowing down once activations leave the cache). Single prompts (T = n) cannot tell c from d:
     only `prefill_batched` points (k prompts queued into one step) can. Without them d = 0, i.e.
     the unmeasured assumption that a batch pays attention per prompt and nothing more."""
+    step_jitter: tuple[tuple[float, ...], tuple[float, ...]] | None = None
+    """(quantiles, ratios): how one engine step's time spreads around its curve's value, as measured
+    (token gaps over their point's median, pooled over the decode points). The curves are medians;
+    a served trace's tail gaps are not, so the simulator draws each step's factor from this."""
 
     def curve(self, name: str) -> Curve | None:
         return self.curves.get(name)
@@ -109,7 +113,21 @@ def parse_profile(data: dict) -> Profile:
         raise ValueError(f"profile prefill_fit {fit!r}: want 'piecewise' or 'quadratic'")
     if fit == "quadratic" and data.get("prefill"):
         prof.prefill_quadratic = _quadratic_fit(data["prefill"], data.get("prefill_batched") or [])
+    if data.get("step_jitter"):
+        prof.step_jitter = _jitter(data["step_jitter"])
     return prof
+
+
+def _jitter(section: dict) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    try:
+        qs, ratios = tuple(float(q) for q in section["quantiles"]), tuple(float(r) for r in section["ratios"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"profile section 'step_jitter': {exc!r}") from exc
+    if (len(qs) != len(ratios) or len(qs) < 2 or not all(0.0 <= q <= 1.0 for q in qs)
+            or list(qs) != sorted(qs) or list(ratios) != sorted(ratios) or ratios[0] <= 0):
+        raise ValueError("profile section 'step_jitter': quantiles in [0, 1] and positive ratios, both "
+                         "ascending and of one length >= 2")
+    return qs, ratios
 
 
 def _batched_as_total(data: dict) -> list[dict]:

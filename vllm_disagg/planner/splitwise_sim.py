@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import random
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from vllm_disagg.planner.catalog import HardwareSpec, ModelSpec
 from vllm_disagg.planner.machine import Batch, SimMachine, SimRequest
@@ -45,6 +48,8 @@ class SimOptions:
     queued prompts, chunking the last one (see machine.py)."""
     max_sim_s: float | None = None
     """Stop (and report unfinished requests) after this simulated time."""
+    seed: int = 0
+    """Of the step-time draws (`Profile.step_jitter`); the same seed replays the same run."""
     first_token_on_decode: bool = False
     """Where a disaggregated request's first token comes from. Splitwise (§IV-C): the
     prompt machine samples it, so TTFT ends with the prompt phase. vLLM's P/D flow
@@ -94,6 +99,8 @@ class ClusterSim:
                 self.scheduler.add_instance(mid, group.pool, kv_capacity_tokens=cap)
         self._events: list = []
         self._seq = itertools.count()
+        self._jitter = profile.step_jitter if profile is not None else None
+        self._rng = random.Random(self.options.seed)
         self.now = 0.0
         self.num_mixed_routes = 0
 
@@ -133,9 +140,17 @@ class ClusterSim:
         batch = machine.next_batch()
         if batch is None:
             return
-        machine.busy_until_s = self.now + batch.duration_s
-        machine.busy_time_s += batch.duration_s
+        duration = batch.duration_s * self._step_factor()
+        machine.busy_until_s = self.now + duration
+        machine.busy_time_s += duration
         self._push(machine.busy_until_s, self._on_iteration_done, (machine, batch))
+
+    def _step_factor(self) -> float:
+        """One step's time over its curve's (a median): drawn from the profile's measured spread."""
+        if self._jitter is None:
+            return 1.0
+        qs, ratios = self._jitter
+        return float(np.interp(self._rng.random(), qs, ratios))
 
     def _on_iteration_done(self, arg: tuple[SimMachine, Batch]) -> None:
         machine, batch = arg

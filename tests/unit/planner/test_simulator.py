@@ -133,3 +133,39 @@ def test_chunked_prefill_fills_the_token_budget_and_finishes_the_split_prompt_fi
 
     assert first_tokens(True) == pytest.approx([0.070, 0.180, 0.270, 0.270])
     assert first_tokens(False) == pytest.approx([0.070, 0.140, 0.210, 0.280])  # Splitwise: whole prompts
+
+
+def _jittered(ratios):
+    from planner_fixtures import SIMPLE_PROFILE
+
+    from vllm_disagg.planner.profile import parse_profile
+
+    return parse_profile({**SIMPLE_PROFILE, "step_jitter": {"quantiles": [0.0, 0.5, 0.9, 1.0], "ratios": ratios}})
+
+
+def _gaps(result):
+    return sorted(b - a for r in result.requests for a, b in zip(r.token_times_s, r.token_times_s[1:]))
+
+
+def test_measured_step_jitter_spreads_the_gaps_around_the_median_curve_and_replays_with_its_seed(simple_profile):
+    """The curves are medians; the tail of a served trace's gaps comes from the measured spread."""
+    trace, groups = [_req(0, 0.0, 100, 200)], _pd()
+    flat = _gaps(simulate(TINY, groups, trace, profile=_jittered([1.0, 1.0, 1.0, 1.0])))
+    assert flat == pytest.approx(_gaps(simulate(TINY, groups, trace, profile=simple_profile)))
+    spread = _gaps(simulate(TINY, groups, trace, profile=_jittered([0.9, 1.0, 1.2, 2.0])))
+    assert spread[len(spread) // 2] == pytest.approx(0.020, rel=0.05)  # decode curve: 20 ms at batch 1
+    assert spread[-1] > 1.3 * flat[-1] and spread[0] < flat[0]
+    assert spread == _gaps(simulate(TINY, groups, trace, profile=_jittered([0.9, 1.0, 1.2, 2.0])))
+    again = simulate(TINY, groups, trace, SimOptions(seed=1), _jittered([0.9, 1.0, 1.2, 2.0]))
+    assert _gaps(again) != spread
+
+
+@pytest.mark.parametrize("bad", [{"quantiles": [0.5], "ratios": [1.0]}, {"quantiles": [0, 1], "ratios": [2.0, 1.0]},
+                                 {"quantiles": [0, 1.5], "ratios": [1.0, 2.0]}, {"ratios": [1.0, 2.0]}])
+def test_a_step_jitter_section_that_is_not_an_ascending_quantile_table_is_refused(bad):
+    from planner_fixtures import SIMPLE_PROFILE
+
+    from vllm_disagg.planner.profile import parse_profile
+
+    with pytest.raises(ValueError, match="step_jitter"):
+        parse_profile({**SIMPLE_PROFILE, "step_jitter": bad})
