@@ -10,7 +10,8 @@ Used by test_pd_connector.py to run prefill, decode and plain engines in separat
     <- {"cmd": "exit"}
 
 ROLE is prefill, decode or plain. JSON_OPTIONS: kv_port, threshold, transport, policy, dtype, token, advertise
-(decode: the KV receiver address given to the prefill side, e.g. a throttling proxy's),
+(decode: the KV receiver address given to the prefill side, e.g. a throttling proxy's), verify (decode:
+`kv.verify_checksums`),
 write_delay_s (prefill only: sleep before each KV write, to make "kill P mid-transfer" reliable),
 tp (tensor-parallel size; > 1 reports each rank's connector as "ranks" through `testing.kv_probe`),
 affinity (CPU ids for this engine's processes: workers inherit them before their OpenMP binding).
@@ -59,6 +60,7 @@ def _build_llm(role: str, model_dir: str, opts: dict):
                     "push_timeout_s": opts.get("push_timeout_s", 30.0),
                     "transport": opts.get("transport", "tcp"),
                     "advertise_address": opts.get("advertise"),
+                    "verify_checksums": opts.get("verify", False),
                 },
             }
         }

@@ -232,6 +232,32 @@ def test_a_slow_link_past_the_push_timeout_falls_back_and_its_late_bytes_never_l
         decode.close()
 
 
+def test_a_byte_flipped_on_the_link_is_caught_by_verification_and_that_prompt_recomputed(
+    tiny_model_dir, prompts, baseline, log_dir
+):
+    """A proxy on the KV link flips one byte 1 MiB in: it lands in D's blocks, and no frame check sees a
+    payload byte. With `kv.verify_checksums` D compares P's per-layer CRC32s once a push landed, finds
+    that one push, and recomputes its prompt; every other push is verified and used (tokens exact)."""
+    from vllm_disagg.testing.throttle import ThrottledProxy
+
+    d_port = _free_port()
+    proxy = ThrottledProxy(f"127.0.0.1:{d_port}", rate_bytes_per_s=None, corrupt_at=1 << 20)
+    decode = Engine("decode", tiny_model_dir, log_dir, "1", kv_port=d_port, policy="recompute",
+                    advertise=proxy.address, verify=True)
+    prefill, port = _start_prefill(tiny_model_dir, log_dir)
+    try:
+        _, d_out = _run_pd(prefill, decode, port, prompts)
+        assert proxy.num_corrupted == 1
+        assert d_out["outputs"] == baseline, "decode tokens differ from plain vLLM: damaged KV used?"
+        log = decode.log_text()
+        assert log.count("KV checksum mismatch") == 1 and log.count("recomputes the prompt") == 1
+        assert d_out["free_blocks"] == decode.ready["free_blocks"]
+    finally:
+        proxy.close()
+        prefill.close()
+        decode.close()
+
+
 def test_handshake_mismatch_fails_fast_with_the_field_named(tiny_model_dir, prompts, log_dir):
     port = _free_port()
     prefill = Engine("prefill", tiny_model_dir, log_dir, "0", kv_port=port)

@@ -57,6 +57,8 @@ FLAGS = [
          kind="float"),
     Flag("--disagg-kv-advertise", "kv.advertise_address",
          "HOST:PORT the prefill side connects to for this decode instance's KV receiver (a NAT, a Service, a proxy)."),
+    Flag("--disagg-kv-verify", "kv.verify_checksums",
+         "Decode side: check each push's landed KV against P's checksums; recompute on a difference.", ("on", "off")),
     Flag("--disagg-attention-servers", "remote_attention.servers",
          "HOST:PORT of each attention worker (comma separated or repeated).", kind="list"),
     Flag("--disagg-attention-partition", "remote_attention.partition",

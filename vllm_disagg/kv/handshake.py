@@ -7,7 +7,12 @@ every field, in `HANDSHAKE_FIELDS` order, and answers ACCEPT (with its own info,
 side checks too) or REJECT naming the first field that differs. CANCEL asks the prefill side to
 stop a push (its push timed out, the request was aborted, or D took it over from the attention
 servers' retained KV) and answers CANCEL_ACK once none of its writes are still in flight; a CANCEL
-that arrives before the prefill request is remembered, so that push never starts.
+that arrives before the prefill request is remembered, so that push never starts. VERIFY (D, once
+every byte landed, when REGISTER asked for `verify`) is answered with CHECKSUMS, one CRC32 per layer
+of the blocks P pushed (checksum.py), or REJECT when P has none for that transfer.
+
+Versions: 1 the first; 2 added the trace context to the header; 3 added VERIFY and CHECKSUMS. A
+peer of an older version gets a REJECT it can read (`legacy_reject`), naming both versions.
 
 More: README.md, "handshake.py".
 """
@@ -44,7 +49,7 @@ __all__ = [
     "local_handshake_info",
 ]
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 _MAGIC = b"DGKV"
 _PREFIX = struct.Struct("!4sH")  # magic, version: the same in every version
 _HEADER = struct.Struct("!4sHHIIB")
@@ -59,6 +64,8 @@ class MsgType(enum.IntEnum):
     REJECT = 3
     CANCEL = 4
     CANCEL_ACK = 5
+    VERIFY = 6
+    CHECKSUMS = 7
 
 
 @dataclass(frozen=True)
@@ -190,17 +197,20 @@ def decode_msg(data: bytes | memoryview, peer: str = "?") -> SideMsg:
 def legacy_reject(data: bytes | memoryview, err: VersionMismatch) -> bytes | None:
     """A REJECT an older peer can read (its own version's layout), naming both versions; None when
     that version's layout is unknown here (the peer then times out, and this side logged why)."""
-    if err.peer_version != 1:
+    version = err.peer_version
+    if version not in (1, 2):
         return None
+    header = _HEADER_V1 if version == 1 else _HEADER  # 2's header is 3's: 3 added message types only
     data = bytes(data)
     transfer_id = ""
     try:
-        _, _, _, body_len, _ = _HEADER_V1.unpack_from(data)
-        transfer_id = str(json.loads(data[_HEADER_V1.size : _HEADER_V1.size + body_len]).get("transfer_id", ""))
+        body_len = header.unpack_from(data)[3]
+        transfer_id = str(json.loads(data[header.size : header.size + body_len]).get("transfer_id", ""))
     except (struct.error, ValueError, AttributeError, RecursionError):
         pass
     body = json.dumps({"transfer_id": transfer_id[:128], "field": "protocol_version", "message": str(err)}).encode()
-    return _HEADER_V1.pack(_MAGIC, 1, int(MsgType.REJECT), len(body), 0) + body
+    fields_ = (_MAGIC, version, int(MsgType.REJECT), len(body), 0) + ((0,) if version == 2 else ())
+    return header.pack(*fields_) + body
 
 
 def _parse_body(raw: bytes, peer: str) -> dict[str, Any]:

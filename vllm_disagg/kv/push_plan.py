@@ -17,6 +17,7 @@ from typing import Any
 from vllm.logger import init_logger
 
 from vllm_disagg.config import KVTransferSection
+from vllm_disagg.kv.checksum import encode, layer_checksums
 from vllm_disagg.kv.layer_events import LayerEvent
 from vllm_disagg.kv.metadata import DisaggConnectorMetadata, SaveSpec
 from vllm_disagg.observe.context import TraceContext
@@ -45,6 +46,8 @@ class Registration:
     """(receiver address, num_shards, shard): where each layer's blocks (or their head slice) go."""
     trace: TraceContext | None = None
     """The decode request's W3C trace context (REGISTER), for the tracer."""
+    verify: bool = False
+    """D asked for the pushed blocks' checksums (`kv.verify_checksums`): kept for its VERIFY."""
 
 
 @dataclass
@@ -97,6 +100,9 @@ class PushPlan:
         """Saved layers whose event has not completed: (event, layer or ALL_LAYERS, [(req_id, tokens)]),
         in record order (an event completes only after the ones recorded before it)."""
         self.orphans: set[str] = set()
+        self.checksums: dict[str, tuple[str, float]] = {}
+        """transfer id -> (per-layer CRC32s, when): completed pushes whose decode side asked to verify
+        them, until its VERIFY takes them (or _CANCELLED_TTL_S passes)."""
         self.timeline: deque[dict[str, Any]] = deque(maxlen=1024)
         """Recent completed pushes with monotonic timestamps (first write issued, prefill done,
         last write landed): the evidence that layer-wise pushes overlap prefill."""
@@ -267,9 +273,17 @@ class PushPlan:
                 continue
             end = min(push.reg.start_block + len(push.reg.block_ids), math.ceil(push.num_prompt_tokens / self.block_size))
             if all(s >= end for s in push.sent_blocks):
+                if push.reg.verify:  # before completing: then the blocks may be freed and reused
+                    self._keep_checksums(push, end, now)
                 self._complete(push, now)
                 completed.append(push)
         return completed, suspect
+
+    def _keep_checksums(self, push: Push, end: int, now: float) -> None:
+        first = push.reg.start_block
+        self.checksums[push.transfer_id] = (encode(layer_checksums(self.layers, push.block_ids[first:end])), now)
+        while len(self.checksums) > _MAX_CANCELLED:
+            del self.checksums[next(iter(self.checksums))]
 
     def _complete(self, push: Push, now: float) -> None:
         push.done = True
@@ -296,10 +310,11 @@ class PushPlan:
                 logger.warning("KV push %s: registration expired, no prefill request with that id", transfer_id)
         if len(self.rejected) > 4096:
             self.rejected.clear()
-        for transfer_id, (_, t) in list(self.cancelled.items()):
-            if now - t <= _CANCELLED_TTL_S:
-                break  # insertion order is arrival order
-            del self.cancelled[transfer_id]
+        for kept in (self.cancelled, self.checksums):
+            for transfer_id, (_, t) in list(kept.items()):
+                if now - t <= _CANCELLED_TTL_S:
+                    break  # insertion order is arrival order
+                del kept[transfer_id]
 
 
 def parse_targets(body: dict, num_kv_heads: int) -> tuple[tuple[str, int, int], ...]:

@@ -18,6 +18,7 @@ from typing import Any
 from vllm.logger import init_logger
 
 from vllm_disagg.errors import DisaggError, HandshakeMismatch
+from vllm_disagg.kv import checksum
 from vllm_disagg.kv.handshake import (
     HandshakeInfo,
     MsgType,
@@ -47,6 +48,8 @@ class RecvState(enum.IntEnum):
     CANCELLING = 3
     DONE = 4
     FAILED = 5
+    VERIFYING = 6
+    """Every byte landed; waiting for P's checksums (`kv.verify_checksums`)."""
 
 
 _OVER = (RecvState.DONE, RecvState.FAILED)
@@ -72,8 +75,10 @@ class PushReceiver:
 
     def __init__(self, control: Transport, data: Transport | None, handshake: HandshakeInfo, token: str,
                  layers: list[Any], stats: StatsSink, failure_policy: str = "recompute",
-                 advertise_address: str | None = None):
-        self.handshake, self.token = handshake, token
+                 advertise_address: str | None = None, verify: bool = False):
+        self.handshake, self.token, self.layers = handshake, token, layers
+        self.verify = verify
+        """Check every push end to end before its request runs (checksum.py)."""
         self._on_failure = ("the decode instance recomputes the prompt" if failure_policy == "recompute"
                             else "the request fails (kv_load_failure_policy=fail)")
         self._stats, self._stats_lock = stats
@@ -186,9 +191,13 @@ class PushReceiver:
                         logger.warning("KV push: notification for unknown transfer %s", note.transfer_id)
                     continue
                 recv.landed_bytes += note.nbytes
-                if recv.landed_bytes >= recv.expected_bytes and recv.state is not RecvState.DONE:
-                    recv.state = RecvState.DONE
-                    self.num_landed += 1
+                if recv.landed_bytes >= recv.expected_bytes and recv.state in _WAITING:
+                    if self.verify:
+                        recv.state = RecvState.VERIFYING
+                        self._pool.submit(self._verify, recv)
+                    else:
+                        recv.state = RecvState.DONE
+                        self.num_landed += 1
 
     def _fail_lost_peers(self) -> None:
         lost = set(self._receiver.lost_peers())
@@ -220,6 +229,8 @@ class PushReceiver:
         body = handshake_body(self.handshake, self.token, spec.transfer_id)
         body.update(address=self.address, start_block=spec.start_block, push_timeout_s=spec.push_timeout_s,
                     num_prompt_tokens=spec.num_prompt_tokens, prompt_digest=spec.prompt_digest)
+        if self.verify:
+            body["verify"] = True
         try:
             body.update(self._register_fields(spec))
             reply = decode_msg(
@@ -237,6 +248,32 @@ class PushReceiver:
         except (DisaggError, OSError) as err:
             with self._lock:
                 self._set_failed(recv, f"cannot register with prefill instance {spec.remote}: {err}")
+
+    def _verify(self, recv: _Recv) -> None:
+        """Compare P's per-layer checksums with this side's blocks: any difference, or no answer, fails
+        the push (the request recomputes its prompt), since the blocks cannot be trusted."""
+        spec = recv.spec
+        try:
+            reply = decode_msg(self._client.call(
+                spec.remote, encode_msg(SideMsg(MsgType.VERIFY, {"transfer_id": spec.transfer_id})),
+                timeout=min(spec.push_timeout_s, 10.0)), spec.remote)
+            if reply.type is not MsgType.CHECKSUMS or reply.transfer_id != spec.transfer_id:
+                raise DisaggError(str(reply.body.get("message") or f"prefill answered VERIFY with {reply.type.name}"))
+            remote = checksum.decode(reply.body.get("crc32"), self.handshake.num_layers)
+        except (DisaggError, OSError, ValueError) as err:
+            with self._lock:
+                self._set_failed(recv, f"cannot verify the push with prefill instance {spec.remote}: {err}")
+            return
+        layer = checksum.first_difference(checksum.layer_checksums(self.layers, spec.block_ids), remote)
+        if layer is not None:
+            self._record(lambda s: s.record_checksum_mismatch())
+        with self._lock:
+            if layer is not None:
+                self._set_failed(recv, f"KV checksum mismatch in layer {layer}: the landed blocks differ from "
+                                       "the prefill instance's")
+            elif recv.state is RecvState.VERIFYING:
+                recv.state = RecvState.DONE
+                self.num_landed += 1
 
     def _on_reply(self, recv: _Recv, reply: SideMsg) -> None:
         if reply.transfer_id != recv.spec.transfer_id:

@@ -49,6 +49,7 @@ __all__ = ["PushSender"]
 
 logger = init_logger(__name__)
 _EVENT_WAIT_S = 0.002
+_VERIFY_WAIT_S = 5.0
 
 
 class PushSender:
@@ -143,6 +144,8 @@ class PushSender:
             if not msg.body.get("relayed"):
                 self._relay_cancel(msg.transfer_id, reason)
             return encode_msg(SideMsg(MsgType.CANCEL_ACK, {"transfer_id": msg.transfer_id}))
+        if msg.type is MsgType.VERIFY:
+            return encode_msg(self._on_verify(msg.transfer_id))
         logger.warning("KV side channel: unexpected %s from %s; ignored", msg.type.name, peer)
         return None
 
@@ -153,7 +156,8 @@ class PushSender:
             reg = Registration(str(msg.body["address"]), msg.block_ids, int(msg.body["start_block"]),
                                float(msg.body.get("push_timeout_s") or self.cfg.push_timeout_s),
                                int(msg.body["num_prompt_tokens"]), str(msg.body.get("prompt_digest") or ""),
-                               targets=parse_targets(msg.body, self.handshake.num_kv_heads), trace=msg.trace)
+                               targets=parse_targets(msg.body, self.handshake.num_kv_heads), trace=msg.trace,
+                               verify=msg.body.get("verify") is True)
         except HandshakeMismatch as err:
             why = (f"KV handshake mismatch on {err.field!r}: prefill {self.address} has {err.local!r}, "
                    f"decode {msg.body.get('address', peer)} has {err.remote!r}")
@@ -169,6 +173,21 @@ class PushSender:
             self._cond.notify()
         logger.debug("KV push %s: decode registered %d blocks from %s", transfer_id, len(reg.block_ids), peer)
         return SideMsg(MsgType.ACCEPT, handshake_body(self.handshake, self.token, transfer_id))
+
+    def _on_verify(self, transfer_id: str) -> SideMsg:
+        """The pushed blocks' checksums (kept at completion); D asks once its last byte landed, which
+        can be a moment before this side saw its last write complete: wait for that, bounded."""
+        deadline = time.monotonic() + min(self.cfg.push_timeout_s, _VERIFY_WAIT_S)
+        with self._cond:
+            while (kept := self.plan.checksums.pop(transfer_id, None)) is None:
+                push = self._pushes.get(self.plan.by_tid.get(transfer_id, ""))
+                left = deadline - time.monotonic()
+                if push is None or push.error is not None or push.done or left <= 0:
+                    why = push.error if push is not None and push.error else "unknown, expired or not completed"
+                    return SideMsg(MsgType.REJECT, {"transfer_id": transfer_id, "field": "verify",
+                                                    "message": f"no checksums for push {transfer_id}: {why}"[:500]})
+                self._cond.wait(min(left, 0.05))
+        return SideMsg(MsgType.CHECKSUMS, {"transfer_id": transfer_id, "crc32": kept[0]})
 
     def _on_cancel(self, transfer_id: str, reason: str) -> None:
         with self._cond:

@@ -10,6 +10,7 @@ vLLM ships each step's snapshot to the frontend, where `DisaggKVPromMetrics.obse
     vllm:disagg_kv_exposed_transfer_seconds      histogram  part of a push after prefill ended (exposed)
     vllm:disagg_kv_fallbacks_total               counter    decode requests recomputed locally
     vllm:disagg_kv_handshake_failures_total      counter    transfers refused by the handshake
+    vllm:disagg_kv_checksum_mismatches_total     counter    verified pushes whose landed KV differed
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from vllm.v1.metrics.utils import create_metric_per_engine
 __all__ = ["DisaggKVConnectorStats", "DisaggKVPromMetrics"]
 
 _LIST_KEYS = ("bytes_pushed", "layer_seconds", "request_seconds", "exposed_seconds")
-_COUNT_KEYS = ("num_fallbacks", "num_handshake_failures")
+_COUNT_KEYS = ("num_fallbacks", "num_handshake_failures", "num_checksum_mismatches")
 _SECONDS_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
 
 
@@ -61,6 +62,9 @@ class DisaggKVConnectorStats(KVConnectorStats):
     def record_handshake_failure(self) -> None:
         self.data["num_handshake_failures"] += 1
 
+    def record_checksum_mismatch(self) -> None:
+        self.data["num_checksum_mismatches"] += 1
+
     def clone_and_reset(self) -> DisaggKVConnectorStats:
         old = DisaggKVConnectorStats(data=copy.deepcopy(self.data))
         self.reset()
@@ -89,6 +93,7 @@ class DisaggKVConnectorStats(KVConnectorStats):
             "Layer write throughput (MB/s)": round(total_bytes / 2**20 / busy, 1) if total_bytes else 0,
             "Num fallbacks": self.data["num_fallbacks"],
             "Num handshake failures": self.data["num_handshake_failures"],
+            "Num checksum mismatches": self.data["num_checksum_mismatches"],
         }
 
 StatsSink = tuple[DisaggKVConnectorStats, AbstractContextManager]
@@ -116,6 +121,9 @@ class DisaggKVPromMetrics(KVConnectorPromMetrics):
         self.handshake_failures = self._per_engine(
             self._counter_cls, "handshake_failures", "KV transfers refused by the compatibility handshake."
         )
+        self.checksum_mismatches = self._per_engine(
+            self._counter_cls, "checksum_mismatches", "Verified KV pushes whose landed blocks differed from P's."
+        )
 
     def _per_engine(self, cls: type, what: str, doc: str, **kw: Any) -> dict[int, Any]:
         metric = cls(name=f"vllm:disagg_kv_{what}", documentation=doc, labelnames=self._labelnames, **kw)
@@ -139,3 +147,5 @@ class DisaggKVPromMetrics(KVConnectorPromMetrics):
             self.fallbacks[engine_idx].inc(data["num_fallbacks"])
         if data.get("num_handshake_failures"):
             self.handshake_failures[engine_idx].inc(data["num_handshake_failures"])
+        if data.get("num_checksum_mismatches"):
+            self.checksum_mismatches[engine_idx].inc(data["num_checksum_mismatches"])

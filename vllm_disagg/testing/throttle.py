@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """A throttled TCP link for tests and chaos: a loopback proxy that forwards client -> target at a set
-byte rate (the other way at full speed).
+byte rate (the other way at full speed), and can flip one byte on the way (`corrupt_at`).
 
 A slow link is the fault a killed or stopped peer does not show: the sender's writes complete into
 its socket buffers at once, and the bytes keep landing at the receiver long after either side gave
@@ -18,8 +18,14 @@ _CHUNK = 1024
 
 
 class ThrottledProxy:
-    def __init__(self, target: str, rate_bytes_per_s: float | None, host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, target: str, rate_bytes_per_s: float | None, host: str = "127.0.0.1", port: int = 0,
+                 corrupt_at: int | None = None):
         self.target = target
+        self.corrupt_at = corrupt_at
+        """Flip the byte at this offset of everything sent client -> target (all connections, in the
+        order forwarded), once: the damage no frame check sees when it falls inside a payload."""
+        self.num_corrupted = 0
+        self._offset = 0
         self.rate: float | None = None
         """Bytes per second client -> target; None: full speed (`set_rate` switches it, e.g. for a fault window)."""
         self.set_rate(rate_bytes_per_s)
@@ -63,6 +69,8 @@ class ThrottledProxy:
                 if rate is not None:
                     due = max(due, time.monotonic()) + len(data) / rate
                     time.sleep(max(0.0, due - time.monotonic()))
+                if throttled:
+                    data = self._maybe_corrupt(data)
                 dst.sendall(data)
                 if throttled:
                     with self._lock:
@@ -75,6 +83,17 @@ class ThrottledProxy:
                     s.shutdown(socket.SHUT_RDWR)
                 except OSError:
                     pass
+
+    def _maybe_corrupt(self, data: bytes) -> bytes:
+        with self._lock:
+            start, self._offset = self._offset, self._offset + len(data)
+            at = self.corrupt_at
+            if at is None or not start <= at < start + len(data):
+                return data
+            self.corrupt_at, self.num_corrupted = None, self.num_corrupted + 1
+        flipped = bytearray(data)
+        flipped[at - start] ^= 0xFF
+        return bytes(flipped)
 
     def close(self) -> None:
         self._closed.set()

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from vllm_disagg.config import KVTransferSection
-from vllm_disagg.kv.handshake import HandshakeInfo
+from vllm_disagg.kv.handshake import HandshakeInfo, MsgType, SideMsg, decode_msg, encode_msg
 from vllm_disagg.kv.metadata import CancelSpec, DisaggConnectorMetadata, RecvSpec, SaveSpec
 from vllm_disagg.kv.push_receiver import PushReceiver
 from vllm_disagg.kv.push_sender import PushSender
@@ -45,7 +45,7 @@ def _transport(kind="tcp"):
 
 
 class Pair:
-    def __init__(self, threshold=0, timeout=5.0, d_info=INFO, data="tcp"):
+    def __init__(self, threshold=0, timeout=5.0, d_info=INFO, data="tcp", verify=False):
         self.p_layers = [torch.randn(SHAPE) for _ in range(NUM_LAYERS)]
         self.d_layers = [torch.zeros(SHAPE) for _ in range(NUM_LAYERS)]
         cfg = KVTransferSection(layerwise_threshold_tokens=threshold, push_timeout_s=timeout)
@@ -54,7 +54,7 @@ class Pair:
         self.sender = PushSender(_transport(), _transport(data), INFO, "tok", self.p_layers, cfg,
                                  (self.p_stats, threading.Lock()))
         self.receiver = PushReceiver(_transport(), _transport(data), d_info, "tok", self.d_layers,
-                                     (self.d_stats, threading.Lock()))
+                                     (self.d_stats, threading.Lock()), verify=verify)
         self.done, self.failed = set(), set()
 
     def prefill_step(self, specs, layers=range(NUM_LAYERS), release=()):
@@ -365,3 +365,62 @@ def test_a_traced_push_is_one_span_with_an_event_per_write_its_bytes_and_exposed
     assert span.attributes["disagg.bytes"] == 7 * NUM_LAYERS * INFO.block_nbytes
     assert span.attributes["disagg.exposed_ms"] >= 0
     assert {e.name for e in span.events} >= {"registered", "prefill_done"}
+
+
+@pytest.mark.parametrize("pair", [{"verify": True, "data": "tcp"}, {"verify": True, "data": "shm"}], indirect=True)
+def test_a_verified_push_is_done_only_once_the_checksums_of_every_layer_match(pair):
+    pair.register("t1", range(10, 17))
+    pair.prefill_step([SaveSpec("p1", tuple(range(1, 8)), 100, 100, "t1", True)])
+    pair.sender.step_done()
+    assert _until(pair.poll) == {"d-t1"} and not pair.failed and _landed(pair, range(1, 8), range(10, 17))
+    assert pair.receiver.num_landed == 1 and pair.d_stats.data["num_checksum_mismatches"] == 0
+    assert pair.sender.plan.checksums == {}  # taken by D's VERIFY
+    pair.prefill_step([], release=["p1"])
+    assert _until(pair.sender.finished_sending) == {"p1"}
+
+
+def test_a_byte_flipped_on_the_link_fails_a_verified_push_instead_of_decoding_from_it():
+    """No transport checks the bytes that land in D's blocks: a byte flipped inside a payload (here by a
+    proxy on the link) lands silently. With verification on, D finds the layer that differs and fails
+    the push, so the request recomputes its prompt rather than decode from corrupt KV."""
+    pair = Pair(verify=True)
+    proxy = ThrottledProxy(pair.receiver.address, rate_bytes_per_s=None, corrupt_at=4096)
+    pair.receiver.address = proxy.address
+    try:
+        pair.register("t1", range(10, 17))
+        pair.prefill_step([SaveSpec("p1", tuple(range(1, 8)), 100, 100, "t1", True)])
+        pair.sender.step_done()
+        assert _until(pair.poll) == {"d-t1"} and pair.failed == {"d-t1"} and proxy.num_corrupted == 1
+        assert not _landed(pair, range(1, 8), range(10, 17))  # the damage did land
+        assert pair.d_stats.data["num_checksum_mismatches"] == 1 and pair.d_stats.data["num_fallbacks"] == 1
+        pair.prefill_step([], release=["p1"])
+        assert _until(pair.sender.finished_sending) == {"p1"}
+    finally:
+        pair.close()
+        proxy.close()
+
+
+def test_without_verification_the_same_flipped_byte_lands_unnoticed():
+    """The control for the test above: the push is reported done although its KV differs."""
+    pair = Pair()
+    proxy = ThrottledProxy(pair.receiver.address, rate_bytes_per_s=None, corrupt_at=4096)
+    pair.receiver.address = proxy.address
+    try:
+        pair.register("t1", range(10, 17))
+        pair.prefill_step([SaveSpec("p1", tuple(range(1, 8)), 100, 100, "t1", True)])
+        pair.sender.step_done()
+        assert _until(pair.poll) == {"d-t1"} and not pair.failed and proxy.num_corrupted == 1
+        assert not _landed(pair, range(1, 8), range(10, 17))
+    finally:
+        pair.close()
+        proxy.close()
+
+
+def test_a_verify_for_a_push_the_prefill_side_has_no_checksums_of_is_refused_with_the_reason():
+    pair = Pair(verify=True, timeout=1.0)
+    try:
+        reply = decode_msg(pair.receiver._client.call(
+            pair.sender.address, encode_msg(SideMsg(MsgType.VERIFY, {"transfer_id": "nope"})), timeout=5.0))
+        assert reply.type is MsgType.REJECT and "no checksums for push nope" in reply.body["message"]
+    finally:
+        pair.close()
