@@ -41,7 +41,8 @@ def import_keys(result: dict, results_dir: Path = RESULTS) -> dict:
         if source.get(key) is None:
             imported.pop(key, None)
         else:
-            imported[key] = _provenance(name, source)
+            bound = (source.get("secondary") or {}).get(f"{key}_bound")
+            imported[key] = _provenance(name, source) | ({"lower_bound": bound} if bound else {})
     result["imported"] = imported
     return result
 

@@ -27,7 +27,8 @@ from vllm_disagg.planner.goodput import HEADLINE_SLO, from_bench_detailed, summa
 _KEEP = ("vllm:request_queue_time_seconds", "vllm:request_prefill_time_seconds", "vllm:time_to_first_token_seconds",
          "vllm:prompt_tokens_by_source", "vllm:request_prefill_kv_computed_tokens", "vllm:disagg_kv_",
          "vllm:nixl_", "vllm:disagg_router_prefill_latency", "vllm:disagg_router_time_to_first_byte",
-         "vllm:num_preemptions", "vllm:request_success", "vllm:disagg_router_requests")
+         "vllm:num_preemptions", "vllm:request_success", "vllm:disagg_router_requests",
+         "vllm:disagg_router_whole_requests")
 
 
 def log(msg: str) -> None:

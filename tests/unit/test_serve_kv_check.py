@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-from serve_run import kv_check  # noqa: E402
+from serve_run import _KEEP, kv_check  # noqa: E402
 
 LOCAL = "vllm:prompt_tokens_by_source_total{source=local_compute}"
 EXTERNAL = "vllm:prompt_tokens_by_source_total{source=external_kv_transfer}"
@@ -73,3 +73,12 @@ def test_whole_requests_on_prefill_do_not_excuse_a_recompute_on_decode():
 def test_pushed_tokens_that_never_reached_decode_fail_the_check_even_with_whole_routes_to_decode():
     kv = kv_check(_run(), _deltas(d_local=20 - 1 + 800, routed_whole=1, external_short=400))
     assert not kv["verified"] and kv["recomputes"] == 0
+
+
+def test_every_counter_the_check_reads_is_scraped():
+    """The router's whole-request counter was read but not scraped: an overflow run (3 requests sent
+    whole to D at 4 req/s) failed the check as 3 recomputes."""
+    for name in ("vllm:prompt_tokens_by_source_total", "vllm:disagg_router_whole_requests_total",
+                 "vllm:request_success_total", "vllm:disagg_kv_fallbacks_total", "vllm:disagg_kv_bytes_pushed_total",
+                 "vllm:nixl_num_failed_transfers_total"):
+        assert name.startswith(_KEEP), name

@@ -78,7 +78,7 @@ class Profile:
     step_jitter: tuple[tuple[float, ...], tuple[float, ...]] | None = None
     """(quantiles, ratios): how one engine step's time spreads around its curve's value, as measured
     (token gaps over their point's median, pooled over the decode points). The curves are medians;
-    a served trace's tail gaps are not, so the simulator draws each step's factor from this."""
+    a served trace's tail gaps are not, so the simulator draws each decode step's factor from this."""
 
     def curve(self, name: str) -> Curve | None:
         return self.curves.get(name)

@@ -140,13 +140,14 @@ class ClusterSim:
         batch = machine.next_batch()
         if batch is None:
             return
-        duration = batch.duration_s * self._step_factor()
+        duration = batch.duration_s * (self._step_factor() if batch.num_prompt_tokens == 0 else 1.0)
         machine.busy_until_s = self.now + duration
         machine.busy_time_s += duration
         self._push(machine.busy_until_s, self._on_iteration_done, (machine, batch))
 
     def _step_factor(self) -> float:
-        """One step's time over its curve's (a median): drawn from the profile's measured spread."""
+        """One decode step's time over its curve's (a median): drawn from the spread measured on decode
+        gaps. Prompt steps keep their curve's time: a gap's spread is not a long compute step's."""
         if self._jitter is None:
             return 1.0
         qs, ratios = self._jitter
