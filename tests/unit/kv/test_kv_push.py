@@ -379,41 +379,41 @@ def test_a_verified_push_is_done_only_once_the_checksums_of_every_layer_match(pa
     assert _until(pair.sender.finished_sending) == {"p1"}
 
 
-def test_a_byte_flipped_on_the_link_fails_a_verified_push_instead_of_decoding_from_it():
+@pytest.fixture
+def corrupted(request):
+    """A pair whose push crosses a proxy that flips one payload byte; yields (pair, proxy) after the push."""
+    pair = Pair(verify=request.param)
+    proxy = ThrottledProxy(pair.receiver.address, rate_bytes_per_s=None, corrupt_at=4096)
+    pair.receiver.address = proxy.address
+    try:
+        pair.register("t1", range(10, 17))
+        pair.prefill_step([SaveSpec("p1", tuple(range(1, 8)), 100, 100, "t1", True)])
+        pair.sender.step_done()
+        assert _until(pair.poll) == {"d-t1"} and proxy.num_corrupted == 1
+        assert not _landed(pair, range(1, 8), range(10, 17))  # the damage did land
+        yield pair, proxy
+    finally:
+        pair.close()
+        proxy.close()
+
+
+@pytest.mark.parametrize("corrupted", [True], indirect=True)
+def test_a_byte_flipped_on_the_link_fails_a_verified_push_instead_of_decoding_from_it(corrupted):
     """No transport checks the bytes that land in D's blocks: a byte flipped inside a payload (here by a
     proxy on the link) lands silently. With verification on, D finds the layer that differs and fails
     the push, so the request recomputes its prompt rather than decode from corrupt KV."""
-    pair = Pair(verify=True)
-    proxy = ThrottledProxy(pair.receiver.address, rate_bytes_per_s=None, corrupt_at=4096)
-    pair.receiver.address = proxy.address
-    try:
-        pair.register("t1", range(10, 17))
-        pair.prefill_step([SaveSpec("p1", tuple(range(1, 8)), 100, 100, "t1", True)])
-        pair.sender.step_done()
-        assert _until(pair.poll) == {"d-t1"} and pair.failed == {"d-t1"} and proxy.num_corrupted == 1
-        assert not _landed(pair, range(1, 8), range(10, 17))  # the damage did land
-        assert pair.d_stats.data["num_checksum_mismatches"] == 1 and pair.d_stats.data["num_fallbacks"] == 1
-        pair.prefill_step([], release=["p1"])
-        assert _until(pair.sender.finished_sending) == {"p1"}
-    finally:
-        pair.close()
-        proxy.close()
+    pair, _ = corrupted
+    assert pair.failed == {"d-t1"}
+    assert pair.d_stats.data["num_checksum_mismatches"] == 1 and pair.d_stats.data["num_fallbacks"] == 1
+    pair.prefill_step([], release=["p1"])
+    assert _until(pair.sender.finished_sending) == {"p1"}
 
 
-def test_without_verification_the_same_flipped_byte_lands_unnoticed():
+@pytest.mark.parametrize("corrupted", [False], indirect=True)
+def test_without_verification_the_same_flipped_byte_lands_unnoticed(corrupted):
     """The control for the test above: the push is reported done although its KV differs."""
-    pair = Pair()
-    proxy = ThrottledProxy(pair.receiver.address, rate_bytes_per_s=None, corrupt_at=4096)
-    pair.receiver.address = proxy.address
-    try:
-        pair.register("t1", range(10, 17))
-        pair.prefill_step([SaveSpec("p1", tuple(range(1, 8)), 100, 100, "t1", True)])
-        pair.sender.step_done()
-        assert _until(pair.poll) == {"d-t1"} and not pair.failed and proxy.num_corrupted == 1
-        assert not _landed(pair, range(1, 8), range(10, 17))
-    finally:
-        pair.close()
-        proxy.close()
+    pair, _ = corrupted
+    assert not pair.failed and pair.d_stats.data["num_checksum_mismatches"] == 0
 
 
 def test_a_verify_for_a_push_the_prefill_side_has_no_checksums_of_is_refused_with_the_reason():
