@@ -165,7 +165,7 @@ class DisaggAttentionServer:
                 finally:
                     self.metrics.queue.dec()
         except DisaggError as err:  # lost peer, broken frame: only this session ends
-            logger.info("attention session ended: %s", err)
+            logger.warning("attention session ended: %s", err)  # seen only at INFO, a CI hang went undiagnosed
         finally:
             self.metrics.sessions.dec()
             session.spans.close()
