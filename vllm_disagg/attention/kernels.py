@@ -82,6 +82,16 @@ def kv_bytes_per_block(g: Geometry) -> int:
     return g.num_layers * g.num_kv_heads * g.block_size * 2 * g.head_size * elt
 
 
+def _request_amx(isa: str) -> None:
+    """Linux gives a process AMX tile state only once it asks (arch_prctl XCOMP_PERM). A vLLM engine
+    asks through oneDNN's first bf16 matmul; a server runs no matmul, so its first AMX attention died
+    of SIGILL on AMX CPUs. Ask up front, and refuse to start if the kernel says no."""
+    if isa == "amx" and not torch.cpu._init_amx():
+        raise RuntimeError("attention server: vLLM picked its AMX attention kernel, but Linux refused this "
+                           "process AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM); run a float32 model "
+                           "or a kernel that allows AMX")
+
+
 class CpuAttentionKernel(AttentionKernel):
     """vLLM's CPU attention (`CPUAttentionBackendImpl`) on a cache `[L][NB, Hkv, bs, 2D]`, each layer
     with its own variant (`Geometry.layers`: window, soft-cap, ALiBi, sinks, fp8 scales) exactly as
@@ -93,6 +103,7 @@ class CpuAttentionKernel(AttentionKernel):
 
         g = geometry
         self.isa = _get_attn_isa(g.torch_dtype, g.block_size, g.head_size, g.kv_cache_dtype)
+        _request_amx(self.isa)
         # the stub layers the impl reads: ISA and the fp8 scales (1.0 unless the checkpoint has them)
         self.layers = [types.SimpleNamespace(isa=self.isa, _k_scale_float=g.layer(i).k_scale,
                                              _v_scale_float=g.layer(i).v_scale) for i in range(g.num_layers)]

@@ -329,6 +329,14 @@ def _announce(cluster, url: str, state_file: str | None) -> None:
           flush=True)
 
 
+def _exit_reason(returncode: int | None) -> str:
+    """`code 1`, or the signal's name for a crash (a SIGSEGV in a kernel leaves no log line of its own)."""
+    if returncode is not None and returncode < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-returncode).name}"
+    return f"code {returncode}"
+
+
 async def _watch(cluster, stop: asyncio.Event) -> None:
     """Serve until a signal; say once when an instance dies (the router's health checks route around
     it; the cluster's supervisor restarts it if it had been healthy, see launch/local.py)."""
@@ -338,7 +346,8 @@ async def _watch(cluster, stop: asyncio.Event) -> None:
             key = (name, cluster.procs[name].pid)
             if key not in reported:
                 reported.add(key)
-                logger.warning("instance %s exited; the router routes around it until it is restarted", name)
+                logger.warning("instance %s exited (%s); the router routes around it until it is restarted",
+                               name, _exit_reason(cluster.procs[name].returncode))
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(stop.wait(), timeout=1.0)
 

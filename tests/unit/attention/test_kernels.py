@@ -3,6 +3,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
+
 import torch
 
 from vllm_disagg.attention.kernels import CpuAttentionKernel
@@ -67,3 +71,26 @@ def test_prev_attention_merged_with_the_new_token_equals_the_kernels_full_attent
     full = torch.empty(3, 4, 32)
     kern.attend(0, q, dmeta, kern.prepare(dmeta), 0.17, full)
     torch.testing.assert_close(merged, full, atol=1e-5, rtol=1e-4)
+
+
+def test_a_fresh_process_runs_the_bf16_kernel_without_any_matmul_before_it():
+    """On AMX CPUs vLLM picks its AMX kernel for bfloat16; the process must have asked Linux for AMX
+    state first (a vLLM engine's oneDNN matmuls do, a server does not): SIGILL otherwise."""
+    code = textwrap.dedent("""
+        import torch
+        from vllm_disagg.attention.kernels import CpuAttentionKernel
+        from vllm_disagg.attention.wire import Geometry, StepMeta
+        g = Geometry(num_layers=1, num_heads=4, num_kv_heads=2, head_size=64, block_size=128,
+                     dtype="bfloat16", max_num_tokens=512)
+        kern = CpuAttentionKernel(g, num_blocks=4)
+        meta = StepMeta(torch.tensor([0, 40], dtype=torch.int32), torch.tensor([40], dtype=torch.int32),
+                        torch.tensor([[1]], dtype=torch.int32), torch.arange(128, 168))
+        q, k, v = (torch.randn(40, h, 64, dtype=torch.bfloat16) for h in (4, 2, 2))
+        kern.write_kv(0, k, v, meta)
+        out = torch.empty(40, 4, 64, dtype=torch.bfloat16)
+        kern.attend(0, q, meta, kern.prepare(meta), 0.125, out)
+        assert torch.isfinite(out.float()).all()
+        print("isa", kern.isa)
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
