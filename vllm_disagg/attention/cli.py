@@ -9,6 +9,7 @@ Ctrl-C stop it cleanly.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import signal
 import sys
@@ -115,6 +116,7 @@ def _alive(pid: int) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
+    faulthandler.enable()  # a crash in a native kernel (SIGILL, SIGSEGV) leaves its stack in the log
     parser = argparse.ArgumentParser(prog="python -m vllm_disagg.attention.cli")
     add_server_args(parser)
     return run(parser.parse_args(argv))
