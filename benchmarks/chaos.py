@@ -2,7 +2,7 @@
 """Chaos soak (issue 18): random faults in every role under load; nothing lost, hung, wrong or leaked.
 
     python benchmarks/chaos.py                        # the 10-minute soak: 1P+1D(model worker)+2 attention
-    python benchmarks/chaos.py --quick                # ~2 min: the CI run (1P+1D, six faults of six kinds)
+    python benchmarks/chaos.py --quick                # ~2 min: the CI run (1P+1D, seven faults of seven kinds)
     python benchmarks/chaos.py --fuzz-only            # 10,000 fuzzed frames per port kind, in process
     python benchmarks/chaos.py --record-references    # plain vLLM's greedy answers -> benchmarks/data/
 
@@ -162,7 +162,7 @@ def fuzz_in_process(frames: int) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="CI size: 1P+1D, six faults of six kinds")
+    ap.add_argument("--quick", action="store_true", help="CI size: 1P+1D, seven faults of seven kinds")
     ap.add_argument("--duration-s", type=float, default=600.0)
     ap.add_argument("--attention", type=int, default=2, help="attention servers behind the decode model worker")
     ap.add_argument("--rps", type=float, default=0.6)
@@ -210,7 +210,8 @@ def main() -> int:
     num_attention = 0 if quick else args.attention
     dep = Deployment(workdir, path, num_attention=num_attention, stall_timeout_s=stall_timeout_s,
                      stall_factor=args.stall_factor, stall_min_s=args.stall_min_s,
-                     slow_link=not quick and not num_attention,  # the throttled link is P -> D only
+                     slow_link=not num_attention,  # the link of slow_link and corrupt_link is P -> D only
+                     kv_verify=not num_attention,  # corrupt_link's flip must be caught
                      push_timeout_s=args.push_timeout_s)
     try:
         dep.start()

@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """The CI-sized chaos run (issue 18): 1P+1D behind two routers on one port, load from a trace with the
-`openai` client (streamed and not, completions and chat, some clients leaving mid-stream), and six
-faults of six kinds in a fixed order: SIGKILL of the decode instance (first, so its ~50 s restart
+`openai` client (streamed and not, completions and chat, some clients leaving mid-stream), and seven
+faults of seven kinds in a fixed order: one byte flipped on the KV link into D (verification on: the
+push's checksums must catch it, `corrupt_link`), SIGKILL of the decode instance (first, so its ~50 s restart
 overlaps the rest), garbage frames on every KV port, SIGSTOP of P's EngineCore alone (only /live sees
 it; the stall timeout is 4 s), malformed / huge / slowloris HTTP, SIGSTOP of P's whole group, and a
 router SIGKILLed mid-stream. Every answer equals plain vLLM's greedy float32 tokens (the committed
@@ -34,11 +35,11 @@ from vllm_disagg.testing.chaos.workload import References, chaos_model
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
 
-def test_six_faults_of_six_kinds_lose_nothing_answer_right_and_leak_nothing(tmp_path):
+def test_seven_faults_of_seven_kinds_lose_nothing_answer_right_and_leak_nothing(tmp_path):
     refs = References.load()
     path, fingerprint = chaos_model(tmp_path)
     assert fingerprint["sha256"] == refs.model["sha256"], "re-record benchmarks/data/chaos_references.json"
-    dep = Deployment(tmp_path, path, stall_timeout_s=QUICK_STALL_TIMEOUT_S)
+    dep = Deployment(tmp_path, path, stall_timeout_s=QUICK_STALL_TIMEOUT_S, slow_link=True, kv_verify=True)
     cfg = quick_config()
     phases = {}
     t = time.monotonic()
@@ -59,6 +60,8 @@ def test_six_faults_of_six_kinds_lose_nothing_answer_right_and_leak_nothing(tmp_
                      indent=1))
     assert sorted(result["fault_kinds"]) == sorted(k for k, _ in QUICK_PLAN), result["faults"]
     assert not [f for f in result["faults"] if "error" in f or "skipped" in f], result["faults"]
+    (flip,) = [f for f in result["faults"] if f["kind"] == "corrupt_link"]
+    assert flip["flipped"] == 1, flip  # the byte did cross; answers all right below = it was caught
     lost = [o for o in result["outcomes"] if o["outcome"] == "lost"]
     wrong = [o for o in result["outcomes"] if o["outcome"] == "wrong"]
     assert result["requests_total"] >= 15 and not lost and not wrong, (lost + wrong)[:3]

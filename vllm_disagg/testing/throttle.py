@@ -95,6 +95,15 @@ class ThrottledProxy:
         flipped[at - start] ^= 0xFF
         return bytes(flipped)
 
+    def flip_after(self, num_bytes: int) -> None:
+        """Flip one byte `num_bytes` past what has been forwarded so far (`corrupt_at`, from now)."""
+        with self._lock:
+            self.corrupt_at = self._offset + num_bytes
+
+    def cancel_flip(self) -> None:
+        with self._lock:
+            self.corrupt_at = None
+
     def close(self) -> None:
         self._closed.set()
         with self._lock:

@@ -28,7 +28,7 @@ from pathlib import Path
 from vllm_disagg.testing.chaos import leaks
 from vllm_disagg.testing.chaos.clients import ChaosClients
 from vllm_disagg.testing.chaos.cuts import cuts_outside_faults, router_cuts, slow_requests
-from vllm_disagg.testing.chaos.faults import KINDS, Fault, FaultInjector, signal_group
+from vllm_disagg.testing.chaos.faults import KINDS, LINK_KINDS, Fault, FaultInjector, signal_group
 from vllm_disagg.testing.chaos.workload import References, schedule
 from vllm_disagg.testing.throttle import ThrottledProxy
 from vllm_disagg.testing.up import group_alive
@@ -87,6 +87,8 @@ class Deployment:
     """P/D: the decode instance advertises a proxy in front of its KV receiver (`--disagg-kv-advertise`),
     which the `slow_link` fault throttles; full speed otherwise."""
     link: ThrottledProxy | None = None
+    kv_verify: bool = False
+    """`--disagg-kv-verify on` on every instance: the `corrupt_link` fault needs it (and `slow_link`)."""
     push_timeout_s: float | None = None
     """`up --push-timeout-s` (None: the plugin's default)."""
 
@@ -115,6 +117,8 @@ class Deployment:
         link_port = _free_port() if self.slow_link and not self.num_attention else None
         if link_port:
             cmd += ["--disagg-kv-advertise", f"127.0.0.1:{link_port}"]
+        if self.kv_verify:
+            cmd += ["--disagg-kv-verify", "on"]
         log = open(self.workdir / "up.log", "wb")  # noqa: SIM115 (the child's)
         self.up = subprocess.Popen([*cmd, *self.engine_args], stdout=log, stderr=subprocess.STDOUT,
                                    env=self._env(), start_new_session=True)
@@ -274,9 +278,10 @@ class CampaignConfig:
     """How long the slowloris connections of a `bad_http` fault stay open."""
 
 
-QUICK_PLAN = (("kill", "decode"), ("garbage_frames", ""), ("stop_engine", "prefill"), ("bad_http", ""),
-              ("stop", "prefill"), ("router_restart", "router"))
-"""The CI run's six faults of six kinds; the kill first, so its ~50 s restart overlaps the rest."""
+QUICK_PLAN = (("corrupt_link", ""), ("kill", "decode"), ("garbage_frames", ""), ("stop_engine", "prefill"),
+              ("bad_http", ""), ("stop", "prefill"), ("router_restart", "router"))
+"""The CI run's seven faults of seven kinds: the byte flip first (it needs D up to push to), then the
+kill, so its ~50 s restart overlaps the rest. Run with `Deployment(slow_link=True, kv_verify=True)`."""
 QUICK_STALL_TIMEOUT_S = 4.0
 """Shorter than the SIGSTOPs of QUICK_PLAN (6 s), so the stall watchdog acts in the CI run."""
 
@@ -301,7 +306,7 @@ def plan_faults(cfg: CampaignConfig, roles: list[str], rng: random.Random) -> li
             if not role_cycle:
                 role_cycle = [r for r in cfg.roles if r in roles]
                 rng.shuffle(role_cycle)
-            role = "router" if kind == "router_restart" else ("" if kind in ("garbage_frames", "bad_http", "slow_link")
+            role = "router" if kind == "router_restart" else ("" if kind in ("garbage_frames", "bad_http", *LINK_KINDS)
                                                               else role_cycle.pop())
             if kind == "stop_engine" and role == "attention":
                 role = "decode"  # an attention server has no EngineCore
@@ -322,6 +327,8 @@ def _inject(inj: FaultInjector, kind: str, role: str, cfg: CampaignConfig, rng: 
         return inj.slow(role, rng.uniform(10, 20))
     if kind == "slow_link":
         return inj.slow_link(rng.uniform(10, 20))
+    if kind == "corrupt_link":
+        return inj.corrupt_link(rng.uniform(10, 20))
     if kind == "garbage_frames":
         return inj.garbage_frames()
     return inj.bad_http(cfg.bad_http_s)

@@ -5,7 +5,8 @@ Kinds (`KINDS`): SIGKILL of an instance's process group (prefill, decode / model
 server); SIGSTOP of a whole group for 5-30 s, or of its EngineCore alone (the API server keeps
 answering: only `/live` sees it); a slow peer (the group stopped and continued on a duty cycle, half
 its time gone); a throttled KV link into the decode instance (`slow_link`: a proxy it advertises,
-`Deployment(slow_link=True)`); garbage, truncated and oversized frames from strangers on every KV and attention port;
+`Deployment(slow_link=True)`); one byte flipped on that link (`corrupt_link`, with `--disagg-kv-verify on`:
+the push's checksums must catch it, and the answer stay right); garbage, truncated and oversized frames from strangers on every KV and attention port;
 malformed, huge and slowloris HTTP on the router and the instances; SIGKILL of one of the routers
 (restarted at once: the other one behind the same port keeps serving). Every fault is bounded in time
 and undoes itself (SIGCONT, restart), so the run always ends with everything up.
@@ -19,13 +20,17 @@ import signal
 import socket
 import threading
 import time
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from vllm_disagg.errors import DisaggError
 from vllm_disagg.testing.fuzz import FuzzTarget, _stranger
 
-KINDS = ("kill", "stop", "stop_engine", "slow", "slow_link", "garbage_frames", "bad_http", "router_restart")
+KINDS = ("kill", "stop", "stop_engine", "slow", "slow_link", "corrupt_link", "garbage_frames", "bad_http",
+         "router_restart")
+LINK_KINDS = ("slow_link", "corrupt_link")
+"""Faults on the P -> D KV link: they need `Deployment(slow_link=True)` (no attention servers)."""
 SLOW_LINK_BYTES_PER_S = 16 << 10
 """The `slow_link` fault's rate into the decode instance's KV receiver: a long prompt's push then outlasts
 the push timeout, and the prefill side cannot answer the CANCEL in time (the receiver's fence is tested)."""
@@ -154,6 +159,29 @@ class FaultInjector:
         fault.t_end = time.monotonic()
         return fault
 
+    def corrupt_link(self, seconds: float) -> Fault:
+        """One byte of the KV link into the decode instance flipped, 4-64 KiB past what has gone through
+        (inside a push's payload, where no frame check looks): with `--disagg-kv-verify on` the push's
+        end-to-end checksums catch it and D recomputes, so the answer is still plain vLLM's."""
+        link, fault = self.d.link, Fault("corrupt_link", "decode", time.monotonic(), detail={"seconds": round(seconds, 1)})
+        if link is None or not self.d.kv_verify:
+            fault.detail["skipped"] = "needs Deployment(slow_link=True, kv_verify=True): P/D without attention servers"
+            fault.t_end = time.monotonic()
+            return fault
+        decode = self.d.pick("decode", self.rng)
+        before, flipped = _mismatches(decode["url"]), link.num_corrupted
+        link.flip_after(self.rng.randrange(4 << 10, 64 << 10))
+        self.log(f"flipping a byte on the KV link into {decode['name']} within {seconds:.0f} s")
+        deadline = time.monotonic() + seconds
+        while link.num_corrupted == flipped and time.monotonic() < deadline:
+            time.sleep(0.2)
+        link.cancel_flip()
+        time.sleep(min(5.0, max(0.0, deadline - time.monotonic())))  # D verifies after the last byte landed
+        fault.detail.update(flipped=link.num_corrupted - flipped, instance=decode["name"],
+                            checksum_mismatches=_mismatches(decode["url"]) - before)
+        fault.t_end = time.monotonic()
+        return fault
+
     # ------------------------------------------------------------------ input faults
     def garbage_frames(self, num_per_port: int = 200) -> Fault:
         """Strangers' garbage, truncated and oversized frames on every KV and attention port."""
@@ -195,6 +223,19 @@ class FaultInjector:
 _BAD_BODIES = (b"{not json", b"[]", b'{"model": 1, "prompt": {"x": []}, "max_tokens": -5}',
                b'{"prompt": "x", "max_tokens": 99999999999999999999}', b"\xff\xfe\x00garbage",
                b'{"messages": "not a list"}')
+
+
+def _mismatches(url: str) -> float:
+    """D's count of pushes whose checksums disagreed with P's (0 when D is down: a kill may overlap)."""
+    try:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
+            lines = resp.read().decode().splitlines()
+    except OSError:
+        return 0.0
+    return sum(float(line.split()[-1]) for line in lines if line.startswith(_MISMATCHES))
+
+
+_MISMATCHES = "vllm:disagg_kv_checksum_mismatches_total"
 
 
 def _split(url: str) -> tuple[str, int]:
