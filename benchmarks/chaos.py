@@ -165,6 +165,8 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="CI size: 1P+1D, seven faults of seven kinds")
     ap.add_argument("--duration-s", type=float, default=600.0)
     ap.add_argument("--attention", type=int, default=2, help="attention servers behind the decode model worker")
+    ap.add_argument("--prefill", type=int, default=1, help="prefill instances (2: a fault leaves one serving)")
+    ap.add_argument("--decode", type=int, default=1, help="decode instances (2: a fault leaves one serving)")
     ap.add_argument("--rps", type=float, default=0.6)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--stall-timeout-s", type=float, default=10.0)
@@ -200,6 +202,7 @@ def main() -> int:
     out = Path(args.out or REPO / "benchmarks" / "results" / ("chaos_quick.json" if quick else "chaos.json"))
     t_start = time.time()
     result: dict = {"benchmark": "chaos", "quick": quick, "loadavg_start": os.getloadavg(),
+                    "topology": {"prefill": args.prefill, "decode": args.decode, "attention": 0 if quick else args.attention},
                     "router_stall": {"stall_timeout_s": stall_timeout_s, "stall_factor": args.stall_factor,
                                      "stall_min_s": args.stall_min_s}}
     if args.fuzz_frames and not quick:
@@ -208,7 +211,8 @@ def main() -> int:
         print(json.dumps(result, indent=1))
         return 0
     num_attention = 0 if quick else args.attention
-    dep = Deployment(workdir, path, num_attention=num_attention, stall_timeout_s=stall_timeout_s,
+    dep = Deployment(workdir, path, num_attention=num_attention, num_prefill=args.prefill, num_decode=args.decode,
+                     stall_timeout_s=stall_timeout_s,
                      stall_factor=args.stall_factor, stall_min_s=args.stall_min_s,
                      slow_link=not num_attention,  # the link of slow_link and corrupt_link is P -> D only
                      kv_verify=not num_attention,  # corrupt_link's flip must be caught

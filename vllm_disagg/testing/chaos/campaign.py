@@ -11,6 +11,7 @@ returns the report (the keys of issue 18). Shared by `benchmarks/chaos.py` (the 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -71,6 +72,9 @@ class Deployment:
     model: str
     num_attention: int = 0
     num_routers: int = 2
+    num_prefill: int = 1
+    num_decode: int = 1
+    """Instances per role: with 2 of each a fault leaves a live one to serve (issue 18's availability)."""
     stall_timeout_s: float = 10.0
     stall_factor: float | None = None
     """The routers' `--stall-factor` (adaptive hang detection); None: the fixed stall_timeout_s only."""
@@ -93,6 +97,12 @@ class Deployment:
     """`up --push-timeout-s` (None: the plugin's default)."""
 
     @property
+    def has_link(self) -> bool:
+        """The proxied KV link exists only into a single decode instance without attention servers
+        (every decode instance would advertise the same proxy)."""
+        return self.slow_link and not self.num_attention and self.num_decode == 1
+
+    @property
     def state_file(self) -> Path:
         return self.workdir / "state.json"
 
@@ -106,7 +116,8 @@ class Deployment:
 
     def start(self, timeout_s: float = 900.0) -> None:
         self.shm_at_start = leaks.shm_entries()
-        cmd = [sys.executable, "-m", "vllm_disagg.cli.main", "up", "--prefill", "1", "--decode", "1",
+        cmd = [sys.executable, "-m", "vllm_disagg.cli.main", "up", "--prefill", str(self.num_prefill),
+               "--decode", str(self.num_decode),
                "--model", self.model, "--port", "0", "--state-file", str(self.state_file),
                "--log-dir", str(self.workdir / "logs"), "--restart-limit", "1000",
                "--stall-timeout-s", str(self.stall_timeout_s)]
@@ -114,7 +125,7 @@ class Deployment:
             cmd += ["--attention", str(self.num_attention), "--restart-attention", "--attention-transport", "tcp"]
         if self.push_timeout_s:
             cmd += ["--push-timeout-s", str(self.push_timeout_s)]
-        link_port = _free_port() if self.slow_link and not self.num_attention else None
+        link_port = _free_port() if self.has_link else None
         if link_port:
             cmd += ["--disagg-kv-advertise", f"127.0.0.1:{link_port}"]
         if self.kv_verify:
@@ -367,6 +378,8 @@ def run_campaign(dep: Deployment, refs: References, cfg: CampaignConfig, log=pri
     sender.start()
     try:
         time.sleep(cfg.quiet_s)
+        if not dep.has_link:  # nothing to throttle or corrupt: those kinds would only be skipped
+            cfg = dataclasses.replace(cfg, kinds=tuple(k for k in cfg.kinds if k not in LINK_KINDS))
         faults = _inject_faults(FaultInjector(dep, rng, log), cfg, dep.roles(), rng, until, log)
         sender.join(timeout=max(0.0, until - time.monotonic()) + 900)
     except BaseException:
