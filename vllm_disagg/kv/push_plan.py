@@ -259,9 +259,11 @@ class PushPlan:
         push.t_first_issue = push.t_first_issue or time.monotonic()
         push.handles.append((handle, layer, time.monotonic(), num_bytes))
 
-    def reap(self) -> tuple[list[Push], set[str]]:
-        """(pushes completed now, target addresses of failed writes: their connections are suspect)."""
-        now, completed, suspect = time.monotonic(), [], set()
+    def reap(self) -> tuple[list[Push], set[str], list[tuple[Push, int]]]:
+        """(pushes completed now, target addresses of failed writes: their connections are suspect,
+        verified pushes whose last byte is out: (push, end block), to checksum outside the lock and
+        then `complete_verified`; before completing, for then their blocks may be freed and reused)."""
+        now, completed, suspect, to_checksum = time.monotonic(), [], set(), []
         for push in self.pushes.values():
             for handle, layer, *_ in push.handles:
                 if handle.state() is XferState.FAILED and push.error is None:
@@ -273,17 +275,28 @@ class PushPlan:
                 continue
             end = min(push.reg.start_block + len(push.reg.block_ids), math.ceil(push.num_prompt_tokens / self.block_size))
             if all(s >= end for s in push.sent_blocks):
-                if push.reg.verify:  # before completing: then the blocks may be freed and reused
-                    self._keep_checksums(push, end, now)
-                self._complete(push, now)
-                completed.append(push)
-        return completed, suspect
+                if push.reg.verify:
+                    to_checksum.append((push, end))
+                else:
+                    self._complete(push, now)
+                    completed.append(push)
+        return completed, suspect, to_checksum
 
-    def _keep_checksums(self, push: Push, end: int, now: float) -> None:
-        first = push.reg.start_block
-        self.checksums[push.transfer_id] = (encode(layer_checksums(self.layers, push.block_ids[first:end])), now)
+    def block_checksums(self, push: Push, end: int) -> bytes:
+        """The checksums D's VERIFY asks for: every layer's CRC over the pushed blocks. Reads the blocks
+        only (the caller holds no lock: a push cancelled meanwhile is dropped by `complete_verified`)."""
+        return encode(layer_checksums(self.layers, push.block_ids[push.reg.start_block:end]))
+
+    def complete_verified(self, push: Push, checksums: bytes) -> bool:
+        """Keep a verified push's checksums and complete it, unless it failed or was cancelled meanwhile."""
+        if push.error is not None or push.done:
+            return False
+        now = time.monotonic()
+        self.checksums[push.transfer_id] = (checksums, now)
         while len(self.checksums) > _MAX_CANCELLED:
             del self.checksums[next(iter(self.checksums))]
+        self._complete(push, now)
+        return True
 
     def _complete(self, push: Push, now: float) -> None:
         push.done = True

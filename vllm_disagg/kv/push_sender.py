@@ -284,7 +284,16 @@ class PushSender:
             threading.Thread(target=peer.close, name="disagg-kv-peer-close", daemon=True).start()
 
     def _reap(self) -> None:
-        completed, suspect = self.plan.reap()
+        """Called holding the lock; a verified push's checksums are computed without it (a CRC over
+        every layer of its blocks would stall the engine thread's saves and the side channel)."""
+        completed, suspect, to_checksum = self.plan.reap()
+        if to_checksum:
+            self._cond.release()
+            try:
+                sums = [(push, self.plan.block_checksums(push, end)) for push, end in to_checksum]
+            finally:
+                self._cond.acquire()
+            completed += [push for push, crc in sums if self.plan.complete_verified(push, crc)]
         for address in suspect:
             self._drop_peer(address)
         for push in completed:
