@@ -40,6 +40,8 @@ __all__ = ["PushReceiver", "RecvState"]
 
 logger = init_logger(__name__)
 _CANCEL_TIMEOUT_S = 5.0
+_THREADS_PER_PREFILL = 2
+"""Calls to one prefill instance share one channel and its lock, so more threads would only queue there."""
 
 
 class RecvState(enum.IntEnum):
@@ -86,7 +88,8 @@ class PushReceiver:
         self.address = advertise_address or listening
         """What REGISTER tells the prefill side to connect to (`kv.advertise_address`, else where we listen)."""
         self._client = SideChannelClient(lambda addr, timeout: control.connect_msg(addr, timeout=timeout))
-        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="disagg-kv-register")
+        self._pools: dict[str, ThreadPoolExecutor] = {}  # per prefill address: see _submit
+        self._pools_lock = threading.Lock()  # its own: _submit is called holding self._lock too
         self._lock = threading.Lock()
         self._recvs: dict[str, _Recv] = {}  # req_id -> receive
         self._by_tid: dict[str, _Recv] = {}
@@ -120,7 +123,7 @@ class PushReceiver:
                     self._set_failed(recv, f"transfer_id {spec.transfer_id} is already in use by another request")
                     continue
                 self._by_tid[spec.transfer_id] = recv
-            self._pool.submit(self._register, recv)
+            self._submit(spec.remote, self._register, recv)
 
     def cancel(self, specs: list[CancelSpec]) -> None:
         """CANCEL pushes the scheduler gave up on (aborted while waiting, or taken over from the
@@ -133,9 +136,26 @@ class PushReceiver:
                 elif recv is not None:
                     continue  # already over (or cancelling): nothing left to stop
             if recv is not None:
-                self._pool.submit(self._cancel, recv, spec.reason)
+                self._submit(spec.remote, self._cancel, recv, spec.reason)
             else:
-                self._pool.submit(self._send_cancel, spec.remote, spec.transfer_id, spec.reason)
+                self._submit(spec.remote, self._send_cancel, spec.remote, spec.transfer_id, spec.reason)
+
+    def _submit(self, remote: str, fn: Any, *args: Any) -> None:
+        """Calls to one prefill instance run on threads of its own: calls to a frozen one wait out their
+        timeouts (10 s a REGISTER), and on one shared pool they held up every other prefill instance's
+        registrations behind them (the 2P+2D chaos soak: requests via a live P waited 15 s)."""
+        with self._pools_lock:
+            pool = self._pools.get(remote)
+            if pool is None:
+                pool = self._pools[remote] = ThreadPoolExecutor(max_workers=_THREADS_PER_PREFILL,
+                                                                thread_name_prefix="disagg-kv-register")
+        pool.submit(fn, *args)
+
+    def _shutdown_pools(self) -> None:
+        with self._pools_lock:
+            pools, self._pools = list(self._pools.values()), {}
+        for pool in pools:
+            pool.shutdown(wait=False, cancel_futures=True)
 
     def poll(self) -> tuple[set[str], set[str]]:
         """(finished_recving, failed_recving) since the last call; failed ones are in both.
@@ -194,7 +214,7 @@ class PushReceiver:
                 if recv.landed_bytes >= recv.expected_bytes and recv.state in _WAITING:
                     if self.verify:
                         recv.state = RecvState.VERIFYING
-                        self._pool.submit(self._verify, recv)
+                        self._submit(recv.spec.remote, self._verify, recv)
                     else:
                         recv.state = RecvState.DONE
                         self.num_landed += 1
@@ -216,7 +236,7 @@ class PushReceiver:
         for recv in expired:
             logger.warning("KV push %s (request %s): nothing complete after %.1fs; cancelling",
                            recv.spec.transfer_id, recv.spec.req_id, recv.spec.push_timeout_s)
-            self._pool.submit(self._cancel, recv)
+            self._submit(recv.spec.remote, self._cancel, recv)
         for transfer_id, t in list(self._late.items()):
             if now - t > 600:
                 del self._late[transfer_id]
@@ -329,6 +349,6 @@ class PushReceiver:
             fn(self._stats)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._shutdown_pools()
         self._client.close()
         self._receiver.close()

@@ -115,9 +115,12 @@ class SideChannelClient:
         return entry
 
     def call(self, address: str, payload: bytes, timeout: float) -> bytes:
-        """Send one message and return the reply; one reconnect if a cached channel went stale."""
+        """Send one message and return the reply; one reconnect if a cached channel went stale (closed,
+        reset), none after a timeout."""
         try:
             return self._call_once(address, payload, timeout)
+        except TimeoutError:
+            raise  # a peer that does not answer in time (frozen, overloaded): a retry would double the wait
         except (PeerLostError, OSError):
             return self._call_once(address, payload, timeout)
 

@@ -8,6 +8,7 @@ check the bytes that land in the decode side's blocks.
 from __future__ import annotations
 
 import dataclasses
+import socket
 import threading
 import time
 
@@ -424,3 +425,22 @@ def test_a_verify_for_a_push_the_prefill_side_has_no_checksums_of_is_refused_wit
         assert reply.type is MsgType.REJECT and "no checksums for push nope" in reply.body["message"]
     finally:
         pair.close()
+
+
+def test_a_push_from_a_live_prefill_instance_does_not_wait_behind_registrations_with_a_frozen_one(pair):
+    """A SIGSTOPped prefill instance accepts connections (the kernel does) and never answers: each
+    REGISTER to it waits out its timeout. Those must not hold up a push from a live one (the 2P+2D
+    chaos soak: on one shared pool of 4, requests via the live P waited 15 s)."""
+    frozen = socket.create_server(("127.0.0.1", 0), backlog=64)  # never accepts, never answers
+    try:
+        address = f"127.0.0.1:{frozen.getsockname()[1]}"
+        pair.receiver.start([RecvSpec(f"d-f{i}", f"f{i}", address, (i,), 0, 100, 3.0) for i in range(6)])
+        t0 = time.monotonic()
+        pair.register("t1", range(10, 17))
+        pair.prefill_step([SaveSpec("p1", tuple(range(1, 8)), 100, 100, "t1", True)])
+        pair.sender.step_done()
+        _until(lambda: "d-t1" in pair.poll())
+        assert time.monotonic() - t0 < 2.0 and "d-t1" not in pair.failed
+        assert _landed(pair, range(1, 8), range(10, 17))
+    finally:
+        frozen.close()

@@ -222,5 +222,5 @@ class AttnPushReceiver(PushReceiver):
     def close(self) -> None:
         self._stop.set()
         self._poller.join(timeout=1)
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._shutdown_pools()
         self._client.close()
