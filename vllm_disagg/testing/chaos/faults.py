@@ -20,11 +20,11 @@ import signal
 import socket
 import threading
 import time
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from vllm_disagg.errors import DisaggError
+from vllm_disagg.testing.chaos.leaks import children, metrics
 from vllm_disagg.testing.fuzz import FuzzTarget, _stranger
 
 KINDS = ("kill", "stop", "stop_engine", "slow", "slow_link", "corrupt_link", "garbage_frames", "bad_http",
@@ -47,18 +47,6 @@ class Fault:
     def as_dict(self, t0: float) -> dict:
         return {"kind": self.kind, "target": self.target, "t_start_s": round(self.t_start - t0, 3),
                 "t_end_s": round(self.t_end - t0, 3), **self.detail}
-
-
-def children(pid: int) -> list[int]:
-    """Direct children of `pid` (from /proc)."""
-    out = []
-    try:
-        for task in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{task}/children") as f:
-                out += [int(c) for c in f.read().split()]
-    except OSError:
-        pass
-    return out
 
 
 def engine_core_pid(api_pid: int) -> int | None:
@@ -228,11 +216,9 @@ _BAD_BODIES = (b"{not json", b"[]", b'{"model": 1, "prompt": {"x": []}, "max_tok
 def _mismatches(url: str) -> float:
     """D's count of pushes whose checksums disagreed with P's (0 when D is down: a kill may overlap)."""
     try:
-        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
-            lines = resp.read().decode().splitlines()
+        return metrics(url, (_MISMATCHES,))[_MISMATCHES]
     except OSError:
         return 0.0
-    return sum(float(line.split()[-1]) for line in lines if line.startswith(_MISMATCHES))
 
 
 _MISMATCHES = "vllm:disagg_kv_checksum_mismatches_total"

@@ -19,7 +19,6 @@ import os
 import urllib.request
 
 from vllm_disagg.launch.shm_sweep import SEMAPHORE_PREFIX, mapped_by_any_process
-from vllm_disagg.testing.chaos.faults import children
 
 _SERVE_METRICS = ("vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting")
 _ATTN_METRICS = ("vllm:disagg_attention_sessions", "vllm:disagg_attention_queue_depth")
@@ -52,6 +51,18 @@ def blocks_over(snap: dict, base: dict | None) -> int:
     if grew <= 1e-9:
         return 0
     return max(1, round(grew * snap["num_gpu_blocks"])) if snap.get("num_gpu_blocks") else 1
+
+
+def children(pid: int) -> list[int]:
+    """Direct children of `pid` (from /proc)."""
+    out = []
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                out += [int(c) for c in f.read().split()]
+    except OSError:
+        pass
+    return out
 
 
 def group_pids(pgid: int) -> list[int]:
