@@ -173,6 +173,8 @@ def main() -> int:
     ap.add_argument("--stall-factor", type=float, default=None,
                     help="the routers' adaptive hang detection (router --stall-factor); default off")
     ap.add_argument("--stall-min-s", type=float, default=None, help="the adaptive limit's floor (router --stall-min-s)")
+    ap.add_argument("--stall-release-s", type=float, default=None,
+                    help="the soft limit's floor, past which not-started requests move (router --stall-release-s)")
     ap.add_argument("--fuzz-frames", type=int, default=10000,
                     help="per port, token holder's frames of every type (in process); 0 skips the fuzz phases")
     ap.add_argument("--deployment-fuzz-frames", type=int, default=2000,
@@ -204,7 +206,7 @@ def main() -> int:
     result: dict = {"benchmark": "chaos", "quick": quick, "loadavg_start": os.getloadavg(),
                     "topology": {"prefill": args.prefill, "decode": args.decode, "attention": 0 if quick else args.attention},
                     "router_stall": {"stall_timeout_s": stall_timeout_s, "stall_factor": args.stall_factor,
-                                     "stall_min_s": args.stall_min_s}}
+                                     "stall_min_s": args.stall_min_s, "stall_release_s": args.stall_release_s}}
     if args.fuzz_frames and not quick:
         result["fuzz_in_process"] = fuzz_in_process(args.fuzz_frames)
     if args.fuzz_only:
@@ -214,6 +216,7 @@ def main() -> int:
     dep = Deployment(workdir, path, num_attention=num_attention, num_prefill=args.prefill, num_decode=args.decode,
                      stall_timeout_s=stall_timeout_s,
                      stall_factor=args.stall_factor, stall_min_s=args.stall_min_s,
+                     stall_release_s=args.stall_release_s,
                      slow_link=not num_attention,  # the link of slow_link and corrupt_link is P -> D only
                      kv_verify=not num_attention,  # corrupt_link's flip must be caught
                      push_timeout_s=args.push_timeout_s)
@@ -243,6 +246,7 @@ def main() -> int:
             "p99_ttft_during_faults_with_a_serving_instance / p99_ttft_quiet", "num_faults")
     slow = result.get("slow_requests", [])
     print(json.dumps({**{k: result.get(k) for k in keys}, "router_cuts": len(result.get("router_cuts", [])),
+                      "router_suspects": len(result.get("router_suspects", [])),
                       "cuts_outside_faults": result.get("cuts_outside_faults"), "num_slow_requests": len(slow),
                       "slow_with_no_serving_instance": sum(s["no_serving_instance"] for s in slow)}, indent=1))
     return 0

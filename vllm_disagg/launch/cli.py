@@ -222,6 +222,7 @@ async def _up(args: argparse.Namespace) -> int:
                                               max_waiting=args.max_waiting,
                                               stall_timeout_s=args.stall_timeout_s,
                                               stall_factor=args.stall_factor, stall_min_s=args.stall_min_s,
+                                              stall_release_s=args.stall_release_s,
                                               api_keys=api_keys(args)),
                         SchedulerConfig(args.prefill_queue_threshold, args.decode_queue_threshold))
         server = RouterServer(router, "127.0.0.1", args.port)

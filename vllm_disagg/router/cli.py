@@ -87,6 +87,9 @@ def add_failover_args(g) -> None:
                    help="adaptive hang detection: cut an instance after this many times the step time its "
                         "/live expects (within --stall-min-s and --stall-timeout-s); off by default")
     g.add_argument("--stall-min-s", type=float, default=2.0, help="shortest adaptive stall limit")
+    g.add_argument("--stall-release-s", type=float, default=0.5,
+                   help="adaptive detection: past this without progress, move an instance's requests that "
+                        "showed the client nothing to an instance that steps (it is not cut)")
 
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
@@ -96,7 +99,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         health_interval_s=args.health_interval_s, replay_attempts=args.replay_attempts,
         replay_wait_s=args.replay_wait_s, admission_wait_s=args.admission_wait_s,
         max_waiting=args.max_waiting, stall_timeout_s=args.stall_timeout_s, stall_factor=args.stall_factor,
-        stall_min_s=args.stall_min_s, api_keys=api_keys(args),
+        stall_min_s=args.stall_min_s, stall_release_s=args.stall_release_s, api_keys=api_keys(args),
         dynamic_membership=getattr(args, "discovery", "static") != "static",
     )
 

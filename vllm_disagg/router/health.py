@@ -26,6 +26,8 @@ from vllm_disagg.router.pools import Instance, InstancePools
 
 logger = logging.getLogger(__name__)
 _LIVE_RECHECK_S = 60.0
+_PROBE_TIMEOUT_S = 0.25
+"""A suspicion probe's wait for `/live`: a local API server answers in milliseconds, a stopped one never."""
 
 
 class HealthChecker:
@@ -36,9 +38,12 @@ class HealthChecker:
         self.config = config
         self._tasks: list[asyncio.Task] = []
         self._polls: dict[str, asyncio.Task] = {}
+        self._probes: dict[str, asyncio.Task] = {}
         self._session: aiohttp.ClientSession | None = None
         self.on_stall: list = []
         """Callbacks `(instance, stalled_s)` when the watchdog cuts an instance (metrics)."""
+        self.on_suspect: list = []
+        """Callbacks `(instance)` when an instance turns suspect and another can take its requests."""
 
     async def start(self) -> None:
         timeout = aiohttp.ClientTimeout(total=self.config.health_timeout_s)
@@ -49,7 +54,7 @@ class HealthChecker:
                        asyncio.create_task(self._watchdog(), name="disagg-router-stall-watchdog")]
 
     async def stop(self) -> None:
-        tasks = [*self._tasks, *self._polls.values()]
+        tasks = [*self._tasks, *self._polls.values(), *self._probes.values()]
         for task in tasks:
             task.cancel()
         for task in tasks:
@@ -91,13 +96,25 @@ class HealthChecker:
         if not health:
             return False
         now = time.monotonic()
-        stalled = live.get("stalled_s") if live else None
-        if isinstance(stalled, (int, float)):
-            inst.last_progress = now - float(stalled)
-            inst.stall_limit_s = self.stall_limit(live.get("expected_step_s"))
+        stalled = self._take_report(inst, live, now)
+        if stalled is not None:
             return stalled <= self._limit_of(inst)
         inst.last_progress = now  # answering is all we can see of an instance that does not beat
         return True
+
+    def _take_report(self, inst: Instance, live: dict | None, now: float) -> float | None:
+        """Record a `/live` report (its `stalled_s`, None without one); one within the soft limit clears
+        a suspect instance."""
+        stalled = live.get("stalled_s") if live else None
+        if not isinstance(stalled, (int, float)):
+            return None
+        inst.last_progress = now - float(stalled)
+        inst.stall_limit_s = self.stall_limit(live.get("expected_step_s"))
+        inst.release_limit_s = self.release_limit(live.get("expected_step_s"))
+        if (inst.release_limit_s is None or stalled <= inst.release_limit_s) and \
+                self.pools.set_suspect(inst.instance_id, False):
+            logger.info("instance %s (%s) makes progress again", inst.url, inst.pool.value)
+        return float(stalled)
 
     def stall_limit(self, expected_step_s: object) -> float | None:
         """The adaptive stall limit for an instance reporting `expected_step_s` (None: the fixed one)."""
@@ -105,6 +122,13 @@ class HealthChecker:
         if factor is None or not isinstance(expected_step_s, (int, float)) or expected_step_s <= 0:
             return None
         return min(self.config.stall_timeout_s, max(self.config.stall_min_s, factor * float(expected_step_s)))
+
+    def release_limit(self, expected_step_s: object) -> float | None:
+        """The soft limit past which an instance is suspect (None: adaptive detection is off)."""
+        limit = self.stall_limit(expected_step_s)
+        if limit is None:
+            return None
+        return min(limit, max(self.config.stall_release_s, self.config.stall_factor * float(expected_step_s)))
 
     def _limit_of(self, inst: Instance) -> float:
         return inst.stall_limit_s or self.config.stall_timeout_s
@@ -156,23 +180,65 @@ class HealthChecker:
 
     # ------------------------------------------------------------- stall watchdog
     async def _watchdog(self) -> None:
-        period = min(0.5, self.config.stall_timeout_s / 4)
+        period = 0.1 if self.config.stall_factor else min(0.5, self.config.stall_timeout_s / 4)
         while True:
             await asyncio.sleep(period)
             self.check_stalls(time.monotonic())
 
     def check_stalls(self, now: float) -> list[Instance]:
-        """Drop every routable instance that has requests booked and no progress for stall_timeout_s."""
+        """Drop every routable instance that has requests booked and no progress past its stall limit;
+        mark one past its soft limit suspect. An instance owes progress only since it last had nothing
+        booked: an idle one polled a while ago is not stalled."""
         cut = []
         for inst in list(self.pools.instances.values()):
             num = self.pools.num_booked(inst.instance_id)
-            stalled = now - inst.last_progress
+            if not num:
+                inst.idle_at = now
+            stalled = now - max(inst.last_progress, inst.idle_at)
+            if not self.pools.is_healthy(inst.instance_id):
+                continue
             limit = self._limit_of(inst)
-            if num and stalled > limit and self.pools.is_healthy(inst.instance_id):
+            if num and stalled > limit:
                 why = (f"adaptive limit {limit:.1f} s" if inst.stall_limit_s
                        else f"--stall-timeout-s {self.config.stall_timeout_s:g}")
                 self.drop(inst, f"no progress for {stalled:.1f} s with {num} requests on it ({why})")
                 for callback in self.on_stall:
                     callback(inst, stalled)
                 cut.append(inst)
+            elif num and inst.release_limit_s is not None and stalled > inst.release_limit_s:
+                self._probe_soon(inst)
         return cut
+
+    # ------------------------------------------------------------- suspicion
+    def _probe_soon(self, inst: Instance) -> None:
+        """The router has seen no progress past the soft limit: ask `/live` now rather than act on an
+        extrapolation (a busy prefill instance shows nothing between polls)."""
+        task = self._probes.get(inst.instance_id)
+        if not self.pools.is_suspect(inst.instance_id) and (task is None or task.done()):
+            self._probes[inst.instance_id] = asyncio.create_task(self._probe(inst))
+
+    async def _probe(self, inst: Instance) -> None:
+        try:
+            timeout = aiohttp.ClientTimeout(total=_PROBE_TIMEOUT_S)
+            async with self._session.get(f"{inst.url}/live", timeout=timeout) as resp:
+                live = await resp.json(content_type=None) if resp.status == 200 else None
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
+            self.suspect(inst, f"no /live answer within {_PROBE_TIMEOUT_S:g} s")
+            return
+        stalled = self._take_report(inst, live if isinstance(live, dict) else None, time.monotonic())
+        if stalled is not None and inst.release_limit_s is not None and stalled > inst.release_limit_s:
+            self.suspect(inst, f"its engine owes progress for {stalled:.2f} s")
+
+    def suspect(self, inst: Instance, why: str) -> None:
+        """Mark `inst` suspect (new requests avoid it) and move its requests that showed the client
+        nothing to an instance that steps, if one can take them; it stays in routing."""
+        if not self.pools.is_healthy(inst.instance_id) or not self.pools.set_suspect(inst.instance_id, True):
+            return
+        movable = self.pools.has_alternative(inst)
+        logger.warning("instance %s (%s) is suspect: %s (soft limit %.2f s, %d requests on it)%s", inst.url,
+                       inst.pool.value, why, inst.release_limit_s or 0.0,
+                       len(self.pools.scheduler.requests_on(inst.instance_id)),
+                       ": moving those not started yet" if movable else "; no other instance can take them")
+        if movable:
+            for callback in self.on_suspect:
+                callback(inst)

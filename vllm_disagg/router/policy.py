@@ -52,6 +52,9 @@ class InstanceState:
     """Requests whose prefill is queued or running here."""
     num_decode_reqs: int = 0
     """Requests that will decode (or are decoding) here."""
+    suspect: bool = False
+    """Owes progress past its soft stall limit (router/health.py) but is not cut: chosen only when no
+    instance that shows progress can take the request (the simulator never sets it)."""
 
     @property
     def num_pending_tokens(self) -> int:
@@ -125,7 +128,7 @@ class ClusterScheduler:
         """Drop an instance from routing. Returns the req_ids that were on it;
         Splitwise §IV-E restarts them from scratch (caller calls `pick` again)."""
         inst = self.instances[instance_id]
-        inst.healthy = False
+        inst.healthy = inst.suspect = False
         lost = [rid for rid, a in self._assignments.items()
                 if instance_id in (a.decision.prefill, a.decision.decode)]
         for rid in lost:
@@ -134,8 +137,14 @@ class ClusterScheduler:
         self._notify(instance_id, False, lost)
         return lost
 
+    def requests_on(self, instance_id: str) -> list[str]:
+        """The req_ids whose unfinished prefill, or whose decode, is booked on this instance."""
+        return [rid for rid, a in self._assignments.items()
+                if a.decision.decode == instance_id or (a.decision.prefill == instance_id and not a.prefill_done)]
+
     def mark_healthy(self, instance_id: str) -> None:
-        self.instances[instance_id].healthy = True
+        inst = self.instances[instance_id]
+        inst.healthy, inst.suspect = True, False
         self._notify(instance_id, True, [])
 
     def _notify(self, instance_id: str, healthy: bool, lost: list[str]) -> None:
@@ -223,7 +232,7 @@ class ClusterScheduler:
     @staticmethod
     def _jsq(cands: list[InstanceState]) -> InstanceState | None:
         # min() keeps registration order on ties: deterministic routing.
-        return min(cands, key=lambda i: i.num_pending_tokens, default=None)
+        return min(cands, key=lambda i: (i.suspect, i.num_pending_tokens), default=None)
 
     def _choose_prefill(self, num_tokens: int) -> tuple[InstanceState, bool]:
         limit = self.config.prefill_queue_threshold

@@ -35,6 +35,10 @@ class Instance:
     """Monotonic time the instance last showed progress (a good poll, its engine's step, a relayed token)."""
     stall_limit_s: float | None = None
     """This instance's adaptive stall limit from its last `/live` (None: `stall_timeout_s`)."""
+    release_limit_s: float | None = None
+    """Its soft stall limit: past it the instance is suspect (None: adaptive detection is off)."""
+    idle_at: float = 0.0
+    """Monotonic time the stall watchdog last saw nothing booked here: it owes no progress before."""
     has_live: bool | None = None
     """Whether it serves `/live` (vllm_disagg/liveness.py); None until asked."""
     live_asked_at: float = 0.0
@@ -133,6 +137,24 @@ class InstancePools:
         """Requests whose prefill or decode the router booked on this instance and that are not over."""
         state = self.scheduler.instances.get(instance_id)
         return 0 if state is None else state.num_prefill_reqs + state.num_decode_reqs
+
+    def set_suspect(self, instance_id: str, suspect: bool) -> bool:
+        """Mark an instance that owes progress past its soft limit; True when that changed."""
+        state = self.scheduler.instances.get(instance_id)
+        if state is None or state.suspect == suspect:
+            return False
+        state.suspect = suspect
+        return True
+
+    def is_suspect(self, instance_id: str) -> bool:
+        state = self.scheduler.instances.get(instance_id)
+        return state is not None and state.suspect
+
+    def has_alternative(self, inst: Instance) -> bool:
+        """Another healthy instance that shows progress could take this one's requests."""
+        pools = {inst.pool, Pool.MIXED} if inst.pool is Pool.PREFILL else {inst.pool}
+        return any(s.healthy and not s.suspect and s.pool in pools and iid != inst.instance_id
+                   for iid, s in self.scheduler.instances.items())
 
     def is_healthy(self, instance_id: str) -> bool:
         return self.scheduler.instances[instance_id].healthy

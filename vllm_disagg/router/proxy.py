@@ -64,10 +64,12 @@ class Proxy:
         )
         self._joined = asyncio.Event()  # replaced after each set: waiters hold the one they saw
         self.cuts: dict[str, Callable[[str], None]] = {}  # req_id -> cut its attempt (instance left)
+        self.releases: dict[str, Callable[[str], None]] = {}  # req_id -> move it if not started (suspect)
         self.num_waiting = 0  # new requests waiting for admission (bounded by max_waiting)
         self.push_cancel = PushCanceller(config.auth_token) if config.auth_token else None
         """CANCELs pushes whose decode half was given up after P answered (None: no shared token here)."""
         pools.scheduler.listeners.append(self._on_membership)
+        health.on_suspect.append(self._on_suspect)
 
     async def start(self) -> None:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.config.connect_timeout_s,
@@ -131,6 +133,14 @@ class Proxy:
             cut = self.cuts.get(req_id)
             if cut is not None:
                 cut(instance_id)
+
+    def _on_suspect(self, inst: Instance) -> None:
+        """Health callback: `inst` owes progress past its soft limit and another instance can take
+        its requests; those that showed the client nothing are replayed there now."""
+        for req_id in self.pools.scheduler.requests_on(inst.instance_id):
+            release = self.releases.get(req_id)
+            if release is not None:
+                release(inst.instance_id)
 
     async def route_when_ready(self, request: web.Request, estimates: Callable[[], tuple[int, int]],
                                allow_pd: bool, wait_s: float,

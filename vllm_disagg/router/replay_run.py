@@ -67,6 +67,7 @@ class ReplayRun:
         self._first = True
         self._cut_from: str | None = None  # the instance the current attempt was cut from
         self._cut_exc: ConnectionResetError | None = None  # what the cut made its response read raise
+        self._cut_reason = "left_routing"  # or "stalled_release": moved off a suspect instance, not cut
         self._target: Instance | None = None  # the current attempt's instance
         self._prefill: Instance | None = None  # ... and its prefill instance (push path)
         self._attempt_tokens = 0  # ... and the tokens it relayed
@@ -97,17 +98,20 @@ class ReplayRun:
                     return self.p.no_route_response(self.endpoint, why)
                 break
             self.p.cuts[route.req_id] = self._cut
+            self.p.releases[route.req_id] = self._release
             try:
                 return await self._attempt(route)
             except _AttemptFailed as exc:
                 last = exc
                 if self._cut_exc is not None and exc.__cause__ is self._cut_exc:  # failed by our cut, not on its own
-                    last = exc = _AttemptFailed("left_routing", exc.instance, "left routing mid-answer")
+                    last = exc = _AttemptFailed(self._cut_reason, exc.instance, "left routing mid-answer")
                 if exc.reason in _INSTANCE_GONE:  # one that still answers (5xx, error event) stays routable
                     self.p.health.drop(exc.instance, str(exc))
             finally:
                 self.p.cuts.pop(route.req_id, None)
+                self.p.releases.pop(route.req_id, None)
                 self._cut_from = self._cut_exc = self._target = self._post = self._resp = None
+                self._cut_reason = "left_routing"
                 self._prefill = self._p_task = None
                 self._attempt_tokens = 0
                 self.p.pools.done(route.req_id)
@@ -128,7 +132,7 @@ class ReplayRun:
         self._next_ping = time.monotonic() + self._KEEPALIVE_S
         return await self._write(b": waiting for a healthy instance to replay on\n\n")
 
-    def _cut(self, instance_id: str) -> None:
+    def _cut(self, instance_id: str, reason: str = "left_routing") -> None:
         """The current attempt's instance left routing: fail the attempt now (it is replayed). So does
         its prefill instance (stuck, or dead) while nothing of this attempt reached the client: D would
         wait up to push_timeout_s for that push; the replay goes to a route without it."""
@@ -138,14 +142,22 @@ class ReplayRun:
         if route_target.instance_id != instance_id:
             if pre is None or pre.instance_id != instance_id or self._attempt_tokens or self._p_answered():
                 return  # its prefill left after the push: D has the KV (or recomputes), the attempt goes on
-        self._cut_from = instance_id
-        logger.warning("cutting a %s request off %s: %s left routing", self.endpoint, route_target.url,
-                       "it" if route_target.instance_id == instance_id else f"its prefill instance {pre.url}")
+        self._cut_from, self._cut_reason = instance_id, reason
+        logger.warning("%s a %s request off %s: %s", "cutting" if reason == "left_routing" else "moving",
+                       self.endpoint, route_target.url,
+                       ("it" if route_target.instance_id == instance_id else f"its prefill instance {pre.url}")
+                       + (" left routing" if reason == "left_routing" else " owes progress past its soft limit"))
         if self._resp is not None:  # an attempt that already failed on its own keeps its own reason
             self._cut_exc = ConnectionResetError(f"{route_target.url} left routing")
             self._resp.content.set_exception(self._cut_exc)
         elif self._post is not None:
             self._post.cancel()
+
+    def _release(self, instance_id: str) -> None:
+        """The attempt's instance is suspect (router/health.py): move the request while the client has
+        seen none of its tokens, so the replay costs a re-prefill and no stitching."""
+        if self._first and not self._attempt_tokens:
+            self._cut(instance_id, "stalled_release")
 
     def _p_answered(self) -> bool:
         return self._p_task is not None and self._p_task.done()
@@ -179,11 +191,11 @@ class ReplayRun:
             reason = "connect" if isinstance(exc, aiohttp.ClientConnectorError) else "no_answer"
             raise _AttemptFailed(reason, target, repr(exc)) from exc
         if resp is None:
-            raise _AttemptFailed("left_routing", target, "left routing before it answered")
+            raise _AttemptFailed(self._cut_reason, target, "left routing before it answered")
         self._resp = resp
         if self._cut_from is not None:  # cut between the headers and here
             resp.close()
-            raise _AttemptFailed("left_routing", target, "left routing before it answered")
+            raise _AttemptFailed(self._cut_reason, target, "left routing before it answered")
         try:
             if resp.status >= 500:
                 raise _AttemptFailed("http_5xx", target, f"HTTP {resp.status} {(await _read(resp, target))[:300]!r}")

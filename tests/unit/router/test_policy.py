@@ -147,3 +147,18 @@ def test_listeners_hear_joins_returns_and_departures_with_the_requests_booked_th
     cls.mark_unhealthy("d0")
     cls.mark_healthy("d0")
     assert heard == [("p0", True, []), ("d0", True, []), ("d0", False, ["a", "b"]), ("d0", True, [])]
+
+
+def test_a_suspect_instance_is_chosen_only_when_no_other_of_its_pool_can_take_the_request():
+    cls = _cls()
+    cls.pick("a", 100, 10)  # p0 and d0 now carry load; p1 and d1 are idle
+    cls.instances["p1"].suspect = cls.instances["d1"].suspect = True
+    b = cls.pick("b", 100, 10)
+    assert (b.prefill, b.decode) == ("p0", "d0")  # loaded, but showing progress
+    assert sorted(cls.requests_on("d0")) == ["a", "b"] and cls.requests_on("p1") == []
+    cls.on_prefill_done("a")
+    assert cls.requests_on("p0") == ["b"]  # a's prefill is over: it is D's now
+    cls.mark_unhealthy("p0")
+    assert cls.pick("c", 100, 10).prefill == "p1"  # the only one left, suspect or not
+    cls.mark_healthy("p0")
+    assert not cls.instances["p0"].suspect

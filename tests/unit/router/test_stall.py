@@ -12,9 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
-from test_admission import _until
+from test_admission import _expected, _replay_reasons, _stream_ids, _until
 from test_router_proxy import _post, deployment, run
+
+from vllm_disagg.router.config import RouterConfig
+from vllm_disagg.router.server import Router
 
 NOT_REPLAYABLE = {"model": "m", "prompt": [1, 2, 3], "n": 2, "max_tokens": 3, "temperature": 0}  # never replayed
 
@@ -73,4 +77,44 @@ def test_past_max_waiting_a_new_request_gets_503_with_retry_after_at_once():
             ds[0].healthy = True
             status, _, _ = await asyncio.wait_for(waiting, 10)
             assert status == 200 and router.proxy.num_waiting == 0
+    run(scenario())
+
+
+def test_an_idle_instance_polled_long_ago_owes_progress_only_from_its_first_booking():
+    """The watchdog extrapolates from the last poll; an instance that had nothing to do since then is
+    not stalled the moment a request lands on it (with 1 s polls and a 1 s limit it was cut at once)."""
+    config = RouterConfig(mixed_urls=["http://127.0.0.1:1"], stall_timeout_s=0.5)
+    router = Router(config)
+    inst = router.pools.instances["http://127.0.0.1:1"]
+    now = time.monotonic()
+    inst.last_progress = now - 5.0  # its last good poll, 5 s ago
+    assert router.health.check_stalls(now) == []  # idle: owes nothing
+    router.pools.route(10, 5)
+    assert router.health.check_stalls(now + 0.3) == []
+    assert router.health.check_stalls(now + 0.7) == [inst]
+
+
+def test_a_request_on_a_suspect_instance_moves_before_its_first_token_and_the_instance_stays():
+    """m0 steps every 50 ms, then owes progress for 1 s: past the soft limit (0.3 s) its request, which
+    showed the client nothing, is replayed on m1 while m0 stays in routing (its stall limit is 20 s);
+    a new request avoids m0 while it is suspect, and m0 is trusted again once it steps."""
+    async def scenario():
+        async with deployment(p_modes=(), d_modes=(), mixed_modes=("stall", "ok"), health_interval_s=0.1,
+                              stall_timeout_s=20, stall_factor=5, stall_min_s=20, stall_release_s=0.3) as (
+                url, session, _, _d, ms, router):
+            ms[0].live_expected_step_s = 0.05
+            await asyncio.sleep(0.3)
+            body = {"model": "m", "prompt": [4, 2], "max_tokens": 3, "stream": True, "return_token_ids": True}
+            task = asyncio.create_task(_post(session, url, body))
+            await _until(lambda: len(ms[0].bodies) == 1)
+            ms[0].live_stalled_s = 1.0
+            status, _, raw = await asyncio.wait_for(task, 5)
+            assert status == 200 and _stream_ids(raw) == _expected([4, 2], 3) and len(ms[1].bodies) == 1
+            assert 'reason="stalled_release"' in _replay_reasons(router)
+            assert router.pools.is_healthy(ms[0].url)  # moved off, not cut
+            assert router.pools.is_suspect(ms[0].url)  # its engine still reports the stall
+            status, _, raw = await asyncio.wait_for(_post(session, url, body), 5)
+            assert status == 200 and len(ms[0].bodies) == 1 and len(ms[1].bodies) == 2  # avoided m0
+            ms[0].live_stalled_s = 0.0  # it steps again
+            await _until(lambda: not router.pools.is_suspect(ms[0].url))
     run(scenario())

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from vllm_disagg.testing.chaos import leaks
 from vllm_disagg.testing.chaos.clients import ChaosClients
-from vllm_disagg.testing.chaos.cuts import cuts_outside_faults, router_cuts, slow_requests
+from vllm_disagg.testing.chaos.cuts import cuts_outside_faults, router_cuts, router_suspects, slow_requests
 from vllm_disagg.testing.chaos.faults import KINDS, LINK_KINDS, Fault, FaultInjector, signal_group
 from vllm_disagg.testing.chaos.workload import References, schedule
 from vllm_disagg.testing.throttle import ThrottledProxy
@@ -80,6 +80,8 @@ class Deployment:
     """The routers' `--stall-factor` (adaptive hang detection); None: the fixed stall_timeout_s only."""
     stall_min_s: float | None = None
     """The routers' `--stall-min-s` (the adaptive limit's floor); None: the router's default."""
+    stall_release_s: float | None = None
+    """The routers' `--stall-release-s` (the soft limit's floor); None: the router's default."""
     engine_args: list[str] = field(default_factory=lambda: list(ENGINE_ARGS))
     token: str = field(default_factory=lambda: secrets.token_hex(16))
     up: subprocess.Popen | None = None
@@ -155,6 +157,8 @@ class Deployment:
             cmd += ["--stall-factor", str(self.stall_factor)]
         if self.stall_min_s is not None:
             cmd += ["--stall-min-s", str(self.stall_min_s)]
+        if self.stall_release_s is not None:
+            cmd += ["--stall-release-s", str(self.stall_release_s)]
         if self.push_timeout_s:
             cmd += ["--push-timeout-s", str(self.push_timeout_s)]  # the routers hand it to D per request
         for inst in state["instances"]:
@@ -393,6 +397,8 @@ def run_campaign(dep: Deployment, refs: References, cfg: CampaignConfig, log=pri
     result = report(clients.outcomes, faults, base, end, t0, cfg, load_avg, healthy)
     result["router_cuts"] = router_cuts([dep.workdir / f"{r['name']}.log" for r in dep.routers], t0_wall)
     result["cuts_outside_faults"] = cuts_outside_faults(result["router_cuts"], result["faults"])
+    result["router_suspects"] = router_suspects([dep.workdir / f"{r['name']}.log" for r in dep.routers], t0_wall)
+    result["suspects_outside_faults"] = cuts_outside_faults(result["router_suspects"], result["faults"])
     _explain_slow(result, [i["name"] for i in dep.instances() if i["role"] in ("prefill", "decode", "mixed")])
     return result
 

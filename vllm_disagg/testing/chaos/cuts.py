@@ -16,6 +16,8 @@ from pathlib import Path
 
 _CUT = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) WARNING vllm_disagg\.router\.health: dropping instance "
                   r"(\S+) \((\w+)\) from its pool: no progress for ([\d.]+) s")
+_SUSPECT = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) WARNING vllm_disagg\.router\.health: instance "
+                      r"(\S+) \((\w+)\) is suspect: .* \(soft limit ([\d.]+) s, (\d+) requests on it\)")
 PROCESS_FAULTS = ("kill", "stop", "stop_engine", "slow")
 """Faults that hold an instance's progress up; a cut while none runs is a false cut."""
 KILL_AFTERMATH_S = 60.0
@@ -25,20 +27,30 @@ restart is done (30-60 s for a vLLM instance here): its window runs this long.""
 
 def router_cuts(log_paths: list[Path], t0_wall: float) -> list[dict]:
     """Every stall cut in the routers' logs, in seconds since the load started (`t0_wall`, time.time())."""
-    cuts = []
+    return _events(log_paths, t0_wall, _CUT, lambda m: {"stalled_s": float(m[5])})
+
+
+def router_suspects(log_paths: list[Path], t0_wall: float) -> list[dict]:
+    """Every instance the routers marked suspect (and moved not-started requests off), like `router_cuts`;
+    `stalled_s` is the soft limit it passed."""
+    return _events(log_paths, t0_wall, _SUSPECT, lambda m: {"stalled_s": float(m[5]), "num_requests": int(m[6])})
+
+
+def _events(log_paths: list[Path], t0_wall: float, pattern: re.Pattern, fields) -> list[dict]:
+    events = []
     for path in log_paths:
         try:
             lines = path.read_text(errors="replace").splitlines()
         except OSError:
             continue
         for line in lines:
-            m = _CUT.match(line)
+            m = pattern.match(line)
             if m is None:
                 continue
             wall = datetime.datetime.strptime(m[1], "%Y-%m-%d %H:%M:%S").timestamp() + int(m[2]) / 1000
-            cuts.append({"t_s": round(wall - t0_wall, 3), "router": path.stem, "instance": m[3], "role": m[4],
-                         "stalled_s": float(m[5])})
-    return sorted(cuts, key=lambda c: c["t_s"])
+            events.append({"t_s": round(wall - t0_wall, 3), "router": path.stem, "instance": m[3], "role": m[4],
+                           **fields(m)})
+    return sorted(events, key=lambda c: c["t_s"])
 
 
 def _held(fault: dict, slack_s: float = 0.0) -> tuple[float, float]:
