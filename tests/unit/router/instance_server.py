@@ -32,6 +32,8 @@ class InstanceServer:
         """What GET /live reports as `stalled_s` (vllm_disagg/liveness.py); None: no /live (404)."""
         self.live_expected_step_s: float | None = None
         """What GET /live reports as `expected_step_s` (the engine's expected step time)."""
+        self.frozen = False
+        """/health and /live never answer (a SIGSTOPped API server)."""
         self.app = web.Application()
         self.app.add_routes([
             web.post("/v1/completions", self._generate),
@@ -63,9 +65,13 @@ class InstanceServer:
         await self._runner.cleanup()
 
     async def _health(self, _req: web.Request) -> web.Response:
+        while self.frozen:
+            await asyncio.sleep(0.05)
         return web.Response(status=200 if self.healthy else 503)
 
     async def _live(self, _req: web.Request) -> web.Response:
+        while self.frozen:
+            await asyncio.sleep(0.05)
         if self.live_stalled_s is None:
             return web.Response(status=404)
         return web.json_response({"live": self.live_stalled_s < 10, "stalled_s": self.live_stalled_s,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import datetime
 
-from vllm_disagg.testing.chaos.cuts import cuts_outside_faults, router_cuts, slow_requests
+from vllm_disagg.testing.chaos.cuts import cuts_outside_faults, router_cuts, router_suspects, slow_requests
 
 T0 = datetime.datetime(2026, 11, 27, 0, 0, 0).timestamp()
 
@@ -34,6 +34,23 @@ def test_cuts_are_read_from_every_router_and_checked_against_process_faults(tmp_
         (12.4, "router-0", "decode", 2.4), (12.6, "router-1", "decode", 2.6),
         (45.0, "router-0", "decode", 2.1), (200.0, "router-0", "prefill", 2.2)]
     assert [c["t_s"] for c in cuts_outside_faults(cuts, faults)] == [200.0]  # bad HTTP holds nothing up
+
+
+def test_suspect_marks_are_read_like_cuts_with_the_soft_limit_as_their_stall(tmp_path):
+    wall = datetime.datetime.fromtimestamp(T0 + 64.5)
+    stamp = f"{wall:%Y-%m-%d %H:%M:%S},{wall.microsecond // 1000:03d}"
+    (tmp_path / "router-0.log").write_text("\n".join([
+        f"{stamp} WARNING vllm_disagg.router.health: instance http://d (decode) is suspect: its engine owes "
+        "progress for 0.61 s (soft limit 0.50 s, 2 requests on it): moving those not started yet",
+        f"{stamp} WARNING vllm_disagg.router.health: instance http://p (prefill) is suspect: no /live answer "
+        "within 0.25 s (soft limit 0.75 s, 1 requests on it); no other instance can take them",
+        _line(70.0, "http://d", "decode", 1.4),  # a cut is not a suspect mark
+    ]))
+    marks = router_suspects([tmp_path / "router-0.log"], T0)
+    assert [(m["t_s"], m["role"], m["stalled_s"], m["num_requests"]) for m in marks] == [
+        (64.5, "decode", 0.5, 2), (64.5, "prefill", 0.75, 1)]
+    faults = [{"kind": "stop_engine", "target": "decode0", "t_start_s": 63.0, "t_end_s": 70.0}]
+    assert len(cuts_outside_faults(marks, faults)) == 0 and len(cuts_outside_faults(marks, [])) == 2
 
 
 def test_slow_requests_name_their_faults_and_whether_any_instance_could_serve():
