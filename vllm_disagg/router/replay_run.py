@@ -176,7 +176,7 @@ class ReplayRun:
         try:
             with spans.phase("router.decode", instance=route.target.url, route=route.kind):
                 out = await self._relay(route, d_body, endpoint)
-            ok = True
+            ok = out.status == 200 and not out.get(FAILED, False)  # D refused it (4xx): P's push is orphaned
             return out
         finally:
             await self.p.end_prefill(p_task, ok, d_body)

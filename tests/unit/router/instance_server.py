@@ -100,6 +100,8 @@ class InstanceServer:
             return web.json_response({"error": {"message": "boom", "code": 500}}, status=500)
         if self.mode == "stall":
             await asyncio.sleep(3600)
+        if self.mode == "reject":  # vLLM's validation error, e.g. max_tokens past the model's length
+            return web.json_response({"error": {"message": "max_tokens is too large", "code": 400}}, status=400)
         context = prompt_ids(body)
         n = min(self.num_tokens, body.get("max_tokens") or self.num_tokens)
         tokens = []

@@ -154,3 +154,26 @@ def test_the_router_cancels_the_push_of_a_decode_half_it_cut_after_prefill_answe
         run(scenario())
     finally:
         sender.close()
+
+
+def test_the_router_cancels_the_push_of_a_request_the_decode_instance_refused(monkeypatch):
+    """P prefilled the prompt and waits for D, but D answers 400 (the chaos soak's bad HTTP: max_tokens
+    past the model's length passes P, which generates one token, and fails D's validation). P held
+    the blocks for its 30 s push timeout; now the router CANCELs the push."""
+    monkeypatch.setenv("VLLM_DISAGG_AUTH_TOKEN", "tok")
+    sender = _prefill_side_channel()
+
+    async def scenario():
+        async with deployment(p_modes=("ok",), d_modes=("reject",), prefill_kv=[sender.address],
+                              health_interval_s=0.1) as (url, session, ps, ds, _, router):
+            for stream in (False, True):
+                status, _, _ = await asyncio.wait_for(_post(session, url, {
+                    "model": "m", "prompt": [1, 2, 3], "max_tokens": 3, "stream": stream}), 10)
+                assert status == 400
+                transfer_id = ds[0].bodies[-1]["kv_transfer_params"]["transfer_id"]
+                await _until(lambda tid=transfer_id: tid in sender.plan.cancelled)
+                assert "router gave up" in sender.plan.cancelled[transfer_id][0]
+    try:
+        run(scenario())
+    finally:
+        sender.close()
