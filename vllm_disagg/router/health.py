@@ -124,10 +124,15 @@ class HealthChecker:
         return min(self.config.stall_timeout_s, max(self.config.stall_min_s, factor * float(expected_step_s)))
 
     def release_limit(self, expected_step_s: object) -> float | None:
-        """The soft limit past which an instance is suspect (None: adaptive detection is off)."""
+        """The soft limit past which an instance is suspect (None: adaptive detection is off). An
+        engine with too few steps for `expected_step_s` (just restarted) gets the adaptive floor: the
+        cut waits for `stall_timeout_s` there, and a restarted instance stopped again kept a request
+        4.4 s in the seed-1 soak; a false mark costs a re-prefill, not the instance."""
+        if self.config.stall_factor is None:
+            return None
         limit = self.stall_limit(expected_step_s)
         if limit is None:
-            return None
+            return min(self.config.stall_timeout_s, max(self.config.stall_release_s, self.config.stall_min_s))
         return min(limit, max(self.config.stall_release_s, self.config.stall_factor * float(expected_step_s)))
 
     def _limit_of(self, inst: Instance) -> float:

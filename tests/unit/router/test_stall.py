@@ -140,3 +140,23 @@ def test_an_instance_whose_live_endpoint_stops_answering_is_suspect_within_the_p
             assert 'reason="stalled_release"' in _replay_reasons(router)
             ms[0].frozen = False
     run(scenario())
+
+
+def test_a_just_restarted_instance_with_no_expected_step_is_suspect_at_the_adaptive_floor():
+    """/live has no `expected_step_s` yet (too few steps since a restart): the cut waits for the fixed
+    limit, but the soft limit falls back to `--stall-min-s`, so a request there moves in about that."""
+    async def scenario():
+        async with deployment(p_modes=(), d_modes=(), mixed_modes=("stall", "ok"), health_interval_s=0.1,
+                              stall_timeout_s=20, stall_factor=5, stall_min_s=0.6, stall_release_s=0.3) as (
+                url, session, _, _d, ms, router):
+            await asyncio.sleep(0.3)
+            body = {"model": "m", "prompt": [4, 2], "max_tokens": 3, "return_token_ids": True}
+            task = asyncio.create_task(_post(session, url, body))
+            await _until(lambda: len(ms[0].bodies) == 1)
+            ms[0].live_stalled_s = 1.0
+            t0 = asyncio.get_running_loop().time()
+            status, _, raw = await asyncio.wait_for(task, 5)
+            assert status == 200 and json.loads(raw)["choices"][0]["token_ids"] == _expected([4, 2], 3)
+            assert asyncio.get_running_loop().time() - t0 < 2.0 and router.pools.is_healthy(ms[0].url)
+            assert 'reason="stalled_release"' in _replay_reasons(router)
+    run(scenario())
