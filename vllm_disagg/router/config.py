@@ -79,8 +79,8 @@ class RouterConfig(BaseModel):
     """The shortest adaptive stall limit (scheduling noise on a loaded host stays below it)."""
     stall_release_s: float = Field(0.5, gt=0)
     """With adaptive detection: an instance with requests on it that owes progress past this (and past
-    `stall_factor` times its expected step) is suspect. New requests avoid it while another instance of
-    its pool shows progress, and its requests that have shown the client nothing yet are moved there
+    `stall_factor` times its expected step) is suspect. New requests avoid it while another instance
+    shows progress, and its requests that have shown the client nothing yet are moved there
     at once; it stays in routing, and is cut only at its stall limit. A false alarm costs those
     requests a re-prefill, not the instance."""
     max_waiting: int = Field(256, ge=0)

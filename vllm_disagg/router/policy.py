@@ -240,6 +240,8 @@ class ClusterScheduler:
         # pool; baseline (MIXED) machines take prompts directly.
         home = self._healthy(Pool.PREFILL) + self._healthy(Pool.MIXED)
         best = self._jsq(home)
+        if best is not None and best.suspect and (steady := self._steady(Pool.DECODE, lambda i: True)):
+            return steady
         if best is not None and (limit is None or best.pool is Pool.MIXED
                                  or best.num_pending_prefill_tokens < limit):
             return best, False
@@ -254,10 +256,22 @@ class ClusterScheduler:
         fits = lambda i: i.kv_fits(num_kv_tokens)  # noqa: E731
         home = [i for i in self._healthy(Pool.DECODE) if fits(i)]
         best = self._jsq(home)
+        if best is not None and best.suspect and (steady := self._steady(Pool.PREFILL, fits)):
+            return steady
         if best is not None and (limit is None or best.num_pending_decode_tokens < limit):
             return best, False
         return self._overflow(best, Pool.PREFILL, limit, lambda i: i.num_pending_decode_tokens,
                               fits)
+
+    def _steady(self, opposite: Pool, fits) -> tuple[InstanceState, bool] | None:
+        """Every home instance is suspect (owes progress): borrow one of the opposite pool, or a
+        mixed one, that shows progress; it serves the request whole. None: all are suspect."""
+        cand = self._jsq([i for i in self._healthy(opposite) + self._mixed_pool() if not i.suspect and fits(i)])
+        if cand is None:
+            return None
+        if cand.pool is opposite:
+            cand.in_mixed_pool = True
+        return cand, cand.pool is opposite
 
     def _overflow(self, best, opposite: Pool, limit, load, fits) -> tuple[InstanceState, bool]:
         """Splitwise §IV-A overflow: mixed pool first, then borrow from the

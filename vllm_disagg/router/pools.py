@@ -151,9 +151,9 @@ class InstancePools:
         return state is not None and state.suspect
 
     def has_alternative(self, inst: Instance) -> bool:
-        """Another healthy instance that shows progress could take this one's requests."""
-        pools = {inst.pool, Pool.MIXED} if inst.pool is Pool.PREFILL else {inst.pool}
-        return any(s.healthy and not s.suspect and s.pool in pools and iid != inst.instance_id
+        """Another healthy instance that shows progress could take this one's requests (one of the
+        other pool serves a request whole, policy.ClusterScheduler._steady)."""
+        return any(s.healthy and not s.suspect and iid != inst.instance_id
                    for iid, s in self.scheduler.instances.items())
 
     def is_healthy(self, instance_id: str) -> bool:

@@ -159,6 +159,11 @@ def test_a_suspect_instance_is_chosen_only_when_no_other_of_its_pool_can_take_th
     cls.on_prefill_done("a")
     assert cls.requests_on("p0") == ["b"]  # a's prefill is over: it is D's now
     cls.mark_unhealthy("p0")
-    assert cls.pick("c", 100, 10).prefill == "p1"  # the only one left, suspect or not
+    c = cls.pick("c", 100, 10)  # the only prefill instance left is suspect: d0 steps, and takes it whole
+    assert (c.prefill, c.decode) == ("d0", "d0") and c.colocated
+    cls.instances["d0"].suspect = True
+    assert cls.pick("d", 100, 10).prefill == "p1"  # every instance is suspect: the least loaded home one
     cls.mark_healthy("p0")
     assert not cls.instances["p0"].suspect
+    e = cls.pick("e", 100, 10)  # every decode instance is suspect: a prefill instance that steps decodes
+    assert e.decode == e.prefill == "p0"

@@ -160,3 +160,18 @@ def test_a_just_restarted_instance_with_no_expected_step_is_suspect_at_the_adapt
             assert asyncio.get_running_loop().time() - t0 < 2.0 and router.pools.is_healthy(ms[0].url)
             assert 'reason="stalled_release"' in _replay_reasons(router)
     run(scenario())
+
+
+def test_while_the_only_prefill_instance_is_suspect_decode_serves_new_requests_whole():
+    async def scenario():
+        async with deployment(p_modes=("ok",), d_modes=("ok",), health_interval_s=30, stall_factor=5) as (
+                url, session, ps, ds, _, router):  # no poll in the test's time: one would clear the mark
+            router.pools.set_suspect(ps[0].url, True)  # as health.suspect() leaves it
+            status, _, raw = await asyncio.wait_for(_post(session, url, {"model": "m", "prompt": [4, 2],
+                                                                         "max_tokens": 3}), 5)
+            assert status == 200 and json.loads(raw)["served_by"] == "d0" and not ps[0].bodies
+            router.pools.set_suspect(ps[0].url, False)
+            status, _, raw = await asyncio.wait_for(_post(session, url, {"model": "m", "prompt": [4, 2],
+                                                                         "max_tokens": 3}), 5)
+            assert status == 200 and len(ps[0].bodies) == 1  # the P/D path again
+    run(scenario())
