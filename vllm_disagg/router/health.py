@@ -224,13 +224,11 @@ class HealthChecker:
 
     async def _probe(self, inst: Instance) -> None:
         try:
-            timeout = aiohttp.ClientTimeout(total=_PROBE_TIMEOUT_S)
-            async with self._session.get(f"{inst.url}/live", timeout=timeout) as resp:
-                live = await resp.json(content_type=None) if resp.status == 200 else None
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
+            live = await asyncio.wait_for(self._live(inst), _PROBE_TIMEOUT_S)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
             self.suspect(inst, f"no /live answer within {_PROBE_TIMEOUT_S:g} s")
             return
-        stalled = self._take_report(inst, live if isinstance(live, dict) else None, time.monotonic())
+        stalled = self._take_report(inst, live, time.monotonic())
         if stalled is not None and inst.release_limit_s is not None and stalled > inst.release_limit_s:
             self.suspect(inst, f"its engine owes progress for {stalled:.2f} s")
 

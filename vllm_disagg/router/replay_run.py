@@ -156,7 +156,7 @@ class ReplayRun:
     def _release(self, instance_id: str) -> None:
         """The attempt's instance is suspect (router/health.py): move the request while the client has
         seen none of its tokens, so the replay costs a re-prefill and no stitching."""
-        if self._first and not self._attempt_tokens:
+        if self._first:  # no token of any attempt has been relayed yet
             self._cut(instance_id, "stalled_release")
 
     def _p_answered(self) -> bool:
