@@ -271,7 +271,7 @@ class LiveMiddleware:
             return await self.app(scope, receive, send)
         if method != "POST" or not path.startswith("/v1/"):
             return await self.app(scope, receive, send)
-        state, answered, gone, request_id = self.state, False, False, None
+        state, answered, gone, request_id, status = self.state, False, False, None, 200
 
         async def counting_receive():
             nonlocal request_id, gone
@@ -282,10 +282,12 @@ class LiveMiddleware:
             return message
 
         async def counting_send(message):
-            nonlocal answered
-            if message.get("type") == "http.response.body":
-                if message.get("body"):
-                    state.chunk_sent()
+            nonlocal answered, status
+            if message.get("type") == "http.response.start":
+                status = int(message.get("status", 200))
+            elif message.get("type") == "http.response.body":
+                if message.get("body") and status < 400 and not gone:
+                    state.chunk_sent()  # an error (an abort's reply to a client that left) is no engine progress
                 # after the client left, the server drops what is sent: an abort's error reply is no answer
                 answered = answered or (not gone and not message.get("more_body", False))
             await send(message)

@@ -226,6 +226,39 @@ def test_a_reply_sent_after_the_client_left_is_no_answer(state, monkeypatch):
     asyncio.run(scenario())
 
 
+def test_an_abort_reply_to_one_request_is_no_progress_for_the_others(state, monkeypatch):
+    """Two routers each had a request on a stopped engine. The first moved its own off at the soft
+    limit; vLLM's error reply to that cut request counted as a streamed chunk, so the engine's stall
+    clock restarted and the second router saw the stall only 0.5 s later (the 1P+1D Lamina soak's
+    slow requests came in pairs 0.52 s apart, issue 18)."""
+    live, beacon = state
+    monkeypatch.setattr("vllm_disagg.liveness._STATE", live)
+    messages = [{"type": "http.request", "body": b"{}", "more_body": False}, {"type": "http.disconnect"}]
+
+    async def aborting_app(scope, receive, send):
+        await receive()
+        await receive()  # the client left: vLLM aborts and replies to nobody
+        await send({"type": "http.response.start", "status": 500, "headers": []})
+        await send({"type": "http.response.body", "body": b"aborted"})
+
+    async def receive():
+        return messages.pop(0)
+
+    async def send(message):
+        pass
+
+    async def scenario():
+        beacon.beat(0)
+        await asyncio.sleep(0.05)
+        live.request_started()  # the second router's request, still waiting on the stopped engine
+        await asyncio.sleep(0.2)
+        await LiveMiddleware(aborting_app)({"type": "http", "path": "/v1/completions", "method": "POST"},
+                                           receive, send)
+        assert live.report()["stalled_s"] >= 0.2
+
+    asyncio.run(scenario())
+
+
 def test_an_unanswered_request_owes_a_step_only_while_the_engine_process_is_silent(state, monkeypatch):
     """Cut before it was answered: owed until the next step, unless EngineCore's heartbeat shows an
     idle engine that runs (the API server dropped the request before handing it over)."""
