@@ -160,6 +160,17 @@ def fuzz_in_process(frames: int) -> dict:
     return {"passed": proc.returncode == 0, "ports": {r["name"]: r for r in results}}
 
 
+def _router_stall(args: argparse.Namespace, stall_timeout_s: float) -> dict:
+    """The stall settings the routers ran with: a flag left out is the router's default (0: off)."""
+    from vllm_disagg.router.config import RouterConfig
+    fields = RouterConfig.model_fields
+    factor = fields["stall_factor"].default if args.stall_factor is None else (args.stall_factor or None)
+    return {"stall_timeout_s": stall_timeout_s, "stall_factor": factor,
+            "stall_min_s": fields["stall_min_s"].default if args.stall_min_s is None else args.stall_min_s,
+            "stall_release_s": fields["stall_release_s"].default if args.stall_release_s is None
+            else args.stall_release_s}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="CI size: 1P+1D, seven faults of seven kinds")
@@ -171,7 +182,8 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--stall-timeout-s", type=float, default=10.0)
     ap.add_argument("--stall-factor", type=float, default=None,
-                    help="the routers' adaptive hang detection (router --stall-factor); default off")
+                    help="the routers' adaptive hang detection (router --stall-factor); "
+                         "default: the router's (5); 0 turns it off")
     ap.add_argument("--stall-min-s", type=float, default=None, help="the adaptive limit's floor (router --stall-min-s)")
     ap.add_argument("--stall-release-s", type=float, default=None,
                     help="the soft limit's floor, past which not-started requests move (router --stall-release-s)")
@@ -205,8 +217,7 @@ def main() -> int:
     t_start = time.time()
     result: dict = {"benchmark": "chaos", "quick": quick, "loadavg_start": os.getloadavg(),
                     "topology": {"prefill": args.prefill, "decode": args.decode, "attention": 0 if quick else args.attention},
-                    "router_stall": {"stall_timeout_s": stall_timeout_s, "stall_factor": args.stall_factor,
-                                     "stall_min_s": args.stall_min_s, "stall_release_s": args.stall_release_s}}
+                    "router_stall": _router_stall(args, stall_timeout_s)}
     if args.fuzz_frames and not quick:
         result["fuzz_in_process"] = fuzz_in_process(args.fuzz_frames)
     if args.fuzz_only:

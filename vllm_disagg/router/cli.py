@@ -83,13 +83,26 @@ def add_failover_args(g) -> None:
     g.add_argument("--stall-timeout-s", type=float, default=10.0,
                    help="cut an instance whose requests make no progress this long (stuck step, SIGSTOP, "
                         "partition) and replay them elsewhere")
-    g.add_argument("--stall-factor", type=float, default=None,
+    g.add_argument("--stall-factor", type=_stall_factor, default=5.0,
                    help="adaptive hang detection: cut an instance after this many times the step time its "
-                        "/live expects (within --stall-min-s and --stall-timeout-s); off by default")
+                        "/live expects (within --stall-min-s and --stall-timeout-s); 0 turns it off "
+                        "(the fixed --stall-timeout-s only)")
     g.add_argument("--stall-min-s", type=float, default=2.0, help="shortest adaptive stall limit")
     g.add_argument("--stall-release-s", type=float, default=0.5,
                    help="adaptive detection: past this without progress, move an instance's requests that "
                         "showed the client nothing to an instance that steps (it is not cut)")
+
+
+def _stall_factor(text: str) -> float | None:
+    """`--stall-factor`: 0 (or "off") turns adaptive detection off."""
+    if text.strip().lower() in ("off", "none"):
+        return None
+    value = float(text)
+    if value == 0:
+        return None
+    if value <= 1:
+        raise argparse.ArgumentTypeError(f"--stall-factor must be above 1 (or 0 for off), got {text}")
+    return value
 
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:

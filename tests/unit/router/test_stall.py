@@ -10,10 +10,12 @@ waiting for admission, a new one gets 503 with Retry-After at once.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import time
 
+import pytest
 from test_admission import _expected, _replay_reasons, _stream_ids, _until
 from test_router_proxy import _post, deployment, run
 
@@ -175,3 +177,24 @@ def test_while_the_only_prefill_instance_is_suspect_decode_serves_new_requests_w
                                                                          "max_tokens": 3}), 5)
             assert status == 200 and len(ps[0].bodies) == 1  # the P/D path again
     run(scenario())
+
+
+@pytest.mark.parametrize(("flags", "factor"), [([], 5.0), (["--stall-factor", "0"], None),
+                                               (["--stall-factor", "off"], None), (["--stall-factor", "3"], 3.0)])
+def test_adaptive_detection_is_on_by_default_and_0_turns_it_off(flags, factor):
+    from vllm_disagg.router.cli import add_router_args, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_router_args(parser)
+    args = parser.parse_args(["--decode", "http://127.0.0.1:8200", *flags])
+    assert config_from_args(args).stall_factor == factor
+
+
+def test_a_stall_factor_of_1_or_less_is_refused_with_the_flag_named(capsys):
+    from vllm_disagg.router.cli import add_router_args
+
+    parser = argparse.ArgumentParser()
+    add_router_args(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--stall-factor", "0.5"])
+    assert "--stall-factor must be above 1" in capsys.readouterr().err
