@@ -136,7 +136,13 @@ class HealthChecker:
         return min(limit, max(self.config.stall_release_s, self.config.stall_factor * float(expected_step_s)))
 
     def _limit_of(self, inst: Instance) -> float:
-        return inst.stall_limit_s or self.config.stall_timeout_s
+        """The stall limit that cuts `inst`: the adaptive one only while another instance that steps
+        could take its requests. Cut with none, they would wait for a replay anyway, and then for its
+        rejoin (a health poll) and a re-prefill: in the 1P+1D soak, P stopped while D restarted
+        kept its requests 6-9 s where the stop itself lasted less."""
+        if inst.stall_limit_s is None or not self.pools.has_alternative(inst):
+            return self.config.stall_timeout_s
+        return inst.stall_limit_s
 
     async def _get(self, inst: Instance, path: str) -> bool:
         async with self._session.get(f"{inst.url}{path}") as resp:
@@ -204,7 +210,7 @@ class HealthChecker:
                 continue
             limit = self._limit_of(inst)
             if num and stalled > limit:
-                why = (f"adaptive limit {limit:.1f} s" if inst.stall_limit_s
+                why = (f"adaptive limit {limit:.1f} s" if limit < self.config.stall_timeout_s
                        else f"--stall-timeout-s {self.config.stall_timeout_s:g}")
                 self.drop(inst, f"no progress for {stalled:.1f} s with {num} requests on it ({why})")
                 for callback in self.on_stall:

@@ -33,6 +33,8 @@ class InstanceServer:
         self.live_expected_step_s: float | None = None
         """What GET /live reports as `expected_step_s` (the engine's expected step time)."""
         self.frozen = False
+        self.resume = asyncio.Event()
+        """Mode "paused": generation requests wait for this (a SIGCONT)."""
         """/health and /live never answer (a SIGSTOPped API server)."""
         self.app = web.Application()
         self.app.add_routes([
@@ -100,6 +102,8 @@ class InstanceServer:
             return web.json_response({"error": {"message": "boom", "code": 500}}, status=500)
         if self.mode == "stall":
             await asyncio.sleep(3600)
+        if self.mode == "paused":  # a stopped engine that is continued: answers once `resume` is set
+            await self.resume.wait()
         if self.mode == "reject":  # vLLM's validation error, e.g. max_tokens past the model's length
             return web.json_response({"error": {"message": "max_tokens is too large", "code": 400}}, status=400)
         context = prompt_ids(body)

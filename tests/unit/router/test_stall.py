@@ -164,6 +164,29 @@ def test_a_just_restarted_instance_with_no_expected_step_is_suspect_at_the_adapt
     run(scenario())
 
 
+def test_an_instance_no_other_could_replace_is_cut_only_at_the_fixed_limit():
+    """The only instance owes progress past its adaptive limit (5 x 50 ms): cutting it would move its
+    request nowhere, and then cost a rejoin and a re-prefill once it steps again (the 1P+1D soak, P
+    stopped while D restarted). It stays routed until the fixed limit, and answers once continued."""
+    async def scenario():
+        async with deployment(p_modes=(), d_modes=(), mixed_modes=("paused",), health_interval_s=0.1,
+                              stall_timeout_s=5, stall_factor=5, stall_min_s=0.5, stall_release_s=0.3) as (
+                url, session, _, _d, ms, router):
+            ms[0].live_expected_step_s = 0.05
+            body = {"model": "m", "prompt": [4, 2], "max_tokens": 3, "return_token_ids": True}
+            task = asyncio.create_task(_post(session, url, body))
+            await _until(lambda: len(ms[0].bodies) == 1)
+            ms[0].live_stalled_s = 1.0  # its engine started a step 1 s ago and never beat again
+            await asyncio.sleep(1.5)
+            assert router.pools.is_healthy(ms[0].url) and not task.done()
+            ms[0].live_stalled_s = 0.0
+            ms[0].resume.set()  # SIGCONT
+            status, _, raw = await asyncio.wait_for(task, 5)
+            assert status == 200 and json.loads(raw)["choices"][0]["token_ids"] == _expected([4, 2], 3)
+            assert _replay_reasons(router) == "" and len(ms[0].bodies) == 1
+    run(scenario())
+
+
 def test_while_the_only_prefill_instance_is_suspect_decode_serves_new_requests_whole():
     async def scenario():
         async with deployment(p_modes=("ok",), d_modes=("ok",), health_interval_s=30, stall_factor=5) as (
