@@ -20,15 +20,13 @@ from vllm_disagg.errors import DisaggError, PeerLostError, ProtocolError, Transp
 from vllm_disagg.transport.base import Message, MsgChannel, MsgListener, TransportOptions, TransportStats
 from vllm_disagg.transport.server import AuthServer
 from vllm_disagg.transport.wire import (
-    FRAME_HDR,
-    MAGIC,
     MAX_HEADER_BYTES,
     MAX_TENSORS,
-    PROTOCOL_VERSION,
     T_BYE,
     T_MSG,
     SockStream,
     as_byte_view,
+    frame_head,
     pack_frame,
     read_frame,
 )
@@ -44,9 +42,9 @@ def _lengths_struct(count: int) -> struct.Struct:
 
 
 @functools.lru_cache(maxsize=MAX_TENSORS + 1)
-def _msg_head_struct(count: int) -> struct.Struct:
-    """Frame header + tensor count + lengths in one struct: one pack per message (hot path)."""
-    return struct.Struct(FRAME_HDR.format + f"H{count}Q")
+def _msg_meta_struct(count: int) -> struct.Struct:
+    """Tensor count + lengths in one struct: one pack per message (hot path)."""
+    return struct.Struct(f"<H{count}Q")
 
 
 def pack_msg(header: bytes, views: Sequence[memoryview]) -> tuple[bytes, int]:
@@ -55,9 +53,8 @@ def pack_msg(header: bytes, views: Sequence[memoryview]) -> tuple[bytes, int]:
         raise ValueError(f"message header must be <= {MAX_HEADER_BYTES} bytes and <= {MAX_TENSORS} tensors")
     lengths = [v.nbytes for v in views]
     total = sum(lengths)
-    meta_len = _COUNT.size + 8 * count + len(header)
-    head = _msg_head_struct(count).pack(MAGIC, PROTOCOL_VERSION, T_MSG, meta_len, total, count, *lengths)
-    return head + header, total
+    meta = _msg_meta_struct(count).pack(count, *lengths) + header
+    return frame_head(T_MSG, meta, total) + meta, total
 
 
 def parse_msg_meta(

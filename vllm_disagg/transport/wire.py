@@ -22,6 +22,7 @@ import select
 import socket
 import struct
 import sys
+import zlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,9 +32,13 @@ from vllm_disagg.errors import AuthError, PeerLostError, ProtocolError, Transpor
 #   1: initial: CHALLENGE/AUTH/WELCOME handshake, KV_WRITE, MSG, ERROR, BYE.
 #      (Frame types became the `FrameType` enum with the KV side channel's v2 and attention's v4:
 #      no byte changed here, so this stays 1. CANCEL and trace context live in those formats.)
-PROTOCOL_VERSION = 1
+#   2: the header ends with a CRC32 over the header and the meta. A flipped byte in a KV_WRITE's
+#      destination (layer, block ids) landed KV in another request's blocks, which KV verification
+#      (a CRC of the payload, kv/checksum.py) cannot see; now the frame is refused before use.
+PROTOCOL_VERSION = 2
 MAGIC = b"VDTP"
-FRAME_HDR = struct.Struct("<4sHHIQ")  # magic, version, type, meta_len, payload_len
+FRAME_HDR = struct.Struct("<4sHHIQI")  # magic, version, type, meta_len, payload_len, crc32(header..., meta)
+_HDR_FIELDS = struct.Struct(FRAME_HDR.format[:-1])  # the header before its CRC
 MAX_META_BYTES = 1 << 20
 MAX_HEADER_BYTES = 64 << 10
 MAX_TENSORS = 256
@@ -99,12 +104,28 @@ def as_byte_view(obj: Any) -> memoryview:
 
 
 def pack_frame(ftype: int, meta: bytes = b"", payload_len: int = 0) -> bytes:
-    return FRAME_HDR.pack(MAGIC, PROTOCOL_VERSION, ftype, len(meta), payload_len) + meta
+    return frame_head(ftype, meta, payload_len) + meta
+
+
+def frame_head(ftype: int, meta: bytes | bytearray | memoryview, payload_len: int, *, magic: bytes = MAGIC,
+               version: int = PROTOCOL_VERSION) -> bytes:
+    """The header of a frame with this meta (its CRC covers both); `magic`/`version` for fuzzers."""
+    fields = _HDR_FIELDS.pack(magic, version, ftype, len(meta), payload_len)
+    return fields + struct.pack("<I", zlib.crc32(meta, zlib.crc32(fields)))
+
+
+def check_frame_crc(raw: bytes | bytearray | memoryview, meta: bytes | bytearray | memoryview, peer: str) -> None:
+    """Refuse a frame whose header or meta changed on the way (before any field of the meta is used)."""
+    (crc,) = struct.unpack_from("<I", raw, _HDR_FIELDS.size)
+    if crc != zlib.crc32(meta, zlib.crc32(raw[: _HDR_FIELDS.size])):
+        raise ProtocolError(f"frame from {peer} fails its header CRC (a byte of its header or meta changed "
+                            "on the way): dropping the connection")
 
 
 def parse_frame_header(raw: bytes | bytearray | memoryview, peer: str) -> tuple[FrameType, int, int]:
-    """Check magic, version, type and meta size; return (type, meta_len, payload_len)."""
-    magic, version, ftype, meta_len, payload_len = FRAME_HDR.unpack(raw)
+    """Check magic, version, type and meta size; return (type, meta_len, payload_len). The caller
+    reads the meta, then calls `check_frame_crc` before using it."""
+    magic, version, ftype, meta_len, payload_len, _ = FRAME_HDR.unpack(raw)
     if magic != MAGIC:
         raise ProtocolError(f"bad magic {bytes(magic)!r} from {peer} (expected {MAGIC!r})")
     if version != PROTOCOL_VERSION:  # a frame, not a handshake field: the connection is dropped
@@ -219,8 +240,10 @@ class SockStream:
 
 def read_frame(stream: SockStream, timeout: float | None = None) -> tuple[FrameType, bytearray, int]:
     """Read one frame header + meta; return (type, meta, payload_len). ERROR frames raise."""
-    ftype, meta_len, payload_len = parse_frame_header(stream.recv_exact(FRAME_HDR.size, timeout), stream.peer)
+    raw = stream.recv_exact(FRAME_HDR.size, timeout)
+    ftype, meta_len, payload_len = parse_frame_header(raw, stream.peer)
     meta = stream.recv_exact(meta_len, timeout) if meta_len else bytearray()
+    check_frame_crc(raw, meta, stream.peer)
     if ftype == T_ERROR:
         code, text = bytes(meta[:1]), bytes(meta[1:513]).decode("utf-8", "replace")
         raise (AuthError if code == ERR_AUTH else ProtocolError)(f"{stream.peer} reported: {text}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import socket
 import struct
+import time
 
 import pytest
 import torch
@@ -26,6 +27,7 @@ from vllm_disagg.transport.wire import (
     SockStream,
     client_handshake,
     connect_socket,
+    frame_head,
 )
 
 pytestmark = pytest.mark.timeout(300)
@@ -45,7 +47,7 @@ def served():
 
 
 def _frame(ftype: int, meta: bytes, payload_len: int, magic=MAGIC, version=PROTOCOL_VERSION) -> bytes:
-    return FRAME_HDR.pack(magic, version, ftype, len(meta), payload_len) + meta
+    return frame_head(ftype, meta, payload_len, magic=magic, version=version) + meta  # a valid header CRC
 
 
 frames = st.one_of(
@@ -56,7 +58,7 @@ frames = st.one_of(
         st.binary(max_size=96),
         st.integers(0, 1 << 40),
         st.sampled_from([MAGIC, b"VDTX", b"\0\0\0\0"]),
-        st.sampled_from([PROTOCOL_VERSION, 0, 2, 65535]),
+        st.sampled_from([PROTOCOL_VERSION, 0, 1, 65535]),
     ),
     st.builds(
         lambda mac: _frame(T_AUTH, os.urandom(32) + mac + pack_hello(b"s" * 16, 0, "x"), 0),
@@ -129,5 +131,34 @@ def test_malformed_frames_from_an_authenticated_peer_are_dropped_without_touchin
     finally:
         stream.close()
     # No payload bytes are ever sent, so whatever the server made of the frame, memory is untouched.
+    assert torch.equal(cache, before)
+    _good_client_still_served(tr, rx, cache)
+
+
+def test_a_kv_write_whose_destination_changed_on_the_way_is_refused_before_any_block_is_touched(served):
+    """A byte flipped in a KV_WRITE's meta (here its destination block id, 6 -> 7) would land the
+    block in another request's KV; KV verification checks the payload only. Transport v2's header CRC
+    refuses the frame, the connection is dropped, and the cache is untouched."""
+    tr, rx, cache = served
+    before = cache.clone()
+    meta = KV_WRITE_META.pack(0, 0, 1, 0, 0, 1, 1) + b"t" + struct.pack("<I", 6)
+    frame = bytearray(_frame(T_KV_WRITE, meta, BLOCK_ELEMS * 4))
+    frame[-4] ^= 0x01  # block 6 -> 7, after the CRC was computed
+    num_rejected = rx.stats.num_rejected_frames
+    stream = SockStream(connect_socket(rx.address, 5), rx.address, 5)
+    client_handshake(stream, TOKEN.encode(), b"kv", pack_hello(os.urandom(16), 0, "flipper"))
+    try:
+        stream.sock.sendall(bytes(frame) + torch.ones(BLOCK_ELEMS).numpy().tobytes())
+        stream.sock.shutdown(socket.SHUT_WR)
+        while stream.sock.recv(4096):
+            pass
+    except OSError:
+        pass
+    finally:
+        stream.close()
+    deadline = time.monotonic() + 5
+    while rx.stats.num_rejected_frames == num_rejected and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert rx.stats.num_rejected_frames > num_rejected
     assert torch.equal(cache, before)
     _good_client_still_served(tr, rx, cache)

@@ -212,7 +212,7 @@ def test_garbage_on_the_listener_is_rejected_and_a_good_peer_is_still_served(tra
     for garbage in [
         b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
         b"VDTP" + b"\xff" * 40,
-        FRAME_HDR.pack(b"VDTP", 1, 2, 1 << 30, 0),
+        FRAME_HDR.pack(b"VDTP", 2, 2, 1 << 30, 0, 0),
     ]:
         with socket.socket(family, socket.SOCK_STREAM) as s:
             s.settimeout(10)

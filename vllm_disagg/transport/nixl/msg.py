@@ -29,6 +29,7 @@ from vllm_disagg.transport.wire import (
     T_MSG,
     SockStream,
     as_byte_view,
+    check_frame_crc,
     parse_frame_header,
 )
 
@@ -187,9 +188,9 @@ class NixlMsgChannel(MsgChannel):
         if ftype != T_MSG or FRAME_HDR.size + meta_len + payload_len != size:
             raise ProtocolError(f"nixl message from {peer}: type {ftype}, sizes do not add up to {size}")
         start = FRAME_HDR.size + meta_len
-        header, lengths = parse_msg_meta(
-            bytes(buf[FRAME_HDR.size : start]), payload_len, self.options.max_msg_bytes, peer
-        )
+        meta = bytes(buf[FRAME_HDR.size : start])
+        check_frame_crc(buf[: FRAME_HDR.size], meta, peer)
+        header, lengths = parse_msg_meta(meta, payload_len, self.options.max_msg_bytes, peer)
         if out is not None and (
             len(out) < len(lengths)
             or any(as_byte_view(o).nbytes < n for o, n in zip(out, lengths, strict=False))

@@ -32,6 +32,7 @@ from vllm_disagg.transport.wire import (
     T_MSG,
     SockStream,
     as_byte_view,
+    check_frame_crc,
     client_handshake,
     connect_socket,
     parse_frame_header,
@@ -161,9 +162,9 @@ class RdmaMsgChannel(MsgChannel):
         meta_end = FRAME_HDR.size + meta_len
         if ftype != T_MSG or meta_end > n or meta_end + payload_len != total:
             raise ProtocolError(f"rdma msg from {self._stream.peer}: frame type {ftype}, sizes inconsistent")
-        header, lengths = parse_msg_meta(
-            bytes(data[FRAME_HDR.size : meta_end]), payload_len, self.options.max_msg_bytes, self._stream.peer
-        )
+        meta = bytes(data[FRAME_HDR.size : meta_end])
+        check_frame_crc(data[: FRAME_HDR.size], meta, self._stream.peer)
+        header, lengths = parse_msg_meta(meta, payload_len, self.options.max_msg_bytes, self._stream.peer)
         dsts = StreamMsgChannel._destinations(out, lengths)
         sink = _Sink(dsts if dsts is not None else [], skip=dsts is None)
         sink.feed(data[meta_end:])

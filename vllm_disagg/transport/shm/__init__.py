@@ -43,6 +43,7 @@ from vllm_disagg.transport.wire import (
     T_KV_WRITE,
     T_SHM_SETUP,
     SockStream,
+    check_frame_crc,
     pack_frame,
     parse_frame_header,
 )
@@ -138,6 +139,7 @@ def _recv_region_maps(stream: SockStream, num_regions: int) -> tuple[list[int], 
         meta = bytearray(data[FRAME_HDR.size :])
         if len(meta) < meta_len:
             meta += stream.recv_exact(meta_len - len(meta))
+        check_frame_crc(data[: FRAME_HDR.size], meta[:meta_len], stream.peer)
         (num_fds,) = struct.unpack_from("<I", meta)
         maps = [_REGION_MAP.unpack_from(meta, 4 + i * _REGION_MAP.size) for i in range(num_regions)]
         bad_index = any(m[0] >= num_fds and m[0] != NOT_SHARED for m in maps)

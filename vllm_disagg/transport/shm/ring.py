@@ -23,7 +23,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from vllm_disagg.errors import PeerLostError, ProtocolError, TransportTimeout
-from vllm_disagg.transport.wire import FRAME_HDR, T_SHM_SETUP, as_byte_view, pack_frame, parse_frame_header
+from vllm_disagg.transport.wire import (
+    FRAME_HDR,
+    T_SHM_SETUP,
+    as_byte_view,
+    check_frame_crc,
+    pack_frame,
+    parse_frame_header,
+)
 
 CTRL_BYTES = 128
 DEFAULT_RING_BYTES = 4 << 20
@@ -239,10 +246,11 @@ def attach_rings(sock: socket.socket, peer: str, timeout: float, spin_us: float)
         for fd in fds:
             os.close(fd)
         raise ProtocolError(f"bad shm ring setup from {peer}: {len(data)} bytes, {len(fds)} fds")
-    ftype, _, _ = parse_frame_header(data[: FRAME_HDR.size], peer)
-    (cap,) = _SETUP.unpack_from(data, FRAME_HDR.size)
     memfd, efds = fds[0], fds[1:]
     try:
+        ftype, _, _ = parse_frame_header(data[: FRAME_HDR.size], peer)
+        check_frame_crc(data[: FRAME_HDR.size], data[FRAME_HDR.size :], peer)
+        (cap,) = _SETUP.unpack_from(data, FRAME_HDR.size)
         if ftype != T_SHM_SETUP or os.fstat(memfd).st_size != 2 * (CTRL_BYTES + cap):
             raise ProtocolError(f"bad shm ring setup from {peer}: type {ftype}, cap {cap}")
         mm = mmap.mmap(memfd, 2 * (CTRL_BYTES + cap))
