@@ -267,6 +267,8 @@ def attach_attention(specs: list[InstanceSpec], plan: AttentionPlan) -> Instance
             s.args = ["--transport", plan.transport, *size, *s.args]
             if plan.kv_transport and any(p.role == "prefill" for p in specs):
                 s.args += ["--kv-transport", plan.kv_transport]
+                if plan.kv_transport in ("tcp", "nixl"):  # kept across restarts: the model worker advertised it
+                    s.args += ["--kv-port", str(free_ports(1)[0])]
     return users[0]
 
 

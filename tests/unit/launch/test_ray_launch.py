@@ -113,6 +113,9 @@ def test_prefill_pushes_into_the_attention_workers_as_on_the_local_backend(monke
     user = attach_attention(local, AttentionPlan(2, "request", 2, "tcp", 3.0, None, transport))
     att = [s for s in local if s.role == "attention"][0]
     assert att.args[att.args.index("--kv-transport") + 1] == transport
+    # a fixed KV port over tcp: a restarted server must keep the address the model worker advertised
+    # to P (an ephemeral one made every push to it fail until the decode instance restarted)
+    assert ("--kv-port" in att.args) == (transport == "tcp")
     keys = ("partition", "pipeline", "transport")
     assert [user.disagg_extra["remote_attention"][k] for k in keys] == [ra[k] for k in keys]
     assert user.disagg_extra["nanoflow"] == disagg["nanoflow"]
