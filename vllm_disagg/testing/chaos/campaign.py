@@ -26,6 +26,7 @@ import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from vllm_disagg.config import KVTransferSection
 from vllm_disagg.testing.chaos import leaks
 from vllm_disagg.testing.chaos.clients import ChaosClients
 from vllm_disagg.testing.chaos.cuts import cuts_outside_faults, router_cuts, router_suspects, slow_requests
@@ -393,9 +394,11 @@ def run_campaign(dep: Deployment, refs: References, cfg: CampaignConfig, log=pri
     load_avg.append(os.getloadavg())
     healthy = dep.wait_all_healthy(300)
     time.sleep(3)  # P frees pushes after its request ended; the routers' polls settle
-    end = leaks.snapshot(dep.instances(), dep.token)
+    end, settle_s = leaks.settled_snapshot(lambda: leaks.snapshot(dep.instances(), dep.token), base,
+                                           (dep.push_timeout_s or KVTransferSection.model_fields["push_timeout_s"].default) + 5.0)
     clients.close()
     result = report(clients.outcomes, faults, base, end, t0, cfg, load_avg, healthy)
+    result["settle_s"] = settle_s
     result["router_cuts"] = router_cuts([dep.workdir / f"{r['name']}.log" for r in dep.routers], t0_wall)
     result["cuts_outside_faults"] = cuts_outside_faults(result["router_cuts"], result["faults"])
     result["router_suspects"] = router_suspects([dep.workdir / f"{r['name']}.log" for r in dep.routers], t0_wall)

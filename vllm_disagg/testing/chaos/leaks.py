@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import urllib.request
 
 from vllm_disagg.launch.shm_sweep import SEMAPHORE_PREFIX, mapped_by_any_process
@@ -174,3 +175,19 @@ def left_after_stop(at_start: set[str]) -> list[str]:
     """/dev/shm entries that appeared since `at_start` (taken before the deployment started) and are
     still there now that it stopped: what neither its processes nor `up`'s sweep removed."""
     return sorted(shm_entries() - at_start)
+
+
+def settled_snapshot(take, before: dict, bound_s: float, period_s: float = 2.0) -> tuple[dict, float]:
+    """The end snapshot (`take()`) once nothing is held beyond `before`, or the last one at `bound_s`.
+    P keeps a finished prefill's blocks until D registers or its push timeout passes, and a request
+    whose router was killed before D registered is freed only then (the seed-1 Lamina soak: 3 blocks
+    held 28 s after a router restart, freed 10 s after the snapshot). Returns (snapshot, seconds
+    waited): a leak is what is still held past that bound."""
+    t0 = time.monotonic()
+    while True:
+        end = take()
+        diff = compare(before, end)
+        waited = time.monotonic() - t0
+        if (not diff["leaks"] and not diff["kv_blocks_leaked"]) or waited >= bound_s:
+            return end, round(waited, 1)
+        time.sleep(period_s)
