@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from vllm_disagg.errors import ProtocolError
 from vllm_disagg.observe.context import TRACE_CONTEXT_BYTES, TraceContext
-from vllm_disagg.transport.wire import FrameType, pack_frame, parse_frame_header
+from vllm_disagg.transport.wire import FRAME_HDR, FrameType, pack_frame, parse_frame_header
 
 HEADER = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 
@@ -56,5 +56,5 @@ def test_every_valid_context_round_trips(trace_id, span_id, flags):
 
 
 def test_transport_frame_types_come_back_typed():
-    ftype, meta_len, payload_len = parse_frame_header(pack_frame(FrameType.MSG, b"abc", 5)[:20], "p")
+    ftype, meta_len, payload_len = parse_frame_header(pack_frame(FrameType.MSG, b"abc", 5)[:FRAME_HDR.size], "p")
     assert ftype is FrameType.MSG and (meta_len, payload_len) == (3, 5)
