@@ -202,9 +202,9 @@ def test_while_the_only_prefill_instance_is_suspect_decode_serves_new_requests_w
     run(scenario())
 
 
-@pytest.mark.parametrize(("flags", "factor"), [([], 5.0), (["--stall-factor", "0"], None),
+@pytest.mark.parametrize(("flags", "factor"), [([], None), (["--stall-factor", "0"], None),
                                                (["--stall-factor", "off"], None), (["--stall-factor", "3"], 3.0)])
-def test_adaptive_detection_is_on_by_default_and_0_turns_it_off(flags, factor):
+def test_adaptive_detection_is_off_by_default_and_0_turns_it_off(flags, factor):
     from vllm_disagg.router.cli import add_router_args, config_from_args
 
     parser = argparse.ArgumentParser()
