@@ -195,12 +195,9 @@ def test_a_request_answered_without_the_engine_owes_nothing(state, monkeypatch):
     asyncio.run(scenario())
 
 
-def test_a_reply_sent_after_the_client_left_is_no_answer(state, monkeypatch):
-    """The router cuts a request off a SIGSTOPped engine by closing the connection; vLLM then aborts it
-    and sends an error reply the server drops. Counted as an answer, that cleared the debt and the
-    stopped instance rejoined routing a second after its cut (issue 18, found with a restarted D)."""
-    live, beacon = state
-    monkeypatch.setattr("vllm_disagg.liveness._STATE", live)
+async def _aborted_after_the_client_left() -> None:
+    """One generate request through the middleware whose client leaves: vLLM then aborts it and sends
+    an error reply (500) that the server drops."""
     messages = [{"type": "http.request", "body": b"{}", "more_body": False}, {"type": "http.disconnect"}]
 
     async def aborting_app(scope, receive, send):
@@ -215,11 +212,20 @@ def test_a_reply_sent_after_the_client_left_is_no_answer(state, monkeypatch):
     async def send(message):
         pass
 
+    await LiveMiddleware(aborting_app)({"type": "http", "path": "/v1/completions", "method": "POST"}, receive, send)
+
+
+def test_a_reply_sent_after_the_client_left_is_no_answer(state, monkeypatch):
+    """The router cuts a request off a SIGSTOPped engine by closing the connection; vLLM then aborts it
+    and sends an error reply the server drops. Counted as an answer, that cleared the debt and the
+    stopped instance rejoined routing a second after its cut (issue 18, found with a restarted D)."""
+    live, beacon = state
+    monkeypatch.setattr("vllm_disagg.liveness._STATE", live)
+
     async def scenario():
         beacon.beat(0)
         await asyncio.sleep(0.05)
-        await LiveMiddleware(aborting_app)({"type": "http", "path": "/v1/completions", "method": "POST"},
-                                           receive, send)
+        await _aborted_after_the_client_left()
         await asyncio.sleep(0.35)
         assert not live.report()["live"]  # owed until the engine steps (no heartbeat here)
 
@@ -233,27 +239,13 @@ def test_an_abort_reply_to_one_request_is_no_progress_for_the_others(state, monk
     slow requests came in pairs 0.52 s apart, issue 18)."""
     live, beacon = state
     monkeypatch.setattr("vllm_disagg.liveness._STATE", live)
-    messages = [{"type": "http.request", "body": b"{}", "more_body": False}, {"type": "http.disconnect"}]
-
-    async def aborting_app(scope, receive, send):
-        await receive()
-        await receive()  # the client left: vLLM aborts and replies to nobody
-        await send({"type": "http.response.start", "status": 500, "headers": []})
-        await send({"type": "http.response.body", "body": b"aborted"})
-
-    async def receive():
-        return messages.pop(0)
-
-    async def send(message):
-        pass
 
     async def scenario():
         beacon.beat(0)
         await asyncio.sleep(0.05)
         live.request_started()  # the second router's request, still waiting on the stopped engine
         await asyncio.sleep(0.2)
-        await LiveMiddleware(aborting_app)({"type": "http", "path": "/v1/completions", "method": "POST"},
-                                           receive, send)
+        await _aborted_after_the_client_left()
         assert live.report()["stalled_s"] >= 0.2
 
     asyncio.run(scenario())

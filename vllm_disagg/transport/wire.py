@@ -39,6 +39,7 @@ PROTOCOL_VERSION = 2
 MAGIC = b"VDTP"
 FRAME_HDR = struct.Struct("<4sHHIQI")  # magic, version, type, meta_len, payload_len, crc32(header..., meta)
 _HDR_FIELDS = struct.Struct(FRAME_HDR.format[:-1])  # the header before its CRC
+_CRC = struct.Struct("<I")
 MAX_META_BYTES = 1 << 20
 MAX_HEADER_BYTES = 64 << 10
 MAX_TENSORS = 256
@@ -111,12 +112,12 @@ def frame_head(ftype: int, meta: bytes | bytearray | memoryview, payload_len: in
                version: int = PROTOCOL_VERSION) -> bytes:
     """The header of a frame with this meta (its CRC covers both); `magic`/`version` for fuzzers."""
     fields = _HDR_FIELDS.pack(magic, version, ftype, len(meta), payload_len)
-    return fields + struct.pack("<I", zlib.crc32(meta, zlib.crc32(fields)))
+    return fields + _CRC.pack(zlib.crc32(meta, zlib.crc32(fields)))
 
 
 def check_frame_crc(raw: bytes | bytearray | memoryview, meta: bytes | bytearray | memoryview, peer: str) -> None:
     """Refuse a frame whose header or meta changed on the way (before any field of the meta is used)."""
-    (crc,) = struct.unpack_from("<I", raw, _HDR_FIELDS.size)
+    (crc,) = _CRC.unpack_from(raw, _HDR_FIELDS.size)
     if crc != zlib.crc32(meta, zlib.crc32(raw[: _HDR_FIELDS.size])):
         raise ProtocolError(f"frame from {peer} fails its header CRC (a byte of its header or meta changed "
                             "on the way): dropping the connection")

@@ -160,6 +160,17 @@ def test_a_request_on_a_hung_instance_is_cut_and_replayed_when_health_checks_dro
     run(scenario())
 
 
+async def _stalled_after_fast_steps(session, url, inst) -> asyncio.Task:
+    """`inst` steps every 50 ms (/live's expected_step_s); a request lands on it, and then its engine
+    owes progress for 1 s (it started a step and never beat again). Returns the request's task."""
+    inst.live_expected_step_s = 0.05
+    body = {"model": "m", "prompt": [4, 2], "max_tokens": 3, "return_token_ids": True}
+    task = asyncio.create_task(_post(session, url, body))
+    await _until(lambda: len(inst.bodies) == 1)
+    inst.live_stalled_s = 1.0
+    return task
+
+
 def test_adaptive_stall_limit_cuts_an_instance_whose_fast_steps_stopped_long_before_the_fixed_timeout():
     """m0 steps every 50 ms (/live's expected_step_s) and then owes progress for 1 s: with --stall-factor 5
     (limit max(0.5 s, 5 x 50 ms)) it is cut and the request completes on m1; with the fixed 30 s limit
@@ -168,11 +179,7 @@ def test_adaptive_stall_limit_cuts_an_instance_whose_fast_steps_stopped_long_bef
         async with deployment(p_modes=(), d_modes=(), mixed_modes=("stall", "ok"), health_interval_s=0.1,
                               stall_timeout_s=30, stall_factor=factor, stall_min_s=0.5) as (
                 url, session, _, _d, ms, router):
-            ms[0].live_expected_step_s = 0.05
-            body = {"model": "m", "prompt": [4, 2], "max_tokens": 3, "return_token_ids": True}
-            task = asyncio.create_task(_post(session, url, body))
-            await _until(lambda: len(ms[0].bodies) == 1)
-            ms[0].live_stalled_s = 1.0  # its engine started a step 1 s ago and never beat again
+            task = await _stalled_after_fast_steps(session, url, ms[0])
             done, _ = await asyncio.wait({task}, timeout=3)
             ms[0].healthy = False  # ends the control run: the plain health checks cut m0
             status, _, raw = await task

@@ -16,7 +16,7 @@ import json
 import time
 
 import pytest
-from test_admission import _expected, _replay_reasons, _stream_ids, _until
+from test_admission import _expected, _replay_reasons, _stalled_after_fast_steps, _stream_ids, _until
 from test_router_proxy import _post, deployment, run
 
 from vllm_disagg.router.config import RouterConfig
@@ -172,11 +172,7 @@ def test_an_instance_no_other_could_replace_is_cut_only_at_the_fixed_limit():
         async with deployment(p_modes=(), d_modes=(), mixed_modes=("paused",), health_interval_s=0.1,
                               stall_timeout_s=5, stall_factor=5, stall_min_s=0.5, stall_release_s=0.3) as (
                 url, session, _, _d, ms, router):
-            ms[0].live_expected_step_s = 0.05
-            body = {"model": "m", "prompt": [4, 2], "max_tokens": 3, "return_token_ids": True}
-            task = asyncio.create_task(_post(session, url, body))
-            await _until(lambda: len(ms[0].bodies) == 1)
-            ms[0].live_stalled_s = 1.0  # its engine started a step 1 s ago and never beat again
+            task = await _stalled_after_fast_steps(session, url, ms[0])
             await asyncio.sleep(1.5)
             assert router.pools.is_healthy(ms[0].url) and not task.done()
             ms[0].live_stalled_s = 0.0

@@ -97,6 +97,21 @@ def _good_client_still_served(tr, rx, cache) -> None:
     tx.close()
 
 
+def _send_as_an_authenticated_peer(rx, data: bytes, name: str) -> None:
+    """Authenticate, send `data`, and read until the server closes (or resets) the connection."""
+    stream = SockStream(connect_socket(rx.address, 5), rx.address, 5)
+    client_handshake(stream, TOKEN.encode(), b"kv", pack_hello(os.urandom(16), 0, name))
+    try:
+        stream.sock.sendall(data)
+        stream.sock.shutdown(socket.SHUT_WR)
+        while stream.sock.recv(4096):
+            pass
+    except OSError:
+        pass
+    finally:
+        stream.close()
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=frames)
 def test_unauthenticated_garbage_is_rejected_and_the_listener_keeps_serving(served, data):
@@ -119,17 +134,7 @@ def test_unauthenticated_garbage_is_rejected_and_the_listener_keeps_serving(serv
 def test_malformed_frames_from_an_authenticated_peer_are_dropped_without_touching_memory(served, data):
     tr, rx, cache = served
     before = cache.clone()
-    stream = SockStream(connect_socket(rx.address, 5), rx.address, 5)
-    client_handshake(stream, TOKEN.encode(), b"kv", pack_hello(os.urandom(16), 0, "fuzzer"))
-    try:
-        stream.sock.sendall(data)
-        stream.sock.shutdown(socket.SHUT_WR)
-        while stream.sock.recv(4096):
-            pass
-    except OSError:
-        pass
-    finally:
-        stream.close()
+    _send_as_an_authenticated_peer(rx, data, "fuzzer")
     # No payload bytes are ever sent, so whatever the server made of the frame, memory is untouched.
     assert torch.equal(cache, before)
     _good_client_still_served(tr, rx, cache)
@@ -145,17 +150,7 @@ def test_a_kv_write_whose_destination_changed_on_the_way_is_refused_before_any_b
     frame = bytearray(_frame(T_KV_WRITE, meta, BLOCK_ELEMS * 4))
     frame[-4] ^= 0x01  # block 6 -> 7, after the CRC was computed
     num_rejected = rx.stats.num_rejected_frames
-    stream = SockStream(connect_socket(rx.address, 5), rx.address, 5)
-    client_handshake(stream, TOKEN.encode(), b"kv", pack_hello(os.urandom(16), 0, "flipper"))
-    try:
-        stream.sock.sendall(bytes(frame) + torch.ones(BLOCK_ELEMS).numpy().tobytes())
-        stream.sock.shutdown(socket.SHUT_WR)
-        while stream.sock.recv(4096):
-            pass
-    except OSError:
-        pass
-    finally:
-        stream.close()
+    _send_as_an_authenticated_peer(rx, bytes(frame) + torch.ones(BLOCK_ELEMS).numpy().tobytes(), "flipper")
     deadline = time.monotonic() + 5
     while rx.stats.num_rejected_frames == num_rejected and time.monotonic() < deadline:
         time.sleep(0.01)
