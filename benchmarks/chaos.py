@@ -183,7 +183,7 @@ def main() -> int:
     ap.add_argument("--stall-timeout-s", type=float, default=10.0)
     ap.add_argument("--stall-factor", type=float, default=None,
                     help="the routers' adaptive hang detection (router --stall-factor); "
-                         "default: the router's (off); the committed soaks use 5")
+                         "default: the router's (5); 0 turns it off")
     ap.add_argument("--stall-min-s", type=float, default=None, help="the adaptive limit's floor (router --stall-min-s)")
     ap.add_argument("--stall-release-s", type=float, default=None,
                     help="the soft limit's floor, past which not-started requests move (router --stall-release-s)")

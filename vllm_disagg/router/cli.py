@@ -83,10 +83,10 @@ def add_failover_args(g) -> None:
     g.add_argument("--stall-timeout-s", type=float, default=10.0,
                    help="cut an instance whose requests make no progress this long (stuck step, SIGSTOP, "
                         "partition) and replay them elsewhere")
-    g.add_argument("--stall-factor", type=_stall_factor, default=None,
+    g.add_argument("--stall-factor", type=_stall_factor, default=5.0,
                    help="adaptive hang detection: cut an instance after this many times the step time its "
-                        "/live expects (within --stall-min-s and --stall-timeout-s); off by default, 0 or off "
-                        "turns it off (the fixed --stall-timeout-s only); the chaos soaks use 5")
+                        "/live expects (within --stall-min-s and --stall-timeout-s); 0 or off turns it off "
+                        "(the fixed --stall-timeout-s only)")
     g.add_argument("--stall-min-s", type=float, default=2.0, help="shortest adaptive stall limit")
     g.add_argument("--stall-release-s", type=float, default=0.5,
                    help="adaptive detection: past this without progress, move an instance's requests that "

@@ -69,14 +69,13 @@ class RouterConfig(BaseModel):
     """An instance with requests in flight that shows no progress this long (its `/live` reports a stuck
     engine step, or it stops answering) is cut from routing, and its requests are replayed or failed
     over (non-replayable ones, when they cannot be re-sent, end with an error naming the stall)."""
-    stall_factor: float | None = Field(None, gt=1)
-    """Adaptive hang detection (off: None). An instance whose `/live` reports `expected_step_s` (its
+    stall_factor: float | None = Field(5.0, gt=1)
+    """Adaptive hang detection (None: off, the fixed `stall_timeout_s` only). An instance whose `/live` reports `expected_step_s` (its
     recent steps scaled to the step in progress) is cut after `stall_factor` times that, within
     [`stall_min_s`, `stall_timeout_s`]: a frozen decode engine stepping every 50 ms is cut in seconds,
-    a long prefill still gets the full `stall_timeout_s`. Off by default: on a cold engine (no step
-    samples yet) the soft limit is `stall_min_s`, and a first forward slower than that on a loaded
-    box marked a healthy instance suspect and moved its requests (CI, tests/integration/test_lamina_pd.py);
-    the soaks (benchmarks/results/chaos*.json) run it with `--stall-factor 5`."""
+    a long prefill still gets the full `stall_timeout_s`. A cold engine (no step samples yet) is
+    marked suspect only when `/live` does not answer: its first forward, slower than `stall_min_s` on a
+    loaded box, marked a healthy instance when it was on by default before (CI, test_lamina_pd)."""
     stall_min_s: float = Field(2.0, gt=0)
     """The shortest adaptive stall limit (scheduling noise on a loaded host stays below it)."""
     stall_release_s: float = Field(0.5, gt=0)

@@ -124,10 +124,10 @@ class HealthChecker:
         return min(self.config.stall_timeout_s, max(self.config.stall_min_s, factor * float(expected_step_s)))
 
     def release_limit(self, expected_step_s: object) -> float | None:
-        """The soft limit past which an instance is suspect (None: adaptive detection is off). An
-        engine with too few steps for `expected_step_s` (just restarted) gets the adaptive floor: the
-        cut waits for `stall_timeout_s` there, and a restarted instance stopped again kept a request
-        4.4 s in the seed-1 soak; a false mark costs a re-prefill, not the instance."""
+        """The soft limit past which the router probes an instance (None: adaptive detection is off).
+        An engine with too few steps for `expected_step_s` (just restarted) gets the adaptive floor, and
+        is marked there only if `/live` does not answer (`_probe`): a restarted instance stopped again
+        kept a request 4.4 s in the seed-1 soak while the cut waited for `stall_timeout_s`."""
         if self.config.stall_factor is None:
             return None
         limit = self.stall_limit(expected_step_s)
@@ -229,13 +229,18 @@ class HealthChecker:
             self._probes[inst.instance_id] = asyncio.create_task(self._probe(inst))
 
     async def _probe(self, inst: Instance) -> None:
+        """Mark `inst` suspect when `/live` does not answer, or when its engine, knowing its own step
+        time, says it owes progress past the soft limit. A cold engine (no `expected_step_s` yet) that
+        answers is left to the fixed limit: its first forward may take seconds on a loaded box (CI:
+        2.08 s, over the 2 s floor, moved a healthy decode instance's requests and their KV pushes)."""
         try:
             live = await asyncio.wait_for(self._live(inst), _PROBE_TIMEOUT_S)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
             self.suspect(inst, f"no /live answer within {_PROBE_TIMEOUT_S:g} s")
             return
         stalled = self._take_report(inst, live, time.monotonic())
-        if stalled is not None and inst.release_limit_s is not None and stalled > inst.release_limit_s:
+        if stalled is not None and inst.stall_limit_s is not None and inst.release_limit_s is not None \
+                and stalled > inst.release_limit_s:
             self.suspect(inst, f"its engine owes progress for {stalled:.2f} s")
 
     def suspect(self, inst: Instance, why: str) -> None:

@@ -144,23 +144,28 @@ def test_an_instance_whose_live_endpoint_stops_answering_is_suspect_within_the_p
     run(scenario())
 
 
-def test_a_just_restarted_instance_with_no_expected_step_is_suspect_at_the_adaptive_floor():
-    """/live has no `expected_step_s` yet (too few steps since a restart): the cut waits for the fixed
-    limit, but the soft limit falls back to `--stall-min-s`, so a request there moves in about that."""
+def test_a_cold_instance_that_answers_is_left_to_the_fixed_limit_and_one_that_does_not_is_suspect():
+    """/live has no `expected_step_s` yet (a cold or just restarted engine): its own report of a stall
+    past the floor (a first forward of 2 s on a loaded box) marks nothing, while a /live that does not
+    answer (SIGSTOP) marks it at the floor, and its request moves long before the fixed limit."""
     async def scenario():
         async with deployment(p_modes=(), d_modes=(), mixed_modes=("stall", "ok"), health_interval_s=0.1,
-                              stall_timeout_s=20, stall_factor=5, stall_min_s=0.6, stall_release_s=0.3) as (
-                url, session, _, _d, ms, router):
+                              health_timeout_s=5, stall_timeout_s=20, stall_factor=5, stall_min_s=0.6,
+                              stall_release_s=0.3) as (url, session, _, _d, ms, router):
             await asyncio.sleep(0.3)
             body = {"model": "m", "prompt": [4, 2], "max_tokens": 3, "return_token_ids": True}
             task = asyncio.create_task(_post(session, url, body))
             await _until(lambda: len(ms[0].bodies) == 1)
-            ms[0].live_stalled_s = 1.0
+            ms[0].live_stalled_s = 1.5
+            await asyncio.sleep(1.5)
+            assert not task.done() and not router.pools.is_suspect(ms[0].url) and not ms[1].bodies
+            ms[0].frozen = True
             t0 = asyncio.get_running_loop().time()
             status, _, raw = await asyncio.wait_for(task, 5)
             assert status == 200 and json.loads(raw)["choices"][0]["token_ids"] == _expected([4, 2], 3)
             assert asyncio.get_running_loop().time() - t0 < 2.0 and router.pools.is_healthy(ms[0].url)
             assert 'reason="stalled_release"' in _replay_reasons(router)
+            ms[0].frozen = False
     run(scenario())
 
 
@@ -198,9 +203,9 @@ def test_while_the_only_prefill_instance_is_suspect_decode_serves_new_requests_w
     run(scenario())
 
 
-@pytest.mark.parametrize(("flags", "factor"), [([], None), (["--stall-factor", "0"], None),
+@pytest.mark.parametrize(("flags", "factor"), [([], 5.0), (["--stall-factor", "0"], None),
                                                (["--stall-factor", "off"], None), (["--stall-factor", "3"], 3.0)])
-def test_adaptive_detection_is_off_by_default_and_0_turns_it_off(flags, factor):
+def test_adaptive_detection_is_on_by_default_and_0_turns_it_off(flags, factor):
     from vllm_disagg.router.cli import add_router_args, config_from_args
 
     parser = argparse.ArgumentParser()
