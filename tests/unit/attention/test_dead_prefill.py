@@ -174,3 +174,48 @@ def _poll_until_failed(receiver: AttnPushReceiver, req_id: str, timeout_s: float
             return failed, time.monotonic() - t0
         time.sleep(0.01)
     return set(), timeout_s
+
+
+def test_after_a_server_restart_on_a_new_kv_port_the_next_push_lands_there_without_a_failed_one():
+    """A restarted attention server (a Ray actor) keeps its HTTP address but its KV receiver listens
+    on a new port: once the model worker's client reconnected (recovery), the next registration asks
+    the KV address again, so P pushes to the new port at once instead of failing on the old one while
+    D waits out push_timeout_s."""
+    from vllm_disagg.attention import recovery
+    from vllm_disagg.config import KVTransferSection
+    from vllm_disagg.kv.metadata import DisaggConnectorMetadata, SaveSpec
+    from vllm_disagg.kv.push_sender import PushSender
+
+    first = DisaggAttentionServer(transport="tcp", kv_cache_bytes=4 << 20, auth_token=TOKEN, kv_transport="tcp")
+    http = first.start()["http"]
+    client = DisaggAttentionClient([http], transport="tcp", auth_token=TOKEN)
+    client.connect(num_layers=LAYERS, num_heads=4, num_kv_heads=KV_HEADS, head_size=HEAD, block_size=BS,
+                   dtype="float32", max_num_tokens=256)
+    tp = lambda: get_transport("tcp", TransportOptions(auth_token=TOKEN))  # noqa: E731
+    layers = [torch.randn(8, KV_HEADS, BS, 2 * HEAD) for _ in range(LAYERS)]
+    sender = PushSender(tp(), tp(), INFO, TOKEN, layers, KVTransferSection(push_timeout_s=PUSH_TIMEOUT_S),
+                        (DisaggKVConnectorStats(), threading.Lock()))
+    ra = RemoteAttentionSection(servers=[http], transport="tcp", partition="head")
+    receiver = AttnPushReceiver(tp(), INFO, TOKEN, (DisaggKVConnectorStats(), threading.Lock()), "recompute", ra,
+                                client=lambda: client)
+    old_kv = receiver._kv_addresses()[0]
+    first.stop()
+    host, _, port = http.rpartition(":")
+    second = DisaggAttentionServer(transport="tcp", kv_cache_bytes=4 << 20, auth_token=TOKEN, kv_transport="tcp",
+                                   http_host=host, http_port=int(port))
+    second.start()
+    try:
+        recovery.reconnect(client, required_blocks=1, wait_s=10)  # the model worker's step recovers
+        receiver.start([RecvSpec("d1", "fe02", sender.address, (1, 2), 0, 2 * BS, PUSH_TIMEOUT_S)])
+        sender.bind(DisaggConnectorMetadata(save_specs=[SaveSpec("p1", (3, 4), 2 * BS, 2 * BS, "fe02", True)]))
+        for layer in range(LAYERS):
+            sender.layer_saved(layer)
+        sender.step_done()
+        failed, waited = _poll_until(receiver, "d1", 10.0)
+        assert receiver._kv_addresses()[0] != old_kv and failed == set() and waited < 10.0
+        assert torch.equal(second.kernel.caches[0][1], layers[0][3])  # P's block 3 landed in D's block 1
+    finally:
+        receiver.close()
+        sender.close()
+        client.close()
+        second.stop()

@@ -52,6 +52,7 @@ class AttnPushReceiver(PushReceiver):
         self._client_fn = client or backend.current_client
         self._unclaimed: set[str] = set()  # transfer ids whose blocks the servers did not confirm (CLAIM)
         self._kv_addrs: list[str] | None = None
+        self._kv_addrs_recoveries = 0  # the client's num_recoveries when `_kv_addrs` was asked
         self._where: dict[str, int] = {}  # transfer_id -> server (request-wise)
         self._totals: dict[str, int] = {}  # transfer_id -> bytes landed over all servers
         self._totals_lock = threading.Lock()
@@ -123,9 +124,14 @@ class AttnPushReceiver(PushReceiver):
         return {"targets": encode_targets([(addrs[server], 1, 0)])}
 
     def _kv_addresses(self) -> list[str]:
-        """Each server's KV receiver address (asked once; a restarted server gets asked again)."""
-        if self._kv_addrs is None:
+        """Each server's KV receiver address, asked again after a failed push and after the model
+        worker's client reconnected to a restarted server: a Ray actor restarts on new ports, and every
+        push registered with the old ones failed on P's side while D waited out push_timeout_s."""
+        client = self._client_fn()
+        recoveries = getattr(client, "num_recoveries", 0) if client is not None else 0
+        if self._kv_addrs is None or recoveries != self._kv_addrs_recoveries:
             self._kv_addrs = [queries.kv_address(server, self.http_timeout_s) for server in self.servers]
+            self._kv_addrs_recoveries = recoveries
         return self._kv_addrs
 
     def _drain_notifications(self) -> None:
