@@ -4,7 +4,10 @@
 Calibration, as pd_calibrate.py does it, on the very deployment serve_bench then measures (round 0,
 right after warm-up): single prompts at several lengths and queued batches (the engine's prefill time
 from its own histogram), and decode iterations at several batch sizes and contexts (token gaps of B
-concurrent requests). Plain vLLM gets the same points on its two cores. The planner's simulator (the
+concurrent requests). Decode gaps are taken through the front (the router for P/D), the path the
+trace's tokens take: under vLLM's own binding only the Worker's threads are pinned, and the router,
+the API servers and the client share D's core (pd_calibrate_quick_nopin.json: TBT through the router
+1.13x straight to D), which left the planner's TBT P99 7-12 % low when D was calibrated directly. Plain vLLM gets the same points on its two cores. The planner's simulator (the
 router's policy and vLLM's chunked-prefill batching, splitwise_sim.py) then replays the same trace
 window at every rate serve_bench ran, and goodput.py computes the same metrics from its token times.
 Errors: relative for TTFT and TBT percentiles, absolute (share of requests) for goodput; the goal
@@ -58,13 +61,12 @@ def calibrate(running, max_model_len: int, plan: dict = CALIBRATION) -> dict:
 async def _calibrate(running, plan: dict) -> dict:
     inst = running.instances
     front, p_url = running.url, inst.get("prefill", inst.get("plain"))
-    d_url = inst.get("decode", inst.get("plain"))
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as session:
         pre = await prefill_points(session, front, p_url, plan["prefill_sizes"], plan["prefill_reps"])
         single = next(r["prefill_ms"] for r in pre if r["num_tokens"] == 512)
         bat = await batched_prefill_points(session, front, p_url, 512, plan["batched_prompts"], plan["batched_reps"],
                                            single)
-        dec = await decode_points(session, d_url, plan["decode_batches"], plan["decode_contexts"],
+        dec = await decode_points(session, front, plan["decode_batches"], plan["decode_contexts"],
                                   plan["decode_tokens"], plan["decode_reps"])
     facts = _engine_facts(running)
     exposed = [r["exposed_ms"] for r in pre if r.get("exposed_ms") is not None]
