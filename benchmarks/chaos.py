@@ -229,7 +229,7 @@ def main() -> int:
                      stall_factor=args.stall_factor, stall_min_s=args.stall_min_s,
                      stall_release_s=args.stall_release_s,
                      slow_link=not num_attention,  # the link of slow_link and corrupt_link is P -> D only
-                     kv_verify=not num_attention,  # corrupt_link's flip must be caught
+                     kv_verify=True,  # corrupt_link's flip must be caught; Lamina's pushes are verified too
                      push_timeout_s=args.push_timeout_s)
     try:
         dep.start()

@@ -72,7 +72,7 @@ class KVTransferSection(_Section):
     differs from where it listens (a NAT, a Kubernetes Service, a proxy); tensor-parallel rank r
     advertises PORT + r. Unset: the listening address."""
     verify_checksums: bool = False
-    """Decode side: check every push end to end (a CRC32 per layer from P, kv/checksum.py) before its
+    """Decode side: check every push end to end (a CRC32 per layer from P, transport/checksum.py) before its
     request runs, and recompute on a difference. Costs a pass over the KV on each side."""
 
     @field_validator("advertise_address")

@@ -19,13 +19,14 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from vllm.logger import init_logger
 
 from vllm_disagg.errors import DisaggError
-from vllm_disagg.transport import TransportOptions, get_transport
+from vllm_disagg.transport import TransportOptions, checksum, get_transport
 
 logger = init_logger(__name__)
 TTL_S = 120.0
 _MAX_ENTRIES = 4096
 _MAX_IDS = 256  # per poll; a decode worker has at most a batch of pending pushes
 _ID_CHARS = frozenset("0123456789abcdefABCDEF-_")
+_MAX_BLOCKS = 4096  # per checksum query: one push's blocks (a 64k-token prompt in 16-token blocks)
 
 
 class KVIngest:
@@ -36,6 +37,7 @@ class KVIngest:
         self.kind = transport
         self._transport = get_transport(transport, TransportOptions(auth_token=auth_token, host=host, port=port))
         self._receiver = None
+        self._caches: list = []
         self.address: str | None = None
         self._lock = threading.Lock()
         self._landed: dict[str, list[float]] = {}  # transfer_id -> [bytes, last update]
@@ -63,7 +65,7 @@ class KVIngest:
             receiver.register_region(str(layer), tensor)
         self.address = receiver.start()
         with self._lock:
-            self._receiver = receiver
+            self._receiver, self._caches = receiver, list(caches)
         if self._thread is None:
             self._thread = threading.Thread(target=self._drain_loop, name="attn-kv-ingest", daemon=True)
             self._thread.start()
@@ -124,6 +126,25 @@ class KVIngest:
             for t in ids:
                 self._landed.pop(t, None)
         return {t: receiver is None or receiver.fence(t) for t in ids}
+
+    def checksums(self, block_ids: list[int]) -> str:
+        """Each layer's CRC32 over these blocks as they are now (transport/checksum.py): the decode
+        worker compares them with the prefill side's for a verified push (`kv.verify_checksums`)."""
+        with self._lock:
+            caches = self._caches
+        if not caches:
+            raise ValueError("no KV cache attached yet (no INIT)")
+        if any(b < 0 or b >= caches[0].shape[0] for b in block_ids):
+            raise ValueError(f"block ids: each in [0, {caches[0].shape[0]})")
+        return checksum.encode(checksum.layer_checksums(caches, block_ids))
+
+    def http_checksums(self, path: str) -> dict[str, str]:
+        """`/kv/checksums?blocks=1,2` (token required); ValueError (-> HTTP 400) on anything malformed."""
+        raw = ",".join(parse_qs(urlsplit(path).query).get("blocks", []))
+        parts = [b for b in raw.split(",") if b]
+        if not parts or len(parts) > _MAX_BLOCKS or not all(b.isdigit() and len(b) <= 9 for b in parts):
+            raise ValueError(f"blocks: 1..{_MAX_BLOCKS} block ids, comma-separated")
+        return {"crc32": self.checksums([int(b) for b in parts])}
 
     def http_landed(self, path: str) -> dict[str, int]:
         """`/kv/landed?ids=A,B[&forget=1]`; ValueError (-> HTTP 400) on anything malformed."""

@@ -64,6 +64,15 @@ def landed_bytes(server: str, transfer_ids: list[str], timeout_s: float = HTTP_T
     return out
 
 
+def kv_checksums(server: str, block_ids: list[int], token: str, timeout_s: float = HTTP_TIMEOUT_S) -> str:
+    """`GET /kv/checksums`: each layer's CRC32 over `block_ids` of `server`'s cache (its KV-head shard
+    head-wise), as transport/checksum.py's `encode` writes them."""
+    try:
+        return str(get_json(server, "/kv/checksums?blocks=" + ",".join(map(str, block_ids)), timeout_s, token)["crc32"])
+    except (PeerLostError, KeyError, TypeError) as err:
+        raise DisaggError(f"attention server {server}: GET /kv/checksums: {err}") from err
+
+
 def fetch_retained(server: str, token: str, timeout_s: float = HTTP_TIMEOUT_S) -> dict:
     """`GET /kv/retained` of one server, checked: block_size, keys (16-byte), ttl_s."""
     try:

@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The attention server's HTTP side: its Prometheus series and the handler of `/health` (`/info`),
-`/metrics`, `/kv/retained` (token required) and `/kv/landed` (prefill pushes, when it takes them).
+`/metrics`, `/kv/retained` (token required), `/kv/landed` and `/kv/checksums` (token required)
+(prefill pushes, when it takes them).
 The session and dispatch side is `server.py`; `queries.py` is the client of these paths."""
 
 from __future__ import annotations
@@ -81,6 +82,15 @@ def handler_for(server: DisaggAttentionServer) -> type[BaseHTTPRequestHandler]:
                     self.send_error(401, "GET /kv/retained needs 'Authorization: Bearer <VLLM_DISAGG_AUTH_TOKEN>'")
                     return
                 body, ctype = json.dumps(server.retained_info()).encode(), "application/json"
+            elif self.path.startswith("/kv/checksums") and server.ingest is not None:
+                if not server.authorized(self.headers.get("Authorization")):
+                    self.send_error(401, "GET /kv/checksums needs 'Authorization: Bearer <VLLM_DISAGG_AUTH_TOKEN>'")
+                    return
+                try:
+                    body, ctype = json.dumps(server.ingest.http_checksums(self.path)).encode(), "application/json"
+                except ValueError as err:
+                    self.send_error(400, str(err))
+                    return
             elif self.path.startswith("/kv/landed") and server.ingest is not None:
                 try:
                     body, ctype = json.dumps(server.ingest.http_landed(self.path)).encode(), "application/json"

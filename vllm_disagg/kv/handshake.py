@@ -9,7 +9,7 @@ stop a push (its push timed out, the request was aborted, or D took it over from
 servers' retained KV) and answers CANCEL_ACK once none of its writes are still in flight; a CANCEL
 that arrives before the prefill request is remembered, so that push never starts. VERIFY (D, once
 every byte landed, when REGISTER asked for `verify`) is answered with CHECKSUMS, one CRC32 per layer
-of the blocks P pushed (checksum.py), or REJECT when P has none for that transfer.
+of the blocks P pushed (transport/checksum.py), or REJECT when P has none for that transfer.
 
 Versions: 1 the first; 2 added the trace context to the header; 3 added VERIFY and CHECKSUMS. A
 peer of an older version gets a REJECT it can read (`legacy_reject`), naming both versions.

@@ -17,11 +17,11 @@ from typing import Any
 from vllm.logger import init_logger
 
 from vllm_disagg.config import KVTransferSection
-from vllm_disagg.kv.checksum import encode, layer_checksums
 from vllm_disagg.kv.layer_events import LayerEvent
 from vllm_disagg.kv.metadata import DisaggConnectorMetadata, SaveSpec
 from vllm_disagg.observe.context import TraceContext
 from vllm_disagg.transport import BlockWrite, XferState
+from vllm_disagg.transport.checksum import encode, encode_shards, layer_checksums
 
 logger = init_logger(__name__)
 _CANCELLED_TTL_S = 600.0
@@ -282,12 +282,17 @@ class PushPlan:
                     completed.append(push)
         return completed, suspect, to_checksum
 
-    def block_checksums(self, push: Push, end: int) -> bytes:
-        """The checksums D's VERIFY asks for: every layer's CRC over the pushed blocks. Reads the blocks
-        only (the caller holds no lock: a push cancelled meanwhile is dropped by `complete_verified`)."""
-        return encode(layer_checksums(self.layers, push.block_ids[push.reg.start_block:end]))
+    def block_checksums(self, push: Push, end: int) -> str:
+        """The checksums D's VERIFY asks for: every layer's CRC over the pushed blocks, per KV-head shard
+        when the push is split over head-wise attention servers. Reads the blocks only (the caller holds
+        no lock: a push cancelled meanwhile is dropped by `complete_verified`)."""
+        block_ids = push.block_ids[push.reg.start_block:end]
+        num_shards = max((n for _, n, _ in push.reg.targets), default=1)
+        if num_shards == 1:
+            return encode(layer_checksums(self.layers, block_ids))
+        return encode_shards([layer_checksums(self.layers, block_ids, num_shards, shard) for shard in range(num_shards)])
 
-    def complete_verified(self, push: Push, checksums: bytes) -> bool:
+    def complete_verified(self, push: Push, checksums: str) -> bool:
         """Keep a verified push's checksums and complete it, unless it failed or was cancelled meanwhile."""
         if push.error is not None or push.done:
             return False

@@ -18,7 +18,6 @@ from typing import Any
 from vllm.logger import init_logger
 
 from vllm_disagg.errors import DisaggError, HandshakeMismatch
-from vllm_disagg.kv import checksum
 from vllm_disagg.kv.handshake import (
     HandshakeInfo,
     MsgType,
@@ -34,7 +33,7 @@ from vllm_disagg.kv.side_channel import SideChannelClient
 from vllm_disagg.kv.spans import end_receive_span, start_receive_span
 from vllm_disagg.kv.stats import StatsSink
 from vllm_disagg.observe import tracing
-from vllm_disagg.transport import KVReceiver, Transport
+from vllm_disagg.transport import KVReceiver, Transport, checksum
 
 __all__ = ["PushReceiver", "RecvState"]
 
@@ -270,7 +269,7 @@ class PushReceiver:
                 self._set_failed(recv, f"cannot register with prefill instance {spec.remote}: {err}")
 
     def _verify(self, recv: _Recv) -> None:
-        """Compare P's per-layer checksums with this side's blocks: any difference, or no answer, fails
+        """Compare P's per-layer checksums with the landed blocks': any difference, or no answer, fails
         the push (the request recomputes its prompt), since the blocks cannot be trusted."""
         spec = recv.spec
         try:
@@ -279,12 +278,11 @@ class PushReceiver:
                 timeout=min(spec.push_timeout_s, 10.0)), spec.remote)
             if reply.type is not MsgType.CHECKSUMS or reply.transfer_id != spec.transfer_id:
                 raise DisaggError(str(reply.body.get("message") or f"prefill answered VERIFY with {reply.type.name}"))
-            remote = checksum.decode(reply.body.get("crc32"), self.handshake.num_layers)
+            layer = self._first_bad_layer(spec, reply.body.get("crc32"))
         except (DisaggError, OSError, ValueError) as err:
             with self._lock:
                 self._set_failed(recv, f"cannot verify the push with prefill instance {spec.remote}: {err}")
             return
-        layer = checksum.first_difference(checksum.layer_checksums(self.layers, spec.block_ids), remote)
         if layer is not None:
             self._record(lambda s: s.record_checksum_mismatch())
         with self._lock:
@@ -294,6 +292,12 @@ class PushReceiver:
             elif recv.state is RecvState.VERIFYING:
                 recv.state = RecvState.DONE
                 self.num_landed += 1
+
+    def _first_bad_layer(self, spec: RecvSpec, remote_text: object) -> int | None:
+        """The first layer whose landed blocks differ from P's checksums (`CHECKSUMS`' crc32), or None;
+        ValueError when the text is not this push's checksums."""
+        remote = checksum.decode(remote_text, self.handshake.num_layers)
+        return checksum.first_difference(checksum.layer_checksums(self.layers, spec.block_ids), remote)
 
     def _on_reply(self, recv: _Recv, reply: SideMsg) -> None:
         if reply.transfer_id != recv.spec.transfer_id:

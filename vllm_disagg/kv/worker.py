@@ -116,12 +116,9 @@ class DisaggConnectorWorker:
         if self.is_consumer and self._attention is not None:  # Lamina: KV lands on the attention servers
             from vllm_disagg.kv.lamina.targets import AttnPushReceiver
 
-            if self.kv.verify_checksums:
-                raise DisaggConfigError("kv.verify_checksums: the KV lands on the attention servers, which this "
-                                        "decode worker cannot checksum; unset it with remote attention")
             self.receiver = AttnPushReceiver(self._make_transport(self.kv, self.token, "tcp", 0), info, self.token,
                                              stats, self.vllm_config.kv_transfer_config.kv_load_failure_policy,
-                                             self._attention)
+                                             self._attention, verify=self.kv.verify_checksums)
         elif self.is_consumer:
             from vllm_disagg.kv.push_receiver import PushReceiver
 

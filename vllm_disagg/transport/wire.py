@@ -34,7 +34,7 @@ from vllm_disagg.errors import AuthError, PeerLostError, ProtocolError, Transpor
 #      no byte changed here, so this stays 1. CANCEL and trace context live in those formats.)
 #   2: the header ends with a CRC32 over the header and the meta. A flipped byte in a KV_WRITE's
 #      destination (layer, block ids) landed KV in another request's blocks, which KV verification
-#      (a CRC of the payload, kv/checksum.py) cannot see; now the frame is refused before use.
+#      (a CRC of the payload, transport/checksum.py) cannot see; now the frame is refused before use.
 PROTOCOL_VERSION = 2
 MAGIC = b"VDTP"
 FRAME_HDR = struct.Struct("<4sHHIQI")  # magic, version, type, meta_len, payload_len, crc32(header..., meta)

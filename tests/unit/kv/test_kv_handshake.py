@@ -126,7 +126,7 @@ def test_a_version_2_peer_is_refused_in_its_own_layout_which_version_3_kept():
 
 
 def test_verify_and_checksums_round_trip_and_checksums_are_checked_before_use():
-    from vllm_disagg.kv import checksum
+    from vllm_disagg.transport import checksum
 
     for mtype, body in ((MsgType.VERIFY, {"transfer_id": "t"}),
                         (MsgType.CHECKSUMS, {"transfer_id": "t", "crc32": checksum.encode([1, 0xFFFFFFFF])})):

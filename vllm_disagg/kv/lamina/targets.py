@@ -25,6 +25,7 @@ from vllm_disagg.errors import DisaggError
 from vllm_disagg.kv.metadata import RecvSpec
 from vllm_disagg.kv.push_plan import encode_targets
 from vllm_disagg.kv.push_receiver import PushReceiver, RecvState
+from vllm_disagg.transport import checksum
 
 __all__ = ["AttnPushReceiver", "attention_settings"]
 
@@ -46,7 +47,7 @@ class AttnPushReceiver(PushReceiver):
     """PushReceiver whose KV lands on the attention servers `remote_attention.servers` (head- or request-wise)."""
 
     def __init__(self, control: Any, handshake: Any, token: str, stats: Any, failure_policy: str, remote_attention: Any,
-                 placer: Any = None, client: Any = None):
+                 placer: Any = None, client: Any = None, verify: bool = False):
         self.servers, self.partition, self.http_timeout_s = list(remote_attention.servers), remote_attention.partition, min(remote_attention.timeout_s, 5.0)
         self._placer = placer
         self._client_fn = client or backend.current_client
@@ -59,7 +60,7 @@ class AttnPushReceiver(PushReceiver):
         self._fences: set[str] = set()  # failed transfer ids no server lands a byte of any more
         # the attention servers use vLLM's CPU layout; our own tensors are zero-byte `meta` placeholders
         handshake = dataclasses.replace(handshake, kv_layout=handshake.kv_layout.replace("meta:", "cpu:", 1))
-        super().__init__(control, None, handshake, token, [], stats, failure_policy)
+        super().__init__(control, None, handshake, token, [], stats, failure_policy, verify=verify)
         self._stop = threading.Event()
         self._poller = threading.Thread(target=self._poll_loop, name="disagg-kv-attn-landed", daemon=True)
         self._poller.start()
@@ -142,8 +143,31 @@ class AttnPushReceiver(PushReceiver):
                 recv = self._by_tid.get(transfer_id)
                 if recv is not None and recv.state in (RecvState.REGISTERING, RecvState.REGISTERED):
                     recv.landed_bytes = landed
-                    if landed >= recv.expected_bytes:
+                    if landed >= recv.expected_bytes and self.verify:
+                        recv.state = RecvState.VERIFYING
+                        self._submit(recv.spec.remote, self._verify, recv)
+                    elif landed >= recv.expected_bytes:
                         recv.state = RecvState.DONE
+
+    def _first_bad_layer(self, spec: RecvSpec, remote_text: object) -> int | None:
+        """P's checksums per KV-head shard (head-wise) or of whole blocks (request-wise), against what
+        each server holds now (`GET /kv/checksums`): the first layer that differs on any server."""
+        servers = self._servers_of(spec.transfer_id)
+        num_layers = self.handshake.num_layers
+        remote = ([checksum.decode(remote_text, num_layers)] if len(servers) == 1
+                  else checksum.decode_shards(remote_text, num_layers, len(servers)))
+        bad = []
+        for server, expected in zip(servers, remote, strict=True):
+            local = checksum.decode(queries.kv_checksums(server, list(spec.block_ids), self.token, self.http_timeout_s),
+                                    num_layers)
+            bad.append(checksum.first_difference(local, expected))
+        return min((layer for layer in bad if layer is not None), default=None)
+
+    def _servers_of(self, transfer_id: str) -> list[str]:
+        """The servers a push writes to, in shard order."""
+        if self.partition == "head":
+            return list(self.servers)
+        return [self.servers[self._where[transfer_id]]]
 
     def _fail_lost_peers(self) -> None:
         """A prefill instance that dies after ACCEPT closes its side channel to us (EOF, or its BYE):

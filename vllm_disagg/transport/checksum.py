@@ -23,16 +23,36 @@ from typing import Any
 from vllm_disagg.transport.wire import as_byte_view
 
 MAX_LAYERS = 512
-"""A CHECKSUMS reply carries at most this many layers (its body must fit the side message's 8 KiB)."""
+"""A CHECKSUMS reply carries at most this many layers times shards (its body must fit the side
+message's 8 KiB)."""
 
 
-def layer_checksums(layers: Sequence[Any], block_ids: Sequence[int]) -> list[int]:
-    """One CRC32 per layer over `block_ids` of that layer's KV tensor, in that order."""
+def layer_checksums(layers: Sequence[Any], block_ids: Sequence[int], num_shards: int = 1,
+                    shard: int = 0) -> list[int]:
+    """One CRC32 per layer over `block_ids` of that layer's KV tensor, in that order. With
+    `num_shards` > 1, over KV-head slice `shard` of each block (the contiguous sub-block a head-wise
+    attention server holds as its whole block: kv/push_plan.py's `shard_writes`)."""
+    ids = [b * num_shards + shard for b in block_ids] if num_shards > 1 else block_ids
     out = []
     for tensor in layers:
-        per_block = b"".join(struct.pack("<I", zlib.crc32(_bytes(tensor[b]))) for b in block_ids)
+        if num_shards > 1:
+            tensor = tensor.view(tensor.shape[0] * num_shards, -1)
+        per_block = b"".join(struct.pack("<I", zlib.crc32(_bytes(tensor[b]))) for b in ids)
         out.append(zlib.crc32(per_block))
     return out
+
+
+def encode_shards(per_shard: Sequence[Sequence[int]]) -> str:
+    """A CHECKSUMS body's `crc32` for a push split over shards: each shard's layers, `;` between."""
+    return ";".join(encode(checksums) for checksums in per_shard)
+
+
+def decode_shards(text: object, num_layers: int, num_shards: int) -> list[list[int]]:
+    """The per-shard CRCs of an `encode_shards` text; ValueError unless `num_shards` of `num_layers`."""
+    parts = str(text).split(";") if text else []
+    if len(parts) != num_shards:
+        raise ValueError(f"expected checksums of {num_shards} shards, got {len(parts)}")
+    return [decode(part, num_layers) for part in parts]
 
 
 def encode(checksums: Sequence[int]) -> str:
