@@ -5,7 +5,8 @@ The prefill instance pushes its KV (P/D connector and transport) straight into t
 servers' blocks, KV-head slices (head-wise) or whole blocks to the request's server (request-wise);
 the decode model worker holds no KV and starts decoding once the push landed. Greedy float32 tokens
 and their logprobs equal plain vLLM; every pushed byte is counted on the servers, and no request fell
-back to recomputing its prompt. Then the decode model worker is SIGKILLed and the launcher restarts
+back to recomputing its prompt (request-wise, every push is verified end to end: `--disagg-kv-verify on`,
+each server answered D's checksum query). Then the decode model worker is SIGKILLed and the launcher restarts
 it: the prompts + generated ids, replayed through P and D as the router does after a restart, are
 restored from the blocks the servers kept (pushed prompt blocks included: D CLAIMs a push's blocks
 first, so a server that takes pushes still retains), not pushed again, and their tokens equal plain
@@ -206,8 +207,9 @@ def test_prefill_pushes_into_attention_servers_and_decode_matches_plain_vllm_als
     for key, value in FAST_EXPORT.items():
         monkeypatch.setenv(key, value)
     trace_args = ["--otlp-traces-endpoint", collector.grpc_endpoint] if traced else []
+    verify_args = [] if traced else ["--disagg-kv-verify", "on"]  # request-wise: every push checked end to end
     with running_up(tmp_path, "--prefill", "1", "--decode", "1", "--attention", "2", "--attention-partition",
-                    partition, "--layerwise-threshold", "64", "--model", model_dir, *trace_args,
+                    partition, "--layerwise-threshold", "64", "--model", model_dir, *trace_args, *verify_args,
                     *ENGINE_ARGS) as up:
         state = up.state
         assert [i["role"] for i in state["instances"]] == ["attention", "attention", "prefill", "decode"]
@@ -225,6 +227,10 @@ def test_prefill_pushes_into_attention_servers_and_decode_matches_plain_vllm_als
         assert all(b > 0 for b in landed)  # both servers hold pushed KV
         if partition == "head":
             assert landed[0] == landed[1]  # each server got its half of every block
+        else:  # verified: each push's server answered D's checksum query, and every one matched
+            checked = [_metric(i["url"], "vllm:disagg_attention_kv_checksum_queries_total")
+                       for i in state["instances"][:2]]
+            assert sum(checked) == len(PROMPTS) + 1, checked
         _replay_restores_after_a_decode_restart(up, plain_runs, block_nbytes, cfg["num_hidden_layers"], partition)
         if traced:  # after the restart test: its blocks stay as that test expects them
             _one_traced_request(state, collector)

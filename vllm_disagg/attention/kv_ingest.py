@@ -51,6 +51,9 @@ class KVIngest:
                                     registry=registry)
         self.writes = Counter("vllm:disagg_attention_kv_ingest_writes", "Prefill KV writes that landed",
                               registry=registry)
+        self.checksum_queries = Counter("vllm:disagg_attention_kv_checksum_queries",
+                                        "Verified pushes' checksum queries answered (kv.verify_checksums)",
+                                        registry=registry)
         self.unclaimed = Gauge("vllm:disagg_attention_kv_ingest_unclaimed",
                                "Landed-byte counts of pushes no decode worker has collected yet", registry=registry)
         self.unclaimed.set_function(lambda: len(self._landed))
@@ -136,6 +139,7 @@ class KVIngest:
             raise ValueError("no KV cache attached yet (no INIT)")
         if any(b < 0 or b >= caches[0].shape[0] for b in block_ids):
             raise ValueError(f"block ids: each in [0, {caches[0].shape[0]})")
+        self.checksum_queries.inc()
         return checksum.encode(checksum.layer_checksums(caches, block_ids))
 
     def http_checksums(self, path: str) -> dict[str, str]:
