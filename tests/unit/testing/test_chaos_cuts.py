@@ -6,7 +6,13 @@ from __future__ import annotations
 
 import datetime
 
-from vllm_disagg.testing.chaos.cuts import cuts_outside_faults, router_cuts, router_suspects, slow_requests
+from vllm_disagg.testing.chaos.cuts import (
+    cuts_outside_faults,
+    router_cuts,
+    router_suspects,
+    slow_requests,
+    ttft_split,
+)
 
 T0 = datetime.datetime(2026, 11, 27, 0, 0, 0).timestamp()
 
@@ -67,3 +73,18 @@ def test_slow_requests_name_their_faults_and_whether_any_instance_could_serve():
     assert [(s["key"], s["faults"], s["no_serving_instance"]) for s in slow] == [
         ("85/chat", ["kill decode0", "stop_engine prefill0"], True),
         ("3/completions", ["stop_engine decode0"], False)]
+
+
+def test_a_request_in_flight_when_a_fault_starts_counts_as_during_it_not_as_quiet():
+    """Seed 2 of stop 33: a request sent 2 ms before a stop_engine fault took 0.68 s; classified by
+    send time it was quiet, and with 21 quiet requests it alone set the quiet P99."""
+    outcomes = [{"t_sent_s": float(t), "ttft_s": 0.2, "latency_s": 0.3} for t in range(0, 40, 2)]
+    outcomes += [{"t_sent_s": 43.127, "ttft_s": 0.68, "latency_s": 0.7},  # in flight at 43.129
+                 {"t_sent_s": 60.0, "ttft_s": 2.0, "latency_s": 2.5},  # inside the fault
+                 {"t_sent_s": 200.0, "ttft_s": 0.25, "latency_s": 0.3}]  # long after its aftermath
+    result = {"faults": [{"kind": "stop_engine", "target": "decode0", "t_start_s": 43.129, "t_end_s": 53.3}],
+              "outcomes": outcomes}
+    ttft_split(result)
+    assert [o["during_faults"] for o in outcomes[-3:]] == [True, True, False]
+    assert result["p99_ttft_quiet_s"] == 0.25 and result["num_quiet_requests"] == 21
+    assert result["p99_ttft_during_faults / p99_ttft_quiet"] == round(2.0 / 0.25, 3)

@@ -29,7 +29,14 @@ from pathlib import Path
 from vllm_disagg.config import KVTransferSection
 from vllm_disagg.testing.chaos import leaks
 from vllm_disagg.testing.chaos.clients import ChaosClients
-from vllm_disagg.testing.chaos.cuts import cuts_outside_faults, router_cuts, router_suspects, slow_requests
+from vllm_disagg.testing.chaos.cuts import (
+    cuts_outside_faults,
+    p99_of,
+    router_cuts,
+    router_suspects,
+    slow_requests,
+    ttft_split,
+)
 from vllm_disagg.testing.chaos.faults import KINDS, LINK_KINDS, Fault, FaultInjector, signal_group
 from vllm_disagg.testing.chaos.workload import References, schedule
 from vllm_disagg.testing.throttle import ThrottledProxy
@@ -403,11 +410,11 @@ def run_campaign(dep: Deployment, refs: References, cfg: CampaignConfig, log=pri
     result["cuts_outside_faults"] = cuts_outside_faults(result["router_cuts"], result["faults"])
     result["router_suspects"] = router_suspects([dep.workdir / f"{r['name']}.log" for r in dep.routers], t0_wall)
     result["suspects_outside_faults"] = cuts_outside_faults(result["router_suspects"], result["faults"])
-    _explain_slow(result, [i["name"] for i in dep.instances() if i["role"] in ("prefill", "decode", "mixed")])
+    explain_slow(result, [i["name"] for i in dep.instances() if i["role"] in ("prefill", "decode", "mixed")])
     return result
 
 
-def _explain_slow(result: dict, serving: list[str]) -> None:
+def explain_slow(result: dict, serving: list[str]) -> None:
     """`slow_requests`: past the goal (3 x quiet p99), with the faults each waited through; and, as a
     secondary key, the during-faults p99 without the requests sent while no instance could serve."""
     quiet = result["p99_ttft_quiet_s"]
@@ -418,7 +425,7 @@ def _explain_slow(result: dict, serving: list[str]) -> None:
     blocked = {(s["key"], s["t_sent_s"]) for s in slow if s["no_serving_instance"]}
     during = [o["ttft_s"] for o in result["outcomes"] if o["during_faults"] and o["ttft_s"] is not None
               and (o["key"], o["t_sent_s"]) not in blocked]
-    p99 = _p99(during)
+    p99 = p99_of(during)
     result["p99_ttft_during_faults_with_a_serving_instance_s"] = p99
     result["p99_ttft_during_faults_with_a_serving_instance / p99_ttft_quiet"] = round(p99 / quiet, 3) if p99 else None
 
@@ -431,40 +438,27 @@ def _warm_up(clients: ChaosClients, refs: References, cfg: CampaignConfig) -> No
     clients.outcomes.clear()
 
 
-def _p99(values: list[float]) -> float | None:
-    if not values:
-        return None
-    values = sorted(values)
-    return values[min(len(values) - 1, int(0.99 * len(values)))]
-
-
 def report(outcomes, faults: list[Fault], base: dict, end: dict, t0: float, cfg: CampaignConfig,
            load_avg: list, healthy: bool) -> dict:
-    windows = [(f.t_start, f.t_end + 30.0) for f in faults]  # a fault's aftermath counts as "during"
-    in_faults = [any(a <= o.t_sent <= b for a, b in windows) for o in outcomes]
-    during = [o.ttft_s for o, flag in zip(outcomes, in_faults) if flag and o.ttft_s is not None]
-    quiet = [o.ttft_s for o, flag in zip(outcomes, in_faults) if not flag and o.ttft_s is not None]
-    p99_f, p99_q = _p99(during), _p99(quiet)
     diff = leaks.compare(base, end)
     counts = {k: sum(1 for o in outcomes if o.outcome == k) for k in ("ok", "wrong", "lost", "left")}
-    return {
+    result = {
         "requests_total": len(outcomes), "requests_ok": counts["ok"], "requests_left_on_purpose": counts["left"],
         "requests_lost": counts["lost"], "requests_wrong": counts["wrong"],
         "kv_blocks_leaked": diff["kv_blocks_leaked"], "shm_segments_leaked": diff["shm_segments_leaked"],
         "leaks": diff["leaks"], "new_shm": diff["new_shm"],
         "max_stall_s": round(max((o.max_gap_s for o in outcomes), default=0.0), 3),
-        "p99_ttft_during_faults_s": p99_f, "p99_ttft_quiet_s": p99_q,
-        "p99_ttft_during_faults / p99_ttft_quiet": round(p99_f / p99_q, 3) if p99_f and p99_q else None,
         "median_ttft_s": statistics.median([o.ttft_s for o in outcomes if o.ttft_s]) if outcomes else None,
         "num_faults": len(faults), "fault_kinds": sorted({f.kind for f in faults}),
         "faults": [f.as_dict(t0) for f in faults],
         "all_healthy_at_end": healthy,
         "retried_requests": sum(1 for o in outcomes if o.num_attempts > 1),
         "outcomes": [{**{k: v for k, v in asdict(o).items() if k != "last_token_at"},
-                      "t_sent_s": round(o.t_sent - t0, 3), "during_faults": flag}
-                     for o, flag in zip(outcomes, in_faults)],
+                      "t_sent_s": round(o.t_sent - t0, 3)} for o in outcomes],
         "config": {**asdict(cfg), "fault_every_s": list(cfg.fault_every_s),
                    "plan": [list(p) for p in cfg.plan] if cfg.plan else None},
         "loadavg_before": load_avg[0], "loadavg_after": load_avg[-1],
         "snapshots": {"start": base, "end": end},
     }
+    ttft_split(result)  # during_faults of each outcome and the P99 TTFT keys
+    return result
