@@ -167,7 +167,10 @@ class AttnPushReceiver(PushReceiver):
         """The servers a push writes to, in shard order."""
         if self.partition == "head":
             return list(self.servers)
-        return [self.servers[self._where[transfer_id]]]
+        server = self._where.get(transfer_id, -1)
+        if server < 0:  # pruned or never placed: fail the check (a KeyError would leave it verifying)
+            raise DisaggError(f"push {transfer_id} has no attention server on record")
+        return [self.servers[server]]
 
     def _fail_lost_peers(self) -> None:
         """A prefill instance that dies after ACCEPT closes its side channel to us (EOF, or its BYE):
