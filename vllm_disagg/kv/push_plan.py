@@ -21,7 +21,7 @@ from vllm_disagg.kv.layer_events import LayerEvent
 from vllm_disagg.kv.metadata import DisaggConnectorMetadata, SaveSpec
 from vllm_disagg.observe.context import TraceContext
 from vllm_disagg.transport import BlockWrite, XferState
-from vllm_disagg.transport.checksum import encode, encode_shards, layer_checksums
+from vllm_disagg.transport.checksum import encode_shards, layer_checksums
 
 logger = init_logger(__name__)
 _CANCELLED_TTL_S = 600.0
@@ -287,9 +287,7 @@ class PushPlan:
         when the push is split over head-wise attention servers. Reads the blocks only (the caller holds
         no lock: a push cancelled meanwhile is dropped by `complete_verified`)."""
         block_ids = push.block_ids[push.reg.start_block:end]
-        num_shards = max((n for _, n, _ in push.reg.targets), default=1)
-        if num_shards == 1:
-            return encode(layer_checksums(self.layers, block_ids))
+        num_shards = max((n for _, n, _ in push.reg.targets), default=1)  # one list when unsharded
         return encode_shards([layer_checksums(self.layers, block_ids, num_shards, shard) for shard in range(num_shards)])
 
     def complete_verified(self, push: Push, checksums: str) -> bool:

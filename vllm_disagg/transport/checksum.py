@@ -43,7 +43,7 @@ def layer_checksums(layers: Sequence[Any], block_ids: Sequence[int], num_shards:
 
 
 def encode_shards(per_shard: Sequence[Sequence[int]]) -> str:
-    """A CHECKSUMS body's `crc32` for a push split over shards: each shard's layers, `;` between."""
+    """A CHECKSUMS body's `crc32`: each shard's layers, `;` between (one shard: `encode`'s text)."""
     return ";".join(encode(checksums) for checksums in per_shard)
 
 

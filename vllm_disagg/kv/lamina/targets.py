@@ -154,8 +154,7 @@ class AttnPushReceiver(PushReceiver):
         each server holds now (`GET /kv/checksums`): the first layer that differs on any server."""
         servers = self._servers_of(spec.transfer_id)
         num_layers = self.handshake.num_layers
-        remote = ([checksum.decode(remote_text, num_layers)] if len(servers) == 1
-                  else checksum.decode_shards(remote_text, num_layers, len(servers)))
+        remote = checksum.decode_shards(remote_text, num_layers, len(servers))
         bad = []
         for server, expected in zip(servers, remote, strict=True):
             local = checksum.decode(queries.kv_checksums(server, list(spec.block_ids), self.token, self.http_timeout_s),

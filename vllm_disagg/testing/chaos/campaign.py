@@ -85,7 +85,7 @@ class Deployment:
     """Instances per role: with 2 of each a fault leaves a live one to serve (issue 18's availability)."""
     stall_timeout_s: float = 10.0
     stall_factor: float | None = None
-    """The routers' `--stall-factor` (adaptive hang detection); None: the router's default (off); 0: off,
+    """The routers' `--stall-factor` (adaptive hang detection); None: the router's default (5); 0: off,
     the fixed stall_timeout_s only."""
     stall_min_s: float | None = None
     """The routers' `--stall-min-s` (the adaptive limit's floor); None: the router's default."""
