@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 from vllm_disagg.testing.families import FAMILIES, make_tiny_model
 from vllm_disagg.testing.matrix import PROMPTS, CellRefused, generate, run_in_process, run_pd
@@ -98,6 +99,8 @@ def test_prefill_decode_push_gives_plain_vllms_tokens(model_root, tmp_path, fami
     assert evidence["layerwise"] == len(PROMPTS) and not evidence["recomputed"], evidence
 
 
+@pytest.mark.skipif(not (torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()),
+                    reason="this CPU has neither AVX-512 nor AMX: vLLM's CPU kernel refuses an fp8 KV cache")
 def test_an_fp8_kv_cache_on_the_attention_servers_gives_local_fp8s_tokens(model_root, servers):
     import json
     import urllib.request

@@ -49,7 +49,7 @@ __all__ = [
     "local_handshake_info",
 ]
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 _MAGIC = b"DGKV"
 _PREFIX = struct.Struct("!4sH")  # magic, version: the same in every version
 _HEADER = struct.Struct("!4sHHIIB")
@@ -66,6 +66,10 @@ class MsgType(enum.IntEnum):
     CANCEL_ACK = 5
     VERIFY = 6
     CHECKSUMS = 7
+    STATUS = 8
+    """D -> P: how is push `transfer_id` doing? Asked when no byte of it landed for a while."""
+    STATE = 9
+    """P -> D: `state` (waiting, pushing, done, failed, unknown) and, when failed, `message`."""
 
 
 @dataclass(frozen=True)
@@ -198,9 +202,9 @@ def legacy_reject(data: bytes | memoryview, err: VersionMismatch) -> bytes | Non
     """A REJECT an older peer can read (its own version's layout), naming both versions; None when
     that version's layout is unknown here (the peer then times out, and this side logged why)."""
     version = err.peer_version
-    if version not in (1, 2):
+    if version not in (1, 2, 3):
         return None
-    header = _HEADER_V1 if version == 1 else _HEADER  # 2's header is 3's: 3 added message types only
+    header = _HEADER_V1 if version == 1 else _HEADER  # 2's header is 3's and 4's: they added message types
     data = bytes(data)
     transfer_id = ""
     try:
@@ -209,7 +213,7 @@ def legacy_reject(data: bytes | memoryview, err: VersionMismatch) -> bytes | Non
     except (struct.error, ValueError, AttributeError, RecursionError):
         pass
     body = json.dumps({"transfer_id": transfer_id[:128], "field": "protocol_version", "message": str(err)}).encode()
-    fields_ = (_MAGIC, version, int(MsgType.REJECT), len(body), 0) + ((0,) if version == 2 else ())
+    fields_ = (_MAGIC, version, int(MsgType.REJECT), len(body), 0) + ((0,) if version >= 2 else ())
     return header.pack(*fields_) + body
 
 

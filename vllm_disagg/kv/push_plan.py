@@ -100,6 +100,8 @@ class PushPlan:
         """Saved layers whose event has not completed: (event, layer or ALL_LAYERS, [(req_id, tokens)]),
         in record order (an event completes only after the ones recorded before it)."""
         self.orphans: set[str] = set()
+        self.failed: dict[str, tuple[str, float]] = {}
+        """transfer id -> (why, when): failed pushes already freed, for D's STATUS (`status`)."""
         self.checksums: dict[str, tuple[str, float]] = {}
         """transfer id -> (per-layer CRC32s, when): completed pushes whose decode side asked to verify
         them, until its VERIFY takes them (or _CANCELLED_TTL_S passes)."""
@@ -176,7 +178,10 @@ class PushPlan:
     def finished(self) -> set[str]:
         over = {r for r, p in self.pushes.items() if p.released and p.over}
         for req_id in over:
-            self.by_tid.pop(self.pushes.pop(req_id).transfer_id, None)
+            push = self.pushes.pop(req_id)
+            self.by_tid.pop(push.transfer_id, None)
+            if push.error is not None and push.transfer_id:
+                _keep(self.failed, push.transfer_id, push.error)
         over |= self.orphans
         self.orphans = set()
         return over
@@ -195,11 +200,22 @@ class PushPlan:
         push = self.pushes.get(self.by_tid.get(transfer_id, "")) if transfer_id else None
         self.registry.pop(transfer_id, None)
         if push is None and transfer_id:
-            self.cancelled[transfer_id] = (reason[:200], time.monotonic())
-            while len(self.cancelled) > _MAX_CANCELLED:
-                del self.cancelled[next(iter(self.cancelled))]
+            _keep(self.cancelled, transfer_id, reason[:200])
         self.fail(push, f"cancelled by the decode instance ({reason[:200]})")
         return push
+
+    def status(self, transfer_id: str) -> tuple[str, str]:
+        """(state, why) for D's STATUS: `waiting` (registered, prefill not begun here), `pushing`,
+        `done`, `failed` (why), or `unknown`: no record, as after a restart, so no byte will come."""
+        push = self.pushes.get(self.by_tid.get(transfer_id, ""))
+        if push is not None:
+            return ("failed", push.error) if push.error else ("done" if push.done else "pushing", "")
+        for gone in (self.failed, self.cancelled):
+            if transfer_id in gone:
+                return "failed", gone[transfer_id][0]
+        if transfer_id in self.rejected:
+            return "failed", self.rejected[transfer_id]
+        return ("waiting", "") if transfer_id in self.registry else ("unknown", "")
 
     # ------------------------------------------------------------ sender thread
     def busy(self) -> bool:
@@ -295,9 +311,7 @@ class PushPlan:
         if push.error is not None or push.done:
             return False
         now = time.monotonic()
-        self.checksums[push.transfer_id] = (checksums, now)
-        while len(self.checksums) > _MAX_CANCELLED:
-            del self.checksums[next(iter(self.checksums))]
+        _keep(self.checksums, push.transfer_id, checksums)
         self._complete(push, now)
         return True
 
@@ -326,11 +340,19 @@ class PushPlan:
                 logger.warning("KV push %s: registration expired, no prefill request with that id", transfer_id)
         if len(self.rejected) > 4096:
             self.rejected.clear()
-        for kept in (self.cancelled, self.checksums):
+        for kept in (self.cancelled, self.checksums, self.failed):
             for transfer_id, (_, t) in list(kept.items()):
                 if now - t <= _CANCELLED_TTL_S:
                     break  # insertion order is arrival order
                 del kept[transfer_id]
+
+
+def _keep(kept: dict[str, tuple[str, float]], transfer_id: str, text: str) -> None:
+    """Remember `text` for `transfer_id` until _CANCELLED_TTL_S passes (`_gc_registry`), at most
+    _MAX_CANCELLED of them (oldest dropped first)."""
+    kept[transfer_id] = (text, time.monotonic())
+    while len(kept) > _MAX_CANCELLED:
+        del kept[next(iter(kept))]
 
 
 def parse_targets(body: dict, num_kv_heads: int) -> tuple[tuple[str, int, int], ...]:

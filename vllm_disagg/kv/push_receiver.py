@@ -12,7 +12,7 @@ import enum
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from vllm.logger import init_logger
@@ -39,6 +39,13 @@ __all__ = ["PushReceiver", "RecvState"]
 
 logger = init_logger(__name__)
 _CANCEL_TIMEOUT_S = 5.0
+_STATUS_AFTER_S = 2.0
+"""A registered receive that landed no byte for this long asks its prefill instance how the push is
+doing (STATUS): a push P abandoned, or one P never heard of (it restarted), fails now, not at
+push_timeout_s."""
+_UNKNOWN_TIMES = 2
+"""`unknown` answers in a row before the receive fails: the first can race a push that just completed
+and was forgotten while its last notification is still queued here."""
 _THREADS_PER_PREFILL = 2
 """Calls to one prefill instance share one channel and its lock, so more threads would only queue there."""
 
@@ -69,6 +76,10 @@ class _Recv:
     announced: bool = False
     span: Any = None
     """`kv.receive` of a traced request (kv/spans.py), ended when the receive is over."""
+    t_progress: float = field(default_factory=time.monotonic)
+    """When a byte last landed (or the prefill side last said the push goes on)."""
+    probing: bool = False
+    num_unknown: int = 0
 
 
 class PushReceiver:
@@ -164,6 +175,7 @@ class PushReceiver:
         self._drain_notifications()
         self._fail_lost_peers()
         self._expire(time.monotonic())
+        self._probe_stalled(time.monotonic())
         done, failed = set(), set()
         with self._lock:
             for req_id, recv in list(self._recvs.items()):
@@ -209,14 +221,21 @@ class PushReceiver:
                     if note.transfer_id not in self._late:
                         logger.warning("KV push: notification for unknown transfer %s", note.transfer_id)
                     continue
-                recv.landed_bytes += note.nbytes
-                if recv.landed_bytes >= recv.expected_bytes and recv.state in _WAITING:
-                    if self.verify:
-                        recv.state = RecvState.VERIFYING
-                        self._submit(recv.spec.remote, self._verify, recv)
-                    else:
-                        recv.state = RecvState.DONE
-                        self.num_landed += 1
+                self._landed(recv, recv.landed_bytes + note.nbytes)
+
+    def _landed(self, recv: _Recv, landed_bytes: int) -> None:
+        """Called holding the lock: `landed_bytes` of a waiting receive are in; all of them ends it
+        (after P's checksums when verifying)."""
+        if landed_bytes > recv.landed_bytes:
+            recv.landed_bytes, recv.t_progress = landed_bytes, time.monotonic()
+        if recv.landed_bytes < recv.expected_bytes or recv.state not in _WAITING:
+            return
+        if self.verify:
+            recv.state = RecvState.VERIFYING
+            self._submit(recv.spec.remote, self._verify, recv)
+        else:
+            recv.state = RecvState.DONE
+            self.num_landed += 1
 
     def _fail_lost_peers(self) -> None:
         lost = set(self._receiver.lost_peers())
@@ -240,7 +259,49 @@ class PushReceiver:
             if now - t > 600:
                 del self._late[transfer_id]
 
+    def _probe_stalled(self, now: float) -> None:
+        """One STATUS round per prefill instance for its registered receives that landed nothing for
+        _STATUS_AFTER_S (on that instance's pool: a frozen one holds up only its own)."""
+        stalled: dict[str, list[_Recv]] = {}
+        with self._lock:
+            for recv in self._recvs.values():
+                if recv.state is RecvState.REGISTERED and not recv.probing and now - recv.t_progress > _STATUS_AFTER_S:
+                    recv.probing = True
+                    stalled.setdefault(recv.spec.remote, []).append(recv)
+        for remote, recvs in stalled.items():
+            self._submit(remote, self._ask_status, remote, recvs)
+
     # ------------------------------------------------------------ registration threads
+    def _ask_status(self, remote: str, recvs: list[_Recv]) -> None:
+        """Fail the receives whose push P abandoned (or never heard of, twice); a P that does not
+        answer is left to the lost-peer check and the deadline."""
+        for recv in recvs:
+            try:
+                reply = decode_msg(self._client.call(
+                    remote, encode_msg(SideMsg(MsgType.STATUS, {"transfer_id": recv.spec.transfer_id})),
+                    timeout=_CANCEL_TIMEOUT_S), remote)
+            except (DisaggError, OSError) as err:
+                logger.info("KV push: prefill instance %s did not answer STATUS (%s)", remote, err)
+                reply = None
+            with self._lock:
+                self._on_state(recv, reply)
+            if reply is None:
+                for rest in recvs:
+                    rest.probing = False
+                return
+
+    def _on_state(self, recv: _Recv, reply: SideMsg | None) -> None:
+        """Called holding the lock."""
+        recv.probing, recv.t_progress = False, time.monotonic()
+        if reply is None or recv.state is not RecvState.REGISTERED:
+            return
+        state = reply.body.get("state") if reply.type is MsgType.STATE else None
+        recv.num_unknown = recv.num_unknown + 1 if state == "unknown" else 0
+        if state == "failed":
+            self._set_failed(recv, f"the prefill instance abandoned the push: {reply.body.get('message', '')}")
+        elif recv.num_unknown >= _UNKNOWN_TIMES:
+            self._set_failed(recv, f"prefill instance {recv.spec.remote} has no record of the push (restarted?)")
+
     def _register(self, recv: _Recv) -> None:
         spec = recv.spec
         if recv.state is not RecvState.REGISTERING:  # cancelled (aborted) before its turn came

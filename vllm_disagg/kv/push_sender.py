@@ -146,6 +146,11 @@ class PushSender:
             return encode_msg(SideMsg(MsgType.CANCEL_ACK, {"transfer_id": msg.transfer_id}))
         if msg.type is MsgType.VERIFY:
             return encode_msg(self._on_verify(msg.transfer_id))
+        if msg.type is MsgType.STATUS:
+            with self._cond:
+                state, why = self.plan.status(msg.transfer_id)
+            return encode_msg(SideMsg(MsgType.STATE, {"transfer_id": msg.transfer_id, "state": state,
+                                                      "message": why[:500]}))
         logger.warning("KV side channel: unexpected %s from %s; ignored", msg.type.name, peer)
         return None
 

@@ -113,23 +113,26 @@ def test_a_version_1_peer_is_refused_in_its_own_layout_naming_both_versions():
     assert legacy_reject(b"DGKV\x00\x07", VersionMismatch(7, "p")) is None  # layouts we never knew
 
 
-def test_a_version_2_peer_is_refused_in_its_own_layout_which_version_3_kept():
-    body = json.dumps({"transfer_id": "tid-2", "protocol_version": 2}).encode()
-    old = struct.pack("!4sHHIIB", b"DGKV", 2, int(MsgType.REGISTER), len(body), 0, 0) + body
+@pytest.mark.parametrize("version", [2, 3])
+def test_a_version_2_or_3_peer_is_refused_in_its_own_layout_which_later_versions_kept(version):
+    body = json.dumps({"transfer_id": "tid-old", "protocol_version": version}).encode()
+    old = struct.pack("!4sHHIIB", b"DGKV", version, int(MsgType.REGISTER), len(body), 0, 0) + body
     with pytest.raises(VersionMismatch) as err:
         decode_msg(old, "10.0.0.2:7")
     reply = legacy_reject(old, err.value)
-    magic, version, mtype, body_len, num_ids, trace_len = struct.unpack_from("!4sHHIIB", reply)
-    assert (magic, version, mtype, num_ids, trace_len) == (b"DGKV", 2, MsgType.REJECT, 0, 0)
+    magic, got_version, mtype, body_len, num_ids, trace_len = struct.unpack_from("!4sHHIIB", reply)
+    assert (magic, got_version, mtype, num_ids, trace_len) == (b"DGKV", version, MsgType.REJECT, 0, 0)
     answer = json.loads(reply[17:17 + body_len])
-    assert answer["transfer_id"] == "tid-2" and answer["field"] == "protocol_version"
+    assert answer["transfer_id"] == "tid-old" and answer["field"] == "protocol_version"
 
 
 def test_verify_and_checksums_round_trip_and_checksums_are_checked_before_use():
     from vllm_disagg.transport import checksum
 
     for mtype, body in ((MsgType.VERIFY, {"transfer_id": "t"}),
-                        (MsgType.CHECKSUMS, {"transfer_id": "t", "crc32": checksum.encode([1, 0xFFFFFFFF])})):
+                        (MsgType.CHECKSUMS, {"transfer_id": "t", "crc32": checksum.encode([1, 0xFFFFFFFF])}),
+                        (MsgType.STATUS, {"transfer_id": "t"}),
+                        (MsgType.STATE, {"transfer_id": "t", "state": "failed", "message": "why"})):
         msg = decode_msg(encode_msg(SideMsg(mtype, body)))
         assert msg.type is mtype and msg.body == body
     assert checksum.decode("00000001,ffffffff", 2) == [1, 0xFFFFFFFF]

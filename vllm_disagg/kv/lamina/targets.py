@@ -142,12 +142,7 @@ class AttnPushReceiver(PushReceiver):
             for transfer_id, landed in totals.items():
                 recv = self._by_tid.get(transfer_id)
                 if recv is not None and recv.state in (RecvState.REGISTERING, RecvState.REGISTERED):
-                    recv.landed_bytes = landed
-                    if landed >= recv.expected_bytes and self.verify:
-                        recv.state = RecvState.VERIFYING
-                        self._submit(recv.spec.remote, self._verify, recv)
-                    elif landed >= recv.expected_bytes:
-                        recv.state = RecvState.DONE
+                    self._landed(recv, landed)
 
     def _first_bad_layer(self, spec: RecvSpec, remote_text: object) -> int | None:
         """P's checksums per KV-head shard (head-wise) or of whole blocks (request-wise), against what
@@ -209,7 +204,7 @@ class AttnPushReceiver(PushReceiver):
             if not pending:
                 continue
             try:
-                totals = self._landed(pending)
+                totals = self._landed_totals(pending)
             except DisaggError as err:
                 logger.warning("KV push to attention servers: %s", err)
                 self._stop.wait(0.1)
@@ -232,7 +227,7 @@ class AttnPushReceiver(PushReceiver):
         with self._totals_lock:
             self._fences |= fenced
 
-    def _landed(self, transfer_ids: list[str]) -> dict[str, int]:
+    def _landed_totals(self, transfer_ids: list[str]) -> dict[str, int]:
         """Bytes landed per transfer, summed over the servers that receive it."""
         totals = dict.fromkeys(transfer_ids, 0)
         for server, mine in self._per_server(transfer_ids):
