@@ -10,6 +10,11 @@ without progress (a step, or a response chunk). `/health` turns 503 past `VLLM_D
 (default 10); the router cuts an instance whose `stalled_s` passes its `--stall-timeout-s` and replays
 its requests (router/README.md). Imported by `kv/scheduler.py` (the beacon) and, through `--middleware`,
 vLLM's API server (named by `launch/local.py` and the k8s manifests). Stdlib only (base layer).
+
+The middleware also refuses (413) a request body past `VLLM_DISAGG_MAX_BODY_MB` (default 64, the
+router's own limit) before reading it: vLLM buffers any body and parses it on the event loop that
+answers `/live`, so an 80 MB one stalled `/live` past the router's probe and marked a healthy instance
+suspect (the chaos soak's huge-body fault).
 """
 
 from __future__ import annotations
@@ -34,6 +39,9 @@ _HEARTBEATS: set[str] = set()
 _MIN_BEAT_GAP_S = 0.05  # busy engines step every few ms: one datagram per 50 ms is plenty
 ENV_SOCKET = "VLLM_DISAGG_LIVE_SOCKET"
 ENV_STALL_TIMEOUT = "VLLM_DISAGG_STALL_TIMEOUT_S"
+ENV_MAX_BODY_MB = "VLLM_DISAGG_MAX_BODY_MB"
+MAX_BODY_BYTES = 64 << 20
+"""The largest request body an instance (and the router) reads; a 128k-token prompt is ~1 MB of JSON."""
 _NUM_STEP_SAMPLES = 64
 MIN_STEP_SAMPLES = 3
 """Busy steps seen before `expected_step_s` is reported. Each sample over-states its step (beats are at
@@ -250,15 +258,31 @@ def live_state() -> LiveState:
 
 
 class LiveMiddleware:
-    """ASGI middleware for vLLM's API server: `GET /live`, and `/health` 503 while stalled."""
+    """ASGI middleware for vLLM's API server: `GET /live`, `/health` 503 while stalled, and the body cap
+    that keeps `/live` answering (module docstring)."""
 
     def __init__(self, app) -> None:
         self.app = app
         self.state = live_state()
+        self.max_body_bytes = max_body_bytes()
 
     async def __call__(self, scope, receive, send):
         if scope.get("type") != "http":
             return await self.app(scope, receive, send)
+        length = _content_length(scope)
+        if length is not None and length > self.max_body_bytes:
+            return await _respond(send, 413, _too_large(self.max_body_bytes))
+        if length is None and scope.get("method") in ("POST", "PUT", "PATCH"):
+            receive = _CappedReceive(receive, send, self.max_body_bytes)
+            try:
+                await self._route(scope, receive, receive.send)
+            except Exception:
+                if not receive.over:  # the app's own failure; past the cap it is the "client gone" we faked
+                    raise
+            return await receive.refuse_if_over()
+        return await self._route(scope, receive, send)
+
+    async def _route(self, scope, receive, send):
         path, method = scope.get("path", ""), scope.get("method", "GET")
         if path == "/live" and method == "GET":
             report = self.state.report()
@@ -297,6 +321,66 @@ class LiveMiddleware:
         finally:
             if request_id is not None:
                 state.request_ended(request_id, answered)
+
+
+def max_body_bytes() -> int:
+    """`VLLM_DISAGG_MAX_BODY_MB` in bytes (default MAX_BODY_BYTES); a bad value stops the start."""
+    raw = os.environ.get(ENV_MAX_BODY_MB, "").strip()
+    if not raw:
+        return MAX_BODY_BYTES
+    try:
+        mib = float(raw)
+    except ValueError:
+        mib = 0.0
+    if mib <= 0:
+        raise ValueError(f"{ENV_MAX_BODY_MB}={raw!r}: expected a positive number of MiB")
+    return int(mib * (1 << 20))
+
+
+def _content_length(scope) -> int | None:
+    for name, value in scope.get("headers") or ():
+        if name.lower() == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None  # the HTTP server refuses a malformed length itself
+    return None
+
+
+def _too_large(limit: int) -> dict:
+    message = (f"request body larger than {limit / (1 << 20):g} MiB ({ENV_MAX_BODY_MB}); nothing of it was "
+               "processed")
+    return {"error": {"message": message, "type": "BadRequestError", "param": None, "code": 413}}
+
+
+class _CappedReceive:
+    """A body sent without Content-Length (chunked): once past the limit the app sees the client leave,
+    and the client gets the 413 (unless the app answered first)."""
+
+    def __init__(self, receive, send, limit: int) -> None:
+        self._receive, self._send, self.limit = receive, send, limit
+        self.num_bytes, self.over, self.started = 0, False, False
+
+    async def __call__(self):
+        if self.over:
+            return {"type": "http.disconnect"}
+        message = await self._receive()
+        if message.get("type") == "http.request":
+            self.num_bytes += len(message.get("body", b""))
+            if self.num_bytes > self.limit:
+                self.over = True
+                return {"type": "http.disconnect"}
+        return message
+
+    async def send(self, message) -> None:
+        if self.over and not self.started:
+            return  # the app's answer to a client it thinks left: the 413 goes out instead
+        self.started = self.started or message.get("type") == "http.response.start"
+        await self._send(message)
+
+    async def refuse_if_over(self) -> None:
+        if self.over and not self.started:
+            await _respond(self._send, 413, _too_large(self.limit))
 
 
 async def _respond(send, status: int, body: dict) -> None:

@@ -18,6 +18,7 @@ import secrets
 
 from aiohttp import web
 
+from vllm_disagg.liveness import MAX_BODY_BYTES
 from vllm_disagg.observe import logs, tracing
 from vllm_disagg.router import api, context
 from vllm_disagg.router.config import RouterConfig
@@ -48,7 +49,7 @@ class Router:
         self.forward = Forwarder(self)
         self._ready = False  # every pool with members had a healthy one (start-up is over)
         self._api_keys = [hashlib.sha256(k.encode()).digest() for k in config.api_keys]
-        self.app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[self._auth])
+        self.app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._auth])
         self.app[_APP_KEY] = self
         self.app.on_startup.append(self._on_startup)
         self.app.on_cleanup.append(self._on_cleanup)
