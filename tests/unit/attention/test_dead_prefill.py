@@ -219,3 +219,33 @@ def test_after_a_server_restart_on_a_new_kv_port_the_next_push_lands_there_witho
         sender.close()
         client.close()
         second.stop()
+
+
+def test_a_push_the_prefill_side_cannot_write_to_an_attention_server_fails_the_receive_in_seconds(attention_server):
+    """P's write to the attention server is refused (a KV address gone stale): P abandons the push,
+    and the model worker's next STATUS says so, so the request recomputes now, not at push_timeout_s."""
+    from vllm_disagg.config import KVTransferSection
+    from vllm_disagg.kv.metadata import DisaggConnectorMetadata, SaveSpec
+    from vllm_disagg.kv.push_sender import PushSender
+    from vllm_disagg.launch.instances import free_ports
+
+    http, client = attention_server
+    tp = lambda: get_transport("tcp", TransportOptions(auth_token=TOKEN))  # noqa: E731
+    layers = [torch.randn(8, KV_HEADS, BS, 2 * HEAD) for _ in range(LAYERS)]
+    sender = PushSender(tp(), tp(), INFO, TOKEN, layers, KVTransferSection(push_timeout_s=PUSH_TIMEOUT_S),
+                        (DisaggKVConnectorStats(), threading.Lock()))
+    ra = RemoteAttentionSection(servers=[http], transport="tcp", partition="head")
+    receiver = AttnPushReceiver(tp(), INFO, TOKEN, (DisaggKVConnectorStats(), threading.Lock()), "recompute", ra,
+                                client=lambda: client)
+    receiver._kv_addrs = [f"127.0.0.1:{free_ports(1)[0]}"]  # nobody listens there
+    try:
+        receiver.start([RecvSpec("d1", "fe02", sender.address, (1, 2), 0, 2 * BS, PUSH_TIMEOUT_S)])
+        sender.bind(DisaggConnectorMetadata(save_specs=[SaveSpec("p1", (1, 2), 2 * BS, 2 * BS, "fe02", True)]))
+        for layer in range(LAYERS):
+            sender.layer_saved(layer)
+        failed, seconds = _poll_until_failed(receiver, "d1", 15.0)
+        assert failed == {"d1"} and seconds < 15.0
+        assert "abandoned the push" in receiver.take_errors()["d1"][0]
+    finally:
+        receiver.close()
+        sender.close()
