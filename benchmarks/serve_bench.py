@@ -37,7 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from serve_bisect import bisect, rate_bound, rate_ratio  # noqa: E402
-from serve_deploy import DEPLOYMENTS, started  # noqa: E402
+from serve_deploy import DEPLOYMENTS, engine_dtype, started  # noqa: E402
 from serve_import import import_keys  # noqa: E402
 from serve_run import log, measure, warm_up  # noqa: E402
 
@@ -387,7 +387,7 @@ def result_of(bench: Bench, args: argparse.Namespace, trace: dict, t0: float, pl
     keys = summary(bench, plain, max_rates, prediction, args.quick)
     return {**keys, "plan": asdict(bench.plan), "wall_s": time.monotonic() - t0,
             "window": {"trace": args.trace, "max_model_len": args.max_model_len,
-                       "max_output_tokens": args.max_output_tokens},
+                       "max_output_tokens": args.max_output_tokens, "dtype": engine_dtype()},
             "trace": {k: v for k, v in trace.items() if k != "requests"}, "max_rates": max_rates,
             "medians": medians(bench.runs), "starts": bench.starts, "prediction": prediction, "runs": bench.runs}
 

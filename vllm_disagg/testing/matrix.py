@@ -45,7 +45,13 @@ def generate(model_dir, prompts=PROMPTS, max_tokens: int = MAX_TOKENS, probe=Non
     runs before it shuts down (what the cell checks ran)."""
     from vllm import LLM, SamplingParams
 
-    llm = LLM(**tiny_llm_kwargs(model_dir, **over))
+    try:
+        llm = LLM(**tiny_llm_kwargs(model_dir, **over))
+    except BaseException:
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+        cleanup_dist_env_and_memory()  # else the next in-process engine inherits this one's groups (no EP group)
+        raise
     try:
         sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
