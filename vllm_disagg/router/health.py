@@ -26,8 +26,11 @@ from vllm_disagg.router.pools import Instance, InstancePools
 
 logger = logging.getLogger(__name__)
 _LIVE_RECHECK_S = 60.0
-_PROBE_TIMEOUT_S = 0.25
-"""A suspicion probe's wait for `/live`: a local API server answers in milliseconds, a stopped one never."""
+_PROBE_TIMEOUT_S = 1.0
+"""A suspicion probe's wait for `/live`: a stopped API server never answers, but a live one can miss
+0.25 s on 2 busy cores (engines' OpenMP threads spin on both): on an AVX2-only box both instances of
+test_lamina_pd were marked at 0.25 s and its pushes were replayed as whole requests. 1 s costs a
+SIGSTOPped instance's requests 0.75 s more."""
 
 
 class HealthChecker:

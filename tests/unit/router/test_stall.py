@@ -124,7 +124,7 @@ def test_a_request_on_a_suspect_instance_moves_before_its_first_token_and_the_in
 
 def test_an_instance_whose_live_endpoint_stops_answering_is_suspect_within_the_probe_timeout():
     """A SIGSTOPped instance answers nothing, so only the router's extrapolation says it stalled: a
-    /live probe that gets no answer in 0.25 s confirms it, long before the health poll times out."""
+    /live probe that gets no answer in 1 s confirms it, long before the health poll times out."""
     async def scenario():
         async with deployment(p_modes=(), d_modes=(), mixed_modes=("stall", "ok"), health_interval_s=0.1,
                               health_timeout_s=5, stall_timeout_s=20, stall_factor=5, stall_min_s=20,
@@ -138,7 +138,7 @@ def test_an_instance_whose_live_endpoint_stops_answering_is_suspect_within_the_p
             t0 = asyncio.get_running_loop().time()
             status, _, raw = await asyncio.wait_for(task, 5)
             assert status == 200 and _stream_ids(raw) == _expected([4, 2], 3) and len(ms[1].bodies) == 1
-            assert asyncio.get_running_loop().time() - t0 < 1.5  # the poll alone would wait 5 s
+            assert asyncio.get_running_loop().time() - t0 < 2.5  # the poll alone would wait 5 s
             assert 'reason="stalled_release"' in _replay_reasons(router)
             ms[0].frozen = False
     run(scenario())
