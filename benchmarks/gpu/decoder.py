@@ -51,7 +51,8 @@ TINY = LayerShape(hidden=64, num_heads=4, num_kv_heads=2, head_dim=16, intermedi
 class DecoderLayer:
     """Weights, a paged KV cache, and the per-nano-batch ops of one decode step."""
 
-    def __init__(self, shape: LayerShape, batch: int, context: int, device: str, dtype: Any, seed: int = 0):
+    def __init__(self, shape: LayerShape, batch: int, context: int, device: str, dtype: Any, seed: int = 0,
+                 kv_layout: str = "paged"):
         gen = torch.Generator(device=device).manual_seed(seed)  # drawn on the device: GBs of KV
         s, self.shape, self.batch, self.context = shape, shape, batch, context
         self.device, self.dtype = torch.device(device), dtype
@@ -66,8 +67,15 @@ class DecoderLayer:
         blocks_per_req = math.ceil(context / s.block_size)
         perm = torch.randperm(batch * blocks_per_req, generator=gen, device=device)
         self.block_table = perm.view(batch, blocks_per_req)  # scattered blocks, as a paged cache has them
-        self.kv = rand(2, batch * blocks_per_req, s.block_size, s.num_kv_heads, s.head_dim)
-        pos = context - 1  # the new token of every request
+        self.kv_layout = kv_layout
+        """"paged": scattered blocks, gathered before attention (what a paged cache costs torch);
+        "contiguous": one [Hkv, context, D] run per request, read in place: the bound a paged kernel that
+        reads blocks directly (FlashAttention, FlashInfer) approaches."""
+        if kv_layout == "contiguous":
+            self.kv = rand(2, batch, s.num_kv_heads, context, s.head_dim)
+        else:
+            self.kv = rand(2, batch * blocks_per_req, s.block_size, s.num_kv_heads, s.head_dim)
+        pos = self.pos = context - 1  # the new token of every request
         self.slots = self.block_table[:, pos // s.block_size] * s.block_size + pos % s.block_size
         inv = 1.0 / (10000 ** (torch.arange(0, s.head_dim, 2, dtype=torch.float32) / s.head_dim))
         angle = pos * inv
@@ -87,6 +95,10 @@ class DecoderLayer:
         q, k, v = qkv.split([s.q_dim, s.kv_dim, s.kv_dim], dim=-1)
         self.q[rows] = self._rope(q.view(-1, s.num_heads, s.head_dim))
         k = self._rope(k.view(-1, s.num_kv_heads, s.head_dim))
+        if self.kv_layout == "contiguous":
+            self.kv[0, rows, :, self.pos] = k
+            self.kv[1, rows, :, self.pos] = v.view(-1, s.num_kv_heads, s.head_dim)
+            return
         flat = self.kv.view(2, -1, s.num_kv_heads, s.head_dim)
         flat[0, self.slots[rows]] = k
         flat[1, self.slots[rows]] = v.view(-1, s.num_kv_heads, s.head_dim)
@@ -97,8 +109,11 @@ class DecoderLayer:
 
     def attn(self, rows: slice) -> None:
         s = self.shape
-        k, v = self.kv[:, self.block_table[rows]].flatten(2, 3).unbind(0)  # [R, blocks*bs, Hkv, D]: gathered
-        k, v = k[:, : self.context].transpose(1, 2), v[:, : self.context].transpose(1, 2)
+        if self.kv_layout == "contiguous":
+            k, v = self.kv[0, rows], self.kv[1, rows]  # [R, Hkv, context, D]: no copy
+        else:
+            k, v = self.kv[:, self.block_table[rows]].flatten(2, 3).unbind(0)  # [R, blocks*bs, Hkv, D]: gathered
+            k, v = k[:, : self.context].transpose(1, 2), v[:, : self.context].transpose(1, 2)
         q = self.q[rows].unsqueeze(2)  # [R, H, 1, D]
         out = F.scaled_dot_product_attention(q, k, v, scale=self.scale, enable_gqa=True)
         self.attn_out[rows] = out.reshape(-1, s.q_dim)

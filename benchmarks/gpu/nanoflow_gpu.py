@@ -45,7 +45,7 @@ EXECUTOR = {"model": "llama-3-8b", "batch": 512, "context": 1024, "num_layers": 
 EXECUTOR_TWIN = {"batch": 12, "context": 24, "num_layers": 3, "num_attn_batches": 4, "num_dense_batches": 2}
 SPLITS = ((96, "dense"), (66, "dense"))  # dense SMs; attention gets the rest
 CHECKS = ("gpu_unit_tests", "full_device", "gemm_vs_sm_share", "interference_green_contexts", "interference_plain_streams",
-          "executor", *(f"planner_ops_{m}" for m, *_ in PLANNER_WORKLOADS))
+          "executor", "executor_contiguous_kv", *(f"planner_ops_{m}" for m, *_ in PLANNER_WORKLOADS))
 
 
 def run_step(device: str, budget: Budget) -> StepResult:
@@ -54,8 +54,10 @@ def run_step(device: str, budget: Budget) -> StepResult:
     why_not = cuda_ready() if device == "cuda" else "CPU twin: no GPU"
     if why_not:
         for name in CHECKS:
-            if name == "executor":
-                result.run(name, lambda: executor_overlap("cpu", TINY, **EXECUTOR_TWIN), budget, 30)
+            if name.startswith("executor"):
+                layout = "contiguous" if name.endswith("contiguous_kv") else "paged"
+                result.run(name, lambda lay=layout: executor_overlap("cpu", TINY, **EXECUTOR_TWIN, kv_layout=lay),
+                           budget, 30)
             else:
                 result.skip(name, why_not)
         return result
@@ -67,6 +69,9 @@ def run_step(device: str, budget: Budget) -> StepResult:
     model = cfg.pop("model")
     result.run("executor", lambda: {"model": model, **executor_overlap("cuda", LayerShape.of(model), **cfg)},
                budget, 60)
+    # the same with attention reading KV in place: does overlap pay once attention is not a gather plus SDPA?
+    result.run("executor_contiguous_kv", lambda: {"model": model, **executor_overlap(
+        "cuda", LayerShape.of(model), **cfg, kv_layout="contiguous")}, budget, 60)
     for model, dense, prompt, output in PLANNER_WORKLOADS:
         result.run(f"planner_ops_{model}", lambda m=model, b=dense, p=prompt, d=output: planner_ops(m, b, p, d),
                    budget, 40)
@@ -153,13 +158,13 @@ def _decode_attention_ms(shape: LayerShape, requests: int, context: int) -> floa
 
 # ------------------------------------------------------------------ the executor over a decoder layer
 def executor_overlap(device: str, shape: LayerShape, batch: int, context: int, num_layers: int, num_attn_batches: int,
-                     num_dense_batches: int) -> dict:
+                     num_dense_batches: int, kv_layout: str = "paged") -> dict:
     import torch
 
     from vllm_disagg.nanoflow.executor import OpGraphExecutor
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    layer = DecoderLayer(shape, batch, context, device, dtype)
+    layer = DecoderLayer(shape, batch, context, device, dtype, kv_layout=kv_layout)
     plain_plan, nano_plan = step_fns(layer, num_layers, 1, 1), step_fns(layer, num_layers, num_attn_batches, num_dense_batches)
     runs: dict[str, Any] = {}
 
@@ -187,7 +192,7 @@ def executor_overlap(device: str, shape: LayerShape, batch: int, context: int, n
     if bad:
         raise RuntimeError(f"nano-batched output differs from plain beyond {limit}: {bad}")
     runs.update({name: {"status": UNSUPPORTED, "error": err} for name, err in refused.items()})
-    return {"shape": shape.__dict__, "batch": batch, "context": context, "num_layers": num_layers,
+    return {"shape": shape.__dict__, "batch": batch, "context": context, "num_layers": num_layers, "kv_layout": kv_layout,
             "num_attn_batches": num_attn_batches, "num_dense_batches": num_dense_batches, "dtype": str(dtype), "runs": runs,
             "measured": device == "cuda"}
 

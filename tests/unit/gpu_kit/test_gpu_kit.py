@@ -81,9 +81,12 @@ def test_step_a_twin_skips_every_gpu_check_with_its_reason(tmp_path):
 
 
 def test_step_b_twin_runs_the_executor_over_the_torch_decoder_layer(tmp_path):
-    runs = _twin("b", tmp_path)["checks"]["executor"]["runs"]
-    assert {"plain", "nano_inline", "overlap_cpu_threads"} <= set(runs)
-    assert all(r["rel_error_vs_plain"] < 1e-5 for n, r in runs.items() if n != "plain")
+    checks = _twin("b", tmp_path)["checks"]
+    for name in ("executor", "executor_contiguous_kv"):  # KV gathered from blocks, or read in place
+        runs = checks[name]["runs"]
+        assert {"plain", "nano_inline", "overlap_cpu_threads"} <= set(runs)
+        assert all(r["rel_error_vs_plain"] < 1e-5 for n, r in runs.items() if n != "plain")
+    assert checks["executor_contiguous_kv"]["kv_layout"] == "contiguous"
 
 
 def test_step_c_kernel_exactness_twin_merges_partitions_exactly():
