@@ -282,18 +282,17 @@ class PushReceiver:
                     timeout=_CANCEL_TIMEOUT_S), remote)
             except (DisaggError, OSError) as err:
                 logger.info("KV push: prefill instance %s did not answer STATUS (%s)", remote, err)
-                reply = None
+                with self._lock:  # a frozen P: ask again in _STATUS_AFTER_S, not on every poll
+                    for rest in recvs:
+                        rest.probing, rest.t_progress = False, time.monotonic()
+                return
             with self._lock:
                 self._on_state(recv, reply)
-            if reply is None:
-                for rest in recvs:
-                    rest.probing = False
-                return
 
-    def _on_state(self, recv: _Recv, reply: SideMsg | None) -> None:
+    def _on_state(self, recv: _Recv, reply: SideMsg) -> None:
         """Called holding the lock."""
         recv.probing, recv.t_progress = False, time.monotonic()
-        if reply is None or recv.state is not RecvState.REGISTERED:
+        if recv.state is not RecvState.REGISTERED:
             return
         state = reply.body.get("state") if reply.type is MsgType.STATE else None
         recv.num_unknown = recv.num_unknown + 1 if state == "unknown" else 0
