@@ -50,6 +50,22 @@ time.sleep(600)
 """
 
 
+def _sender_and_receiver(http: str, client, **kv) -> tuple:
+    """A prefill-side PushSender in this process and the model worker's AttnPushReceiver for the
+    attention server at `http` (head-wise, tcp), as the tests here pair them."""
+    from vllm_disagg.config import KVTransferSection
+    from vllm_disagg.kv.push_sender import PushSender
+
+    tp = lambda: get_transport("tcp", TransportOptions(auth_token=TOKEN))  # noqa: E731
+    layers = [torch.randn(8, KV_HEADS, BS, 2 * HEAD) for _ in range(LAYERS)]
+    sender = PushSender(tp(), tp(), INFO, TOKEN, layers, KVTransferSection(push_timeout_s=PUSH_TIMEOUT_S, **kv),
+                        (DisaggKVConnectorStats(), threading.Lock()))
+    ra = RemoteAttentionSection(servers=[http], transport="tcp", partition="head")
+    receiver = AttnPushReceiver(tp(), INFO, TOKEN, (DisaggKVConnectorStats(), threading.Lock()), "recompute", ra,
+                                client=lambda: client)
+    return sender, receiver
+
+
 @pytest.fixture
 def attention_server():
     server = DisaggAttentionServer(transport="tcp", kv_cache_bytes=4 << 20, auth_token=TOKEN, kv_transport="tcp")
@@ -118,9 +134,7 @@ def test_bytes_still_on_a_slow_link_never_land_in_attention_server_blocks_decode
     """A throttled link from the prefill side to the attention server: D gives up on the push (its
     CANCEL unanswered, the writes stuck in the link), vLLM reuses the blocks; the server must not
     land the rest of the push in them. D reports the failure only once the server fenced it."""
-    from vllm_disagg.config import KVTransferSection
     from vllm_disagg.kv.metadata import DisaggConnectorMetadata, SaveSpec
-    from vllm_disagg.kv.push_sender import PushSender
     from vllm_disagg.testing.throttle import ThrottledProxy
 
     NUM_BLOCKS = 4  # noqa: N806
@@ -129,13 +143,7 @@ def test_bytes_still_on_a_slow_link_never_land_in_attention_server_blocks_decode
     client = DisaggAttentionClient([info["http"]], transport="tcp", auth_token=TOKEN)
     client.connect(num_layers=LAYERS, num_heads=4, num_kv_heads=KV_HEADS, head_size=HEAD, block_size=BS,
                    dtype="float32", max_num_tokens=256)
-    tp = lambda: get_transport("tcp", TransportOptions(auth_token=TOKEN))  # noqa: E731
-    layers = [torch.randn(8, KV_HEADS, BS, 2 * HEAD) for _ in range(LAYERS)]
-    sender = PushSender(tp(), tp(), INFO, TOKEN, layers, KVTransferSection(push_timeout_s=PUSH_TIMEOUT_S, layerwise_threshold_tokens=0),
-                        (DisaggKVConnectorStats(), threading.Lock()))
-    ra = RemoteAttentionSection(servers=[info["http"]], transport="tcp", partition="head")
-    receiver = AttnPushReceiver(tp(), INFO, TOKEN, (DisaggKVConnectorStats(), threading.Lock()), "recompute", ra,
-                                client=lambda: client)
+    sender, receiver = _sender_and_receiver(info["http"], client, layerwise_threshold_tokens=0)
     proxy = ThrottledProxy(receiver._kv_addresses()[0], rate_bytes_per_s=16384)  # 128 KiB on 2 streams: ~4 s
     receiver._kv_addrs = [proxy.address]  # the prefill side reaches the server through the slow link
     try:
@@ -182,22 +190,14 @@ def test_after_a_server_restart_on_a_new_kv_port_the_next_push_lands_there_witho
     the KV address again, so P pushes to the new port at once instead of failing on the old one while
     D waits out push_timeout_s."""
     from vllm_disagg.attention import recovery
-    from vllm_disagg.config import KVTransferSection
     from vllm_disagg.kv.metadata import DisaggConnectorMetadata, SaveSpec
-    from vllm_disagg.kv.push_sender import PushSender
 
     first = DisaggAttentionServer(transport="tcp", kv_cache_bytes=4 << 20, auth_token=TOKEN, kv_transport="tcp")
     http = first.start()["http"]
     client = DisaggAttentionClient([http], transport="tcp", auth_token=TOKEN)
     client.connect(num_layers=LAYERS, num_heads=4, num_kv_heads=KV_HEADS, head_size=HEAD, block_size=BS,
                    dtype="float32", max_num_tokens=256)
-    tp = lambda: get_transport("tcp", TransportOptions(auth_token=TOKEN))  # noqa: E731
-    layers = [torch.randn(8, KV_HEADS, BS, 2 * HEAD) for _ in range(LAYERS)]
-    sender = PushSender(tp(), tp(), INFO, TOKEN, layers, KVTransferSection(push_timeout_s=PUSH_TIMEOUT_S),
-                        (DisaggKVConnectorStats(), threading.Lock()))
-    ra = RemoteAttentionSection(servers=[http], transport="tcp", partition="head")
-    receiver = AttnPushReceiver(tp(), INFO, TOKEN, (DisaggKVConnectorStats(), threading.Lock()), "recompute", ra,
-                                client=lambda: client)
+    sender, receiver = _sender_and_receiver(http, client)
     old_kv = receiver._kv_addresses()[0]
     first.stop()
     host, _, port = http.rpartition(":")
@@ -213,7 +213,7 @@ def test_after_a_server_restart_on_a_new_kv_port_the_next_push_lands_there_witho
         sender.step_done()
         failed, waited = _poll_until(receiver, "d1", 10.0)
         assert receiver._kv_addresses()[0] != old_kv and failed == set() and waited < 10.0
-        assert torch.equal(second.kernel.caches[0][1], layers[0][3])  # P's block 3 landed in D's block 1
+        assert torch.equal(second.kernel.caches[0][1], sender.layers[0][3])  # P's block 3 landed in D's block 1
     finally:
         receiver.close()
         sender.close()
@@ -224,19 +224,11 @@ def test_after_a_server_restart_on_a_new_kv_port_the_next_push_lands_there_witho
 def test_a_push_the_prefill_side_cannot_write_to_an_attention_server_fails_the_receive_in_seconds(attention_server):
     """P's write to the attention server is refused (a KV address gone stale): P abandons the push,
     and the model worker's next STATUS says so, so the request recomputes now, not at push_timeout_s."""
-    from vllm_disagg.config import KVTransferSection
     from vllm_disagg.kv.metadata import DisaggConnectorMetadata, SaveSpec
-    from vllm_disagg.kv.push_sender import PushSender
     from vllm_disagg.launch.instances import free_ports
 
     http, client = attention_server
-    tp = lambda: get_transport("tcp", TransportOptions(auth_token=TOKEN))  # noqa: E731
-    layers = [torch.randn(8, KV_HEADS, BS, 2 * HEAD) for _ in range(LAYERS)]
-    sender = PushSender(tp(), tp(), INFO, TOKEN, layers, KVTransferSection(push_timeout_s=PUSH_TIMEOUT_S),
-                        (DisaggKVConnectorStats(), threading.Lock()))
-    ra = RemoteAttentionSection(servers=[http], transport="tcp", partition="head")
-    receiver = AttnPushReceiver(tp(), INFO, TOKEN, (DisaggKVConnectorStats(), threading.Lock()), "recompute", ra,
-                                client=lambda: client)
+    sender, receiver = _sender_and_receiver(http, client)
     receiver._kv_addrs = [f"127.0.0.1:{free_ports(1)[0]}"]  # nobody listens there
     try:
         receiver.start([RecvSpec("d1", "fe02", sender.address, (1, 2), 0, 2 * BS, PUSH_TIMEOUT_S)])
