@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Planner calibration on the real CPU 1P+1D deployment (issue 6): fit, then predict an unseen load.
 
-One deployment (pd_common.py's: SmolLM2-135M shape, dummy weights, bf16, the router in this process).
+One deployment (pd_common.py's: SmolLM2-135M shape, dummy weights, pd_common.DTYPE, the router in this process).
 Every thread of P's processes (API server, EngineCore, Worker) is bound to P's core, every thread of
 D's and of this harness to D's core (vLLM binds only the Worker's compute threads; its EngineCore
 spin-waits on the Worker and would float onto P's core). Three measurements:
@@ -50,6 +50,7 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).parent))
 from cpu_account import CpuAccount, cpu_shares, p_cpu_ms_per_request, p_main_thread  # noqa: E402
 from pd_common import (  # noqa: E402
+    DTYPE,
     RESULTS,
     SMOLLM2_SHAPE,
     log,
@@ -349,7 +350,7 @@ def build_profile(pre: list[dict], dec: list[dict], val: dict, facts: dict, batc
     measured = {k: v for k, v in val.items() if k not in ("requests", "p_engine")}
     jitter = step_jitter(dec)
     return {"schema": "vllm-disagg-profile/1", "device": f"cpu x{os.cpu_count()} (1 core per instance)",
-            "model": "smollm2-135m (dummy weights, bf16)",
+            "model": f"smollm2-135m (dummy weights, {DTYPE})",
             # Splitwise's form: a step costs the curve at its batch tokens, the batched points included
             # (this CPU: 2 x 512 costs the curve at 1024, 4 x 512 about one 2048-token prompt; the
             # quadratic a + b*T + c*sum(n^2) + d*T^2 missed the single 512-token point by -15 %)

@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """What pd_calibrate.py and serve_predict.py share: a 1P+1D deployment started in-process (SmolLM2-135M
-shape, dummy weights, bf16), a streaming client that records token times, and /metrics as numbers.
+shape, dummy weights, bf16 where the CPU has bf16 instructions, else float32: serve_deploy.engine_dtype),
+a streaming client that records token times, and /metrics as numbers.
 
 (These lived in pd_bench.py, which serve_bench.py replaced: its TTFT-vs-NIXL, exposed-transfer and
 mixed-load figures are serve_bench's keys now, measured on a real trace; push vs raw TCP is
@@ -21,16 +22,19 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
+from serve_deploy import engine_dtype  # noqa: E402  (benchmarks/ is the script's directory)
+
 from vllm_disagg.launch.local import InstanceSpec, LocalCluster, free_ports  # noqa: E402
 from vllm_disagg.router.config import RouterConfig  # noqa: E402
 from vllm_disagg.router.policy import SchedulerConfig  # noqa: E402
 from vllm_disagg.router.server import Router, RouterServer  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
+DTYPE = "bfloat16" if engine_dtype() == "auto" else "float32"
 SMOLLM2_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                      num_key_value_heads=3, head_dim=64, vocab_size=49152, tie_word_embeddings=True,
-                     torch_dtype="bfloat16", max_position_embeddings=8192)
-VLLM_ARGS = ["--load-format", "dummy", "--skip-tokenizer-init", "--enforce-eager", "--dtype", "bfloat16",
+                     torch_dtype=DTYPE, max_position_embeddings=8192)
+VLLM_ARGS = ["--load-format", "dummy", "--skip-tokenizer-init", "--enforce-eager", "--dtype", DTYPE,
              "--max-model-len", "4096", "--no-enable-prefix-caching", "--disable-uvicorn-access-log",
              "--max-num-seqs", "32", "--kv-cache-memory-bytes", str(384 << 20)]  # 17k tokens each
 
