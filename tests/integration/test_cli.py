@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The `vllm` and `vllm-disagg` command lines in the venv: version, help, errors, and a real serve."""
 
+import concurrent.futures
 import os
 import subprocess
 import sys
@@ -20,29 +21,41 @@ def run(*argv, timeout=180):
     return subprocess.run([str(a) for a in argv], capture_output=True, text=True, timeout=timeout)
 
 
-def test_vllm_version_works_on_the_cpu_wheel_and_keeps_the_cpu_suffix():
-    proc = run(BIN / "vllm", "--version")
+BAD_FLAGS = [
+    (["--disagg-peer", "nohost"], "error: --disagg-peer: expected HOST:PORT, got 'nohost'"),
+    (["--disagg-kv-port", "99999"], "error: --disagg-kv-port: Input should be less than 65536"),
+    (["--disagg-role", "banana"], "argument --disagg-role: invalid choice: 'banana'"),
+    (["--disagg-role", "attention"], "vllm-disagg attn-server"),
+]
+
+
+@pytest.fixture(scope="module")
+def short_runs(tiny_model_dir) -> dict[str, subprocess.CompletedProcess]:
+    """The commands that only parse and exit, started together: each spends ~20 s importing vLLM on
+    one core, so six in a row cost two minutes and side by side on 2 cores about one."""
+    serve = [BIN / "vllm", "serve", tiny_model_dir, "--plugin", "disagg"]
+    argvs = {"version": [BIN / "vllm", "--version"], "help": [*serve, "--help=vllm-disagg"]}
+    argvs.update({" ".join(flags): [*serve, *flags] for flags, _ in BAD_FLAGS})
+    with concurrent.futures.ThreadPoolExecutor(len(argvs)) as pool:
+        futures = {name: pool.submit(run, *argv, timeout=300) for name, argv in argvs.items()}
+        return {name: future.result() for name, future in futures.items()}
+
+
+def test_vllm_version_works_on_the_cpu_wheel_and_keeps_the_cpu_suffix(short_runs):
+    proc = short_runs["version"]
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip().splitlines()[-1] == "0.32.0+cpu"
 
 
-def test_vllm_serve_help_lists_the_plugin_flags(tiny_model_dir):
-    proc = run(BIN / "vllm", "serve", tiny_model_dir, "--plugin", "disagg", "--help=vllm-disagg")
+def test_vllm_serve_help_lists_the_plugin_flags(short_runs):
+    proc = short_runs["help"]
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "--disagg-role" in proc.stdout and "--plugin NAME" in proc.stdout
 
 
-@pytest.mark.parametrize(
-    "flags, message",
-    [
-        (["--disagg-peer", "nohost"], "error: --disagg-peer: expected HOST:PORT, got 'nohost'"),
-        (["--disagg-kv-port", "99999"], "error: --disagg-kv-port: Input should be less than 65536"),
-        (["--disagg-role", "banana"], "argument --disagg-role: invalid choice: 'banana'"),
-        (["--disagg-role", "attention"], "vllm-disagg attn-server"),
-    ],
-)
-def test_a_bad_plugin_flag_gets_a_clear_error_and_no_traceback(tiny_model_dir, flags, message):
-    proc = run(BIN / "vllm", "serve", tiny_model_dir, "--plugin", "disagg", *flags)
+@pytest.mark.parametrize("flags, message", BAD_FLAGS)
+def test_a_bad_plugin_flag_gets_a_clear_error_and_no_traceback(short_runs, flags, message):
+    proc = short_runs[" ".join(flags)]
     assert proc.returncode != 0
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr
