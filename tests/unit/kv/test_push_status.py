@@ -5,14 +5,22 @@ recomputes at once. Real sender and receiver over tcp in one process, as in test
 
 from __future__ import annotations
 
+import logging
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 
-from test_kv_push import INFO, NUM_LAYERS, Pair, _landed, _transport, _until
+import torch
+from test_kv_push import INFO, NUM_LAYERS, SHAPE, Pair, _landed, _transport, _until
 
 from vllm_disagg.config import KVTransferSection
-from vllm_disagg.kv.metadata import DisaggConnectorMetadata, SaveSpec
+from vllm_disagg.kv.metadata import DisaggConnectorMetadata, RecvSpec, SaveSpec
+from vllm_disagg.kv.push_receiver import _STATUS_AFTER_S, PushReceiver, RecvState
 from vllm_disagg.kv.push_sender import PushSender
+from vllm_disagg.kv.stats import DisaggKVConnectorStats
 from vllm_disagg.transport import TransportOptions, get_transport
 
 TIMEOUT_S = 30.0
@@ -67,3 +75,72 @@ def test_a_push_still_waiting_for_its_prefill_is_asked_about_and_left_to_land():
         assert _landed(pair, range(1, 8), range(10, 17))
     finally:
         pair.close()
+
+
+PREFILL = f"""
+import threading, time, torch
+from vllm_disagg.config import KVTransferSection
+from vllm_disagg.kv.handshake import HandshakeInfo
+from vllm_disagg.kv.push_sender import PushSender
+from vllm_disagg.kv.stats import DisaggKVConnectorStats
+from vllm_disagg.transport import TransportOptions, get_transport
+tp = lambda: get_transport("tcp", TransportOptions(auth_token="tok", timeout_s=5.0))
+sender = PushSender(tp(), tp(), HandshakeInfo(**{INFO.__dict__!r}), "tok", [torch.zeros({SHAPE}) for _ in range({NUM_LAYERS})],
+                    KVTransferSection(push_timeout_s={TIMEOUT_S}), (DisaggKVConnectorStats(), threading.Lock()))
+print(sender.address, flush=True)
+time.sleep(600)
+"""
+
+
+def _poll_for(seconds: float, receiver: PushReceiver) -> float:
+    """Poll as an engine step does, every 10 ms; nothing may finish or fail. Returns the slowest poll."""
+    t_end, slowest = time.monotonic() + seconds, 0.0
+    while time.monotonic() < t_end:
+        t0 = time.monotonic()
+        assert receiver.poll() == (set(), set())
+        slowest = max(slowest, time.monotonic() - t0)
+        time.sleep(0.01)
+    return slowest
+
+
+class _Lines(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def test_a_frozen_prefill_instance_is_asked_again_every_few_seconds_not_on_every_poll():
+    """P SIGSTOPped (alive, its sockets open, nothing answered) after accepting two registrations:
+    each STATUS round waits out its 5 s call, then the next one comes _STATUS_AFTER_S later. Polls
+    stay instant, both receives wait for their push, and once P runs again it answers."""
+    proc = subprocess.Popen([sys.executable, "-c", PREFILL], stdout=subprocess.PIPE, text=True)
+    address = proc.stdout.readline().strip()
+    receiver = PushReceiver(_transport(), _transport(), INFO, "tok", [torch.zeros(SHAPE) for _ in range(NUM_LAYERS)],
+                            (DisaggKVConnectorStats(), threading.Lock()))
+    lines, logger = _Lines(), logging.getLogger("vllm_disagg.kv.push_receiver")
+    logger.addHandler(lines)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        assert address, f"prefill process exited with {proc.poll()}"
+        receiver.start([RecvSpec(f"d-t{i}", f"t{i}", address, (2 * i, 2 * i + 1), 0, 20, TIMEOUT_S) for i in (1, 2)])
+        _until(lambda: all(receiver._recvs[f"d-t{i}"].state is RecvState.REGISTERED for i in (1, 2)))
+        os.kill(proc.pid, signal.SIGSTOP)
+        slowest = _poll_for(13.0, receiver)
+        unanswered = [line for line in lines.lines if "did not answer STATUS" in line]
+        assert len(unanswered) == 1, lines.lines  # at 2 s + 5 s; the next round asks at 9 s (not at once) and waits to 14 s
+        assert slowest < 0.5, f"a poll took {slowest:.2f}s while P was frozen"
+        os.kill(proc.pid, signal.SIGCONT)
+        _poll_for(1.0, receiver)  # the call in flight is answered now, or has just timed out
+        num_unanswered = sum("did not answer STATUS" in line for line in lines.lines)
+        _poll_for(_STATUS_AFTER_S + 4.0, receiver)  # at least one more round, which P answers ("waiting")
+        assert sum("did not answer STATUS" in line for line in lines.lines) == num_unanswered, lines.lines
+    finally:
+        logger.removeHandler(lines)
+        logger.setLevel(level)
+        proc.kill()
+        proc.wait(timeout=10)
+        receiver.close()
