@@ -92,10 +92,11 @@ time.sleep(600)
 """
 
 
-def _poll_for(seconds: float, receiver: PushReceiver) -> float:
-    """Poll as an engine step does, every 10 ms; nothing may finish or fail. Returns the slowest poll."""
+def _poll_for(seconds: float, receiver: PushReceiver, until=lambda: False) -> float:
+    """Poll as an engine step does, every 10 ms, for `seconds` or until `until()`; nothing may finish
+    or fail. Returns the slowest poll."""
     t_end, slowest = time.monotonic() + seconds, 0.0
-    while time.monotonic() < t_end:
+    while time.monotonic() < t_end and not until():
         t0 = time.monotonic()
         assert receiver.poll() == (set(), set())
         slowest = max(slowest, time.monotonic() - t0)
@@ -103,25 +104,29 @@ def _poll_for(seconds: float, receiver: PushReceiver) -> float:
     return slowest
 
 
-class _Lines(logging.Handler):
+class _Unanswered(logging.Handler):
+    """When the receiver logged each STATUS call that P did not answer."""
+
     def __init__(self):
         super().__init__(logging.INFO)
-        self.lines: list[str] = []
+        self.times: list[float] = []
 
     def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
+        if "did not answer STATUS" in record.getMessage():
+            self.times.append(record.created)
 
 
 def test_a_frozen_prefill_instance_is_asked_again_every_few_seconds_not_on_every_poll():
     """P SIGSTOPped (alive, its sockets open, nothing answered) after accepting two registrations:
-    each STATUS round waits out its 5 s call, then the next one comes _STATUS_AFTER_S later. Polls
-    stay instant, both receives wait for their push, and once P runs again it answers."""
+    each STATUS round waits out its 5 s call, and the next comes _STATUS_AFTER_S after it, not at once
+    for the round's other receive (b9a98af^: 5 s apart). Polls stay instant, both receives wait for
+    their push, and once P runs again it answers."""
     proc = subprocess.Popen([sys.executable, "-c", PREFILL], stdout=subprocess.PIPE, text=True)
     address = proc.stdout.readline().strip()
     receiver = PushReceiver(_transport(), _transport(), INFO, "tok", [torch.zeros(SHAPE) for _ in range(NUM_LAYERS)],
                             (DisaggKVConnectorStats(), threading.Lock()))
-    lines, logger = _Lines(), logging.getLogger("vllm_disagg.kv.push_receiver")
-    logger.addHandler(lines)
+    unanswered, logger = _Unanswered(), logging.getLogger("vllm_disagg.kv.push_receiver")
+    logger.addHandler(unanswered)
     level = logger.level
     logger.setLevel(logging.INFO)
     try:
@@ -129,17 +134,16 @@ def test_a_frozen_prefill_instance_is_asked_again_every_few_seconds_not_on_every
         receiver.start([RecvSpec(f"d-t{i}", f"t{i}", address, (2 * i, 2 * i + 1), 0, 20, TIMEOUT_S) for i in (1, 2)])
         _until(lambda: all(receiver._recvs[f"d-t{i}"].state is RecvState.REGISTERED for i in (1, 2)))
         os.kill(proc.pid, signal.SIGSTOP)
-        slowest = _poll_for(13.0, receiver)
-        unanswered = [line for line in lines.lines if "did not answer STATUS" in line]
-        assert len(unanswered) == 1, lines.lines  # at 2 s + 5 s; the next round asks at 9 s (not at once) and waits to 14 s
+        slowest = _poll_for(25.0, receiver, until=lambda: len(unanswered.times) >= 2)
+        assert len(unanswered.times) == 2, "P frozen for 25 s and fewer than two STATUS calls timed out"
+        gap = unanswered.times[1] - unanswered.times[0]
+        assert gap >= _STATUS_AFTER_S + 4.5, f"the next STATUS call went out {gap - 5:.1f}s after one timed out"
         assert slowest < 0.5, f"a poll took {slowest:.2f}s while P was frozen"
-        os.kill(proc.pid, signal.SIGCONT)
-        _poll_for(1.0, receiver)  # the call in flight is answered now, or has just timed out
-        num_unanswered = sum("did not answer STATUS" in line for line in lines.lines)
-        _poll_for(_STATUS_AFTER_S + 4.0, receiver)  # at least one more round, which P answers ("waiting")
-        assert sum("did not answer STATUS" in line for line in lines.lines) == num_unanswered, lines.lines
+        os.kill(proc.pid, signal.SIGCONT)  # before the next round (due _STATUS_AFTER_S after the last timeout)
+        _poll_for(_STATUS_AFTER_S + 6.0, receiver)  # that round, which P answers ("waiting")
+        assert len(unanswered.times) == 2, "P runs again and still does not answer STATUS"
     finally:
-        logger.removeHandler(lines)
+        logger.removeHandler(unanswered)
         logger.setLevel(level)
         proc.kill()
         proc.wait(timeout=10)
