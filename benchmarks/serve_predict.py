@@ -30,7 +30,7 @@ from pathlib import Path
 
 import aiohttp
 from pd_calibrate import batched_prefill_points, decode_points, prefill_points, step_jitter
-from serve_deploy import engine_dtype
+from pd_common import DTYPE
 
 from vllm_disagg.planner.calibrate import measured_machine, sim_options
 from vllm_disagg.planner.catalog import ModelSpec
@@ -76,7 +76,7 @@ async def _calibrate(running, plan: dict) -> dict:
                "layerwise_min_tokens": 0, "first_token_on": "decode",
                "kv_layerwise_overhead_ms": statistics.median(exposed) if exposed else 0.0}
     profile = {"schema": "vllm-disagg-profile/1", "device": f"cpu, {running.deployment.name}",
-               "model": f"smollm2-135m {engine_dtype()}", "prefill_fit": "piecewise",
+               "model": f"smollm2-135m {DTYPE}", "prefill_fit": "piecewise",
                "prefill": [{"num_tokens": r["num_tokens"], "ms": r["prefill_ms"]} for r in pre],
                "prefill_batched": [{k: r[k] for k in ("num_prompts", "num_tokens", "ms")} for r in bat],
                "decode": dec, "machine": machine}
