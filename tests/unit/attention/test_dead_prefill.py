@@ -8,9 +8,7 @@ its KV receiver (`--kv-transport tcp`) that a real client INITed, and the decode
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 import threading
 import time
 
@@ -25,6 +23,7 @@ from vllm_disagg.kv.lamina.targets import AttnPushReceiver
 from vllm_disagg.kv.metadata import RecvSpec
 from vllm_disagg.kv.push_receiver import RecvState
 from vllm_disagg.kv.stats import DisaggKVConnectorStats
+from vllm_disagg.testing.sender_process import start_sender_process
 from vllm_disagg.transport import TransportOptions, get_transport
 
 TOKEN = "dead-prefill-token"
@@ -33,21 +32,6 @@ INFO = HandshakeInfo(model="m", dtype="float32", block_size=BS, kv_layout=f"cpu:
                      num_layers=LAYERS, num_kv_heads=KV_HEADS, head_size=HEAD,
                      block_nbytes=KV_HEADS * BS * 2 * HEAD * 4)
 PUSH_TIMEOUT_S = 30.0
-PREFILL = f"""
-import sys, threading, time, torch
-from vllm_disagg.config import KVTransferSection
-from vllm_disagg.kv.handshake import HandshakeInfo
-from vllm_disagg.kv.push_sender import PushSender
-from vllm_disagg.kv.stats import DisaggKVConnectorStats
-from vllm_disagg.transport import TransportOptions, get_transport
-tp = lambda: get_transport("tcp", TransportOptions(auth_token={TOKEN!r}))
-info = HandshakeInfo(**{INFO.__dict__!r})
-layers = [torch.zeros(8, {KV_HEADS}, {BS}, {2 * HEAD}) for _ in range({LAYERS})]
-sender = PushSender(tp(), tp(), info, {TOKEN!r}, layers, KVTransferSection(push_timeout_s={PUSH_TIMEOUT_S}),
-                    (DisaggKVConnectorStats(), threading.Lock()))
-print(sender.address, flush=True)
-time.sleep(600)
-"""
 
 
 def _sender_and_receiver(http: str, client, **kv) -> tuple:
@@ -79,11 +63,7 @@ def attention_server():
 
 
 def _start_prefill() -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-c", PREFILL], stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "VLLM_DISAGG_AUTH_TOKEN": TOKEN})
-    address = proc.stdout.readline().strip()
-    assert address, f"prefill process exited with {proc.poll()}"
-    return proc, address
+    return start_sender_process(INFO, TOKEN, (8, KV_HEADS, BS, 2 * HEAD), PUSH_TIMEOUT_S)
 
 
 def _poll_until(receiver: AttnPushReceiver, req_id: str, timeout_s: float) -> tuple[set, float]:

@@ -8,8 +8,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -21,6 +19,7 @@ from vllm_disagg.kv.metadata import DisaggConnectorMetadata, RecvSpec, SaveSpec
 from vllm_disagg.kv.push_receiver import _STATUS_AFTER_S, PushReceiver, RecvState
 from vllm_disagg.kv.push_sender import PushSender
 from vllm_disagg.kv.stats import DisaggKVConnectorStats
+from vllm_disagg.testing.sender_process import start_sender_process
 from vllm_disagg.transport import TransportOptions, get_transport
 
 TIMEOUT_S = 30.0
@@ -77,21 +76,6 @@ def test_a_push_still_waiting_for_its_prefill_is_asked_about_and_left_to_land():
         pair.close()
 
 
-PREFILL = f"""
-import threading, time, torch
-from vllm_disagg.config import KVTransferSection
-from vllm_disagg.kv.handshake import HandshakeInfo
-from vllm_disagg.kv.push_sender import PushSender
-from vllm_disagg.kv.stats import DisaggKVConnectorStats
-from vllm_disagg.transport import TransportOptions, get_transport
-tp = lambda: get_transport("tcp", TransportOptions(auth_token="tok", timeout_s=5.0))
-sender = PushSender(tp(), tp(), HandshakeInfo(**{INFO.__dict__!r}), "tok", [torch.zeros({SHAPE}) for _ in range({NUM_LAYERS})],
-                    KVTransferSection(push_timeout_s={TIMEOUT_S}), (DisaggKVConnectorStats(), threading.Lock()))
-print(sender.address, flush=True)
-time.sleep(600)
-"""
-
-
 def _poll_for(seconds: float, receiver: PushReceiver, until=lambda: False) -> float:
     """Poll as an engine step does, every 10 ms, for `seconds` or until `until()`; nothing may finish
     or fail. Returns the slowest poll."""
@@ -121,8 +105,7 @@ def test_a_frozen_prefill_instance_is_asked_again_every_few_seconds_not_on_every
     each STATUS round waits out its 5 s call, and the next comes _STATUS_AFTER_S after it, not at once
     for the round's other receive (b9a98af^: 5 s apart). Polls stay instant, both receives wait for
     their push, and once P runs again it answers."""
-    proc = subprocess.Popen([sys.executable, "-c", PREFILL], stdout=subprocess.PIPE, text=True)
-    address = proc.stdout.readline().strip()
+    proc, address = start_sender_process(INFO, "tok", SHAPE, TIMEOUT_S, timeout_s=5.0)
     receiver = PushReceiver(_transport(), _transport(), INFO, "tok", [torch.zeros(SHAPE) for _ in range(NUM_LAYERS)],
                             (DisaggKVConnectorStats(), threading.Lock()))
     unanswered, logger = _Unanswered(), logging.getLogger("vllm_disagg.kv.push_receiver")
@@ -130,7 +113,6 @@ def test_a_frozen_prefill_instance_is_asked_again_every_few_seconds_not_on_every
     level = logger.level
     logger.setLevel(logging.INFO)
     try:
-        assert address, f"prefill process exited with {proc.poll()}"
         receiver.start([RecvSpec(f"d-t{i}", f"t{i}", address, (2 * i, 2 * i + 1), 0, 20, TIMEOUT_S) for i in (1, 2)])
         _until(lambda: all(receiver._recvs[f"d-t{i}"].state is RecvState.REGISTERED for i in (1, 2)))
         os.kill(proc.pid, signal.SIGSTOP)
