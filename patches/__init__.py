@@ -33,6 +33,14 @@ PATCHES = [
     "couplings",  # private-method overrides, checked against one vLLM version
 ]
 ON_DEMAND = ["vllm_dist_alias"]  # P1's code half: applied by `vllm-disagg serve` for its own process
+DEFERRED = {
+    "scheduler_fatal_kv_failure": "vllm.v1.core.sched.scheduler",
+    "cpu_worker_runner": "vllm.v1.worker.cpu_worker",
+    "runner_class_swap": "vllm.v1.worker.cpu_model_runner",
+}
+"""Patches whose upstream module only an engine process imports: applied the moment that module is
+imported (a post-import hook), not by importing it in every process. Importing them eagerly cost
+each `vllm serve` API server ~2 s it never used. `require` still applies one that has not run."""
 
 
 @dataclass(frozen=True)
@@ -62,8 +70,17 @@ def apply_one(name: str, hooks: PatchHooks | None = None) -> bool:
 
 
 def apply_all(hooks: PatchHooks | None = None) -> dict[str, bool]:
-    """Apply every patch; returns {name: applied}. A failure is logged per patch, never grouped."""
-    return {name: apply_one(name, hooks) for name in PATCHES}
+    """Apply every patch, a `DEFERRED` one once its upstream module is imported (at once if it is);
+    returns what applied so far, {name: applied}. A failure is logged per patch, never grouped."""
+    import wrapt
+
+    for name in PATCHES:
+        if name in DEFERRED:
+            _applied.pop(name, None)  # decided again when its module is (or already was) imported
+            wrapt.register_post_import_hook(lambda _module, name=name: apply_one(name, hooks), DEFERRED[name])
+        else:
+            apply_one(name, hooks)
+    return applied()
 
 
 def applied() -> dict[str, bool]:

@@ -29,7 +29,8 @@ CONCEPT_REGISTRARS = ["vllm_disagg.attention", "vllm_disagg.router", "vllm_disag
 
 def register() -> dict[str, bool]:
     """Install the plugin's hooks into vLLM; safe to call any number of times. Returns which
-    patches applied: a feature that needs one that did not refuses to start (`patches.require`)."""
+    patches applied so far (the engine-only ones apply when vLLM imports their module,
+    `patches.DEFERRED`): a feature that needs one that did not refuses to start (`patches.require`)."""
     global _registered
     from vllm_disagg.patches import applied, apply_all
 
