@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from serve_bisect import bisect, rate_bound, rate_ratio  # noqa: E402
+from serve_bisect import bisect, rate_bound, rate_ratio, search  # noqa: E402
 from serve_deploy import DEPLOYMENTS, engine_dtype, started  # noqa: E402
 from serve_import import import_keys  # noqa: E402
 from serve_run import log, measure, warm_up  # noqa: E402
@@ -174,6 +174,11 @@ class Bench:
             self.calibrate(running)
             for kind, rate in rates:
                 self.run_once(running, rate, round_idx, kind)
+            if name in self.plan.bisect and round_idx == self.last_round(name):
+                search(self, name, name, running)  # its rate search reuses this start (serve_bisect.py)
+
+    def last_round(self, name: str) -> int:
+        return 0 if name in self.plan.once else self.plan.rounds - 1
 
     def rounds(self) -> None:
         deps = self.plan.deployments
@@ -333,6 +338,9 @@ def main() -> int:
     parser.add_argument("--deployments", default=None, help="comma-separated subset of " + ",".join(DEPLOYMENTS))
     parser.add_argument("--once", default=None, help="comma-separated deployments measured in round 0 only")
     parser.add_argument("--no-bisect", action="store_true")
+    parser.add_argument("--bisect", default=None,
+                        help="comma-separated deployments whose rate is searched ('plain' = the better plain "
+                             "binding; default plain,vllm_nixl,ours_tcp where measured)")
     parser.add_argument("--bisect-only", action="store_true",
                         help="only the rate search (and the planner's prediction at its rates) of --deployments; "
                              "writes results/serve_bench_bisect.json, which serve_import.py reads its keys from")
@@ -369,6 +377,8 @@ def main() -> int:
     if args.bisect_only:
         plan.rounds = 0
         plan.saturation = []
+    if args.bisect:
+        plan.bisect = [d for d in plan.bisect if d in args.bisect.split(",")]
     if args.no_bisect:
         plan.bisect = []
     if args.no_saturation:

@@ -1,8 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """serve_bench's rate search (issue 14): the highest rate at which a deployment keeps >= 90 % goodput.
 
-Bisected in log space (planner/goodput.py `bisect_max_rate`), one replay per probe, each deployment
-started once for its whole search. A probe replays the window's first requests, as many as arrive in
+Bisected in log space (planner/goodput.py `bisect_max_rate`), one replay per probe. A deployment that
+the rounds measure is searched in its last round's start, right after its headline replays (serve_bench
+`Bench.deployment`): one engine start fewer per searched deployment. The plain baseline, known only once
+every round has run, and any deployment the rounds left out get a start of their own. A probe replays the window's first requests, as many as arrive in
 about `probe_cap_s` at that rate (at least `probe_min_requests`, at most the window): at full size the
 search probed down to 0.04 req/s with 30 requests each, 600 s a probe, over an hour per deployment on
 two cores. The probe's size is recorded with its run, and the planner predicts that same sub-window.
@@ -37,28 +39,41 @@ def known_goodputs(runs: list[dict], name: str, full_size: int) -> dict[float, f
     return {rate: statistics.median(g) for rate, g in seen.items()}
 
 
+def search_rates(plan, known: dict[float, float], probe) -> dict:
+    """The bracket from `known` full-window goodputs, probing more with `probe(rate)`. With nothing
+    known (no rounds in this run), the headline rate is probed first, where the rounds would have."""
+    seeded = {} if known else {plan.rate: probe(plan.rate)}
+    found = bisect_max_rate(probe, lo=plan.rate / 4, hi=plan.bisect_hi or plan.saturation_rate, steps=plan.bisect_steps,
+                            known=known or seeded)
+    return found | {"seeded": [{"rate": r, "goodput": g} for r, g in seeded.items()]}
+
+
+def search(bench, alias: str, name: str, running) -> None:
+    """`name`'s rate search on its running deployment, recorded as `bench.max_rates[alias]`."""
+    plan = bench.plan
+
+    def probe(rate: float) -> float:
+        window = probe_window(bench.trace["requests"], rate, plan.probe_cap_s, plan.probe_min_requests)
+        return bench.run_once(running, round(rate, 4), -1, "bisect", window)["goodput"][HEADLINE_SLO.key]
+
+    known = known_goodputs(bench.runs, name, len(bench.trace["requests"]))
+    bench.max_rates[alias] = search_rates(plan, known, probe) | {"deployment": name}
+    log(f"max rate {alias}: {bench.max_rates[alias]}")
+
+
 def bisect(bench, plain: str, lock) -> dict:
-    """Every deployment in `bench.plan.bisect` ('plain' = the baseline binding): its max rate bracket."""
-    plan, out = bench.plan, bench.max_rates
-    for alias in plan.bisect:
+    """Every deployment in `bench.plan.bisect` ('plain' = the baseline binding) not searched in its
+    last round yet, each in a start of its own: its max rate bracket."""
+    out = bench.max_rates
+    for alias in bench.plan.bisect:
         name = plain if alias == "plain" else alias
-        if name is None:
+        if name is None or alias in out:
             continue
-        known = known_goodputs(bench.runs, name, len(bench.trace["requests"]))
         with lock(bench.args.lock), started(DEPLOYMENTS[name], bench.args.model_dir, bench.args.max_model_len,
                                             bench.work / "logs" / f"{name}_bisect") as running:
             warm_up(running, min(600, bench.args.max_model_len // 2))
             bench.calibrate(running)
-
-            def probe(rate: float, running=running) -> float:
-                window = probe_window(bench.trace["requests"], rate, plan.probe_cap_s, plan.probe_min_requests)
-                return bench.run_once(running, round(rate, 4), -1, "bisect", window)["goodput"][HEADLINE_SLO.key]
-
-            seeded = {} if known else {plan.rate: probe(plan.rate)}
-            found = bisect_max_rate(probe, lo=plan.rate / 4, hi=plan.bisect_hi or plan.saturation_rate, steps=plan.bisect_steps,
-                                    known=known or seeded)
-            out[alias] = found | {"deployment": name, "seeded": [{"rate": r, "goodput": g} for r, g in seeded.items()]}
-        log(f"max rate {alias}: {out[alias]}")
+            search(bench, alias, name, running)
         bench.after_phase()
     return out
 

@@ -1,7 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """benchmarks/serve_bench.py end to end on a 6-request trace: vLLM's client against our 1P+1D and vLLM's
-NixlConnector 1P+1D, each started as a user starts it. The JSON has every goal key, and the NIXL
-baseline really moved the KV (bytes counted, no request recomputed on D) — as did ours."""
+NixlConnector 1P+1D, each started once as a user starts it. The JSON has every goal key, the NIXL
+baseline really moved the KV (bytes counted, no request recomputed on D) — as did ours — and our
+rate search ran in the same start as its round, from the bracket the round measured (the search
+run on its own, `--bisect-only`, seeds at the headline rate: test_serve_bisect.py)."""
 
 from __future__ import annotations
 
@@ -14,18 +16,20 @@ import pytest
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).parents[2]
+DEPLOYMENTS = ("vllm_nixl", "ours_tcp")
 
 
-def test_serve_bench_runs_on_a_small_trace_and_both_pd_deployments_move_their_kv(smollm2_dir, tmp_path):
+def test_serve_bench_runs_on_a_small_trace_both_pd_deployments_move_their_kv_and_search_their_rate(
+        smollm2_dir, tmp_path):
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from serve_bench import GOAL_KEYS
 
     out = tmp_path / "serve.json"
     cmd = [sys.executable, str(ROOT / "benchmarks/serve_bench.py"), "--trace", "synthetic", "--num-requests", "6",
-           "--rate", "1", "--rounds", "1", "--deployments", "vllm_nixl,ours_tcp", "--no-bisect", "--no-saturation",
-           "--no-predict", "--max-model-len", "512", "--max-output-tokens", "8", "--model", smollm2_dir,
-           "--out", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+           "--rate", "1", "--rounds", "1", "--deployments", ",".join(DEPLOYMENTS), "--bisect", "ours_tcp", "--bisect-hi", "1",
+           "--no-saturation", "--no-predict", "--max-model-len", "512", "--max-output-tokens", "8",
+           "--model", smollm2_dir, "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-4000:]
     printed = json.loads(proc.stdout.strip().splitlines()[-1])
     assert set(GOAL_KEYS) <= printed.keys()
@@ -33,28 +37,16 @@ def test_serve_bench_runs_on_a_small_trace_and_both_pd_deployments_move_their_kv
     assert printed["nixl_verified"] is True and printed["ours_verified"] is True
     assert printed["ttft_p50_ratio_vs_vllm_nixl"] is not None  # the goodput ratio is "unbounded" if NIXL kept none
     result = json.loads(out.read_text())
-    runs = {r["deployment"]: r for r in result["runs"]}
-    assert runs.keys() == {"vllm_nixl", "ours_tcp"}
-    for run in runs.values():
+    headline = {r["deployment"]: r for r in result["runs"] if r["kind"] == "headline"}
+    assert headline.keys() == set(DEPLOYMENTS)
+    for run in headline.values():
         assert run["num_requests"] == 6 and run["num_failed"] == 0 and run["num_gaps"] == run["output_tokens"] - 6
         assert run["kv"]["kv_bytes"] > 0 and run["kv"]["recomputes"] == 0 and run["kv"]["decode_requests"] == 6
-    assert out.with_suffix(".png").stat().st_size > 10_000
-
-
-def test_the_rate_search_alone_probes_the_headline_rate_first_and_records_each_probe_window(smollm2_dir, tmp_path):
-    """`--bisect-only` (the hour-long search, run on its own): with no rounds in the same run, the headline
-    rate seeds the bracket (here also the top of the range: on a quiet box one probe ends the search)."""
-    out = tmp_path / "bisect.json"
-    cmd = [sys.executable, str(ROOT / "benchmarks/serve_bench.py"), "--bisect-only", "--trace", "synthetic",
-           "--num-requests", "6", "--rate", "1", "--deployments", "ours_tcp", "--no-predict", "--max-model-len", "512",
-           "--max-output-tokens", "8", "--model", smollm2_dir, "--out", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    result = json.loads(out.read_text())
+    assert {name: len(starts) for name, starts in result["starts"].items()} == dict.fromkeys(DEPLOYMENTS, 1)
+    assert result["max_rates"].keys() == {"ours_tcp"}  # --bisect: the search reused ours_tcp's round start
     found = result["max_rates"]["ours_tcp"]
-    assert [s["rate"] for s in found["seeded"]] == [1.0]
-    assert found["max_rate"] is None or 0.25 <= found["max_rate"] <= 1.0
-    runs = result["runs"]
-    assert runs[0]["rate"] == 1.0 and len(runs) == 1 + len(found["probes"])
-    assert all(r["kind"] == "bisect" and r["window_size"] == 6 and r["kv"]["verified"] for r in runs)
-    assert "imported" not in result  # the headline file imports from this one, not the other way round
+    assert found["seeded"] == [] and (found["max_rate"] is None or 0.25 <= found["max_rate"] <= 1.0)
+    probes = [r for r in result["runs"] if r["kind"] == "bisect"]
+    assert [(r["deployment"], r["rate"]) for r in probes] == [("ours_tcp", round(p["rate"], 4)) for p in found["probes"]]
+    assert all(r["window_size"] <= 6 and r["kv"]["verified"] for r in probes)
+    assert out.with_suffix(".png").stat().st_size > 10_000

@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """serve_bench's rate search on known inputs: a probe replays about `probe_cap_s` of arrivals, the
 rounds' full-window runs (not the probes) narrow the bracket, ratios are None unless both searches
-found a rate (with a lower bound when only the baseline failed everywhere), and the planner predicts
-each probe's own sub-window."""
+found a rate (with a lower bound when only the baseline failed everywhere), the headline rate is
+probed first only when no round measured it, and the planner predicts each probe's own sub-window."""
 
 import json
 import sys
@@ -12,7 +12,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-from serve_bisect import known_goodputs, probe_window, rate_bound, rate_ratio  # noqa: E402
+from serve_bench import Plan  # noqa: E402
+from serve_bisect import known_goodputs, probe_window, rate_bound, rate_ratio, search_rates  # noqa: E402
 from serve_predict import predict  # noqa: E402
 
 from vllm_disagg.planner.goodput import HEADLINE_SLO  # noqa: E402
@@ -36,6 +37,23 @@ def test_only_full_window_runs_of_the_deployment_narrow_the_bracket():
     runs = [_row("plain", 0.15, 0.4), _row("plain", 0.15, 0.6), _row("plain", 0.15, 0.5),
             _row("plain", 0.05, 1.0, size=8), _row("ours", 0.15, 0.9)]
     assert known_goodputs(runs, "plain", 30) == {0.15: 0.5}
+
+
+def test_the_headline_rate_is_probed_first_only_when_no_round_measured_the_deployment():
+    plan = Plan(rate=0.2, saturation_rate=1.0, bisect_steps=2)
+    probed = []
+
+    def probe(rate: float) -> float:  # a deployment that keeps up to 0.5 req/s
+        probed.append(rate)
+        return 1.0 if rate <= 0.5 else 0.3
+
+    alone = search_rates(plan, {}, probe)
+    assert probed[0] == 0.2 and alone["seeded"] == [{"rate": 0.2, "goodput": 1.0}]
+    assert 0.2 <= alone["max_rate"] <= 0.5 < alone["min_failing_rate"]
+    probed.clear()
+    after_rounds = search_rates(plan, {0.2: 0.95}, probe)
+    assert 0.2 not in probed and after_rounds["seeded"] == []
+    assert [p["rate"] for p in after_rounds["probes"]] == probed
 
 
 def test_rate_ratio_needs_both_rates_and_a_baseline_that_failed_everywhere_gives_a_lower_bound():
