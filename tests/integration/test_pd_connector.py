@@ -5,6 +5,10 @@ Each engine runs in its own process (`pd_engine_child.py`, in-process EngineCore
 model, block_size 32, no prefix caching). The test sends the same prompts to P (max_tokens=1,
 do_remote_decode) and D (do_remote_prefill) at the same time with shared transfer ids, exactly as
 the router does (.coord/pd_protocol.md), and compares D's greedy tokens with a plain engine's.
+
+With one side on the NanoFlow worker (2 nano-batches, `nanoflow_pd_child.py`), vLLM's per-layer save
+hook fires once per nano-batch: the prefill side must push a layer only once *every* nano-batch has
+written it (a request may even straddle two nano-batches: 1100-token prompts in 2048-token steps).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from vllm_disagg.testing import TEST_ENV, token_prompts
 pytestmark = pytest.mark.slow
 
 CHILD = str(Path(__file__).with_name("pd_engine_child.py"))
+NANO_CHILD = str(Path(__file__).with_name("nanoflow_pd_child.py"))
 NUM_REQS, PROMPT_LEN, MAX_TOKENS = 16, 1100, 8
 
 
@@ -40,13 +45,13 @@ def _free_port() -> int:
 class Engine:
     """A child process hosting one engine; JSON lines on stdin/stdout, logs to a file."""
 
-    def __init__(self, role: str, model_dir: str, log_dir: Path, cpu: str, **opts):
+    def __init__(self, role: str, model_dir: str, log_dir: Path, cpu: str, child: str = CHILD, **opts):
         env = {**os.environ, **TEST_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
                "VLLM_LOGGING_STREAM": "ext://sys.stderr", "VLLM_CPU_OMP_THREADS_BIND": cpu}
         self.log_path = log_dir / f"{role}-{uuid.uuid4().hex[:6]}.log"
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
-            [sys.executable, CHILD, role, model_dir, json.dumps(opts)],
+            [sys.executable, child, role, model_dir, json.dumps(opts)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, env=env,
         )
         self._lines: queue.Queue = queue.Queue()
@@ -277,3 +282,47 @@ def test_handshake_mismatch_fails_fast_with_the_field_named(tiny_model_dir, prom
     finally:
         prefill.close()
         decode.close()
+
+
+def _assert_nano_batched(out: dict, role: str) -> None:
+    stats = out.get("nano_stats") or {}
+    assert stats.get("pipeline_steps", 0) > 0 and not stats.get("fallback_steps"), (
+        f"{role} did not run nano-batched steps: {stats}")
+
+
+def test_nano_batched_decode_gives_plain_vllm_tokens_without_recompute(tiny_model_dir, prompts, baseline, log_dir):
+    decode = Engine("decode", tiny_model_dir, log_dir, "1", child=NANO_CHILD, kv_port=_free_port(),
+                    policy="recompute", nano_batches=2)
+    try:
+        p_out, d_out = _check_nano_pd_run(tiny_model_dir, prompts, baseline, decode, log_dir, {})
+        _assert_nano_batched(d_out, "decode")
+    finally:
+        decode.close()
+
+
+def test_nano_batched_prefill_pushes_a_layer_only_once_every_nano_batch_wrote_it(
+        tiny_model_dir, prompts, baseline, decode, log_dir):
+    # every later nano-batch's attention (its KV write) is delayed: a push of a layer after only the
+    # first nano-batch wrote it would read stale KV for the tokens of the second one
+    p_out, _ = _check_nano_pd_run(tiny_model_dir, prompts, baseline, decode, log_dir,
+                                  {"child": NANO_CHILD, "nano_batches": 2, "late_nano_delay_s": 0.2})
+    _assert_nano_batched(p_out, "prefill")
+    assert p_out["kv_writes_checked"] > 0
+    assert p_out["kv_writes_stale"] == 0, "the prefill side pushed KV blocks before every nano-batch wrote them"
+
+
+def _check_nano_pd_run(tiny_model_dir, prompts, baseline, decode, log_dir, prefill_opts: dict):
+    prefill, port = _start_prefill(tiny_model_dir, log_dir, threshold=256, **prefill_opts)
+    seen = len(decode.log_text())  # the module's decode engine logged the earlier tests' recomputes
+    try:
+        _, d_out = _run_pd(prefill, decode, port, prompts)
+        p_out = prefill.result()
+        assert "recomputes the prompt" not in decode.log_text()[seen:], "a push failed; see the decode log"
+        assert d_out["outputs"] == baseline, "nano-batched: decode tokens differ from plain vLLM"
+        pushes = p_out["timeline"]
+        assert len(pushes) == NUM_REQS and all(p["layerwise"] for p in pushes)
+        assert p_out["free_blocks"] == prefill.ready["free_blocks"], "prefill leaked KV blocks"
+        assert d_out["free_blocks"] == decode.ready["free_blocks"], "decode leaked KV blocks"
+        return p_out, d_out
+    finally:
+        prefill.close()

@@ -5,7 +5,7 @@ vLLM calls `connector.save_kv_layer(layer_name, ...)` after each attention layer
 `maybe_transfer_kv_layer` wrapper). With nano-batches, attention runs once per nano-batch per layer,
 so the hook fires after the *first* nano-batch has written only its own rows of that layer. A
 layer-wise push (Splitwise, `vllm_disagg.kv`) taken at that point reads stale KV for the tokens of
-the later nano-batches (tests/integration/test_nanoflow_pd.py counted 46 stale block writes in one
+the later nano-batches (tests/integration/test_pd_connector.py counted 46 stale block writes in one
 run without this gate, 0 with it). `LayerSaveGate` forwards a layer's save only on its last
 nano-batch's call, when every row of the step has been written; `wait_for_save` at the end of the
 forward is unchanged. The gate passes calls straight through outside nano-batched steps.
