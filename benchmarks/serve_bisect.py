@@ -4,12 +4,13 @@
 Bisected in log space (planner/goodput.py `bisect_max_rate`), one replay per probe. A deployment that
 the rounds measure is searched in its last round's start, right after its headline replays (serve_bench
 `Bench.deployment`): one engine start fewer per searched deployment. The plain baseline, known only once
-every round has run, and any deployment the rounds left out get a start of their own. A probe replays the window's first requests, as many as arrive in
-about `probe_cap_s` at that rate (at least `probe_min_requests`, at most the window): at full size the
-search probed down to 0.04 req/s with 30 requests each, 600 s a probe, over an hour per deployment on
-two cores. The probe's size is recorded with its run, and the planner predicts that same sub-window.
-With no headline rounds in the same run (`--bisect-only`), the headline rate is probed first, so that
-the bracket starts where the rounds would have put it.
+every round has run, and any deployment the rounds left out get a start of their own. A probe replays
+the window's first requests, as many as arrive in about `probe_cap_s` at that rate (at least
+`probe_min_requests`, at most the window): at full size the search probed down to 0.04 req/s with 30
+requests each, 600 s a probe, over an hour per deployment on two cores. The probe's size is recorded
+with its run, and the planner predicts that same sub-window. With no headline rounds in the same run
+(`--bisect-only`), the headline rate is probed first, so that the bracket starts where the rounds would
+have put it.
 """
 
 from __future__ import annotations
