@@ -327,6 +327,22 @@ def _all_or_none(flags: list[bool]) -> bool | None:
 
 
 # ------------------------------------------------------------------ main
+def listed(parser: argparse.ArgumentParser, flag: str, value: str, allowed) -> list[str]:
+    """A comma-separated flag's names, or one clear line naming the unknown ones: a typo must not
+    silently drop a deployment from a two-hour run."""
+    names = [n for n in value.split(",") if n]
+    unknown = [n for n in names if n not in allowed]
+    if unknown:
+        parser.error(f"{flag}: unknown {', '.join(unknown)} (known here: {', '.join(allowed)})")
+    return names
+
+
+def bisect_names(deployments: list[str]) -> list[str]:
+    """What --bisect may name: a measured deployment, or 'plain' (the better plain binding) when one
+    is measured."""
+    return (["plain"] if any(d.startswith("plain") for d in deployments) else []) + list(deployments)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="<= 15 min: plain + ours_tcp, one rate, one round")
@@ -366,19 +382,19 @@ def main() -> int:
     if args.rounds:
         plan.rounds = args.rounds
     if args.deployments:
-        chosen = args.deployments.split(",")
+        chosen = listed(parser, "--deployments", args.deployments, DEPLOYMENTS)
         plan.deployments = chosen
         plan.saturation = [d for d in plan.saturation if d in chosen]
         plan.bisect = [d for d in plan.bisect if d in chosen or (d == "plain" and any(c.startswith("plain")
                                                                                        for c in chosen))]
     if args.once:
-        plan.once = args.once.split(",")
+        plan.once = listed(parser, "--once", args.once, DEPLOYMENTS)
         plan.deployments += [d for d in plan.once if d not in plan.deployments]
     if args.bisect_only:
         plan.rounds = 0
         plan.saturation = []
     if args.bisect:
-        plan.bisect = [d for d in plan.bisect if d in args.bisect.split(",")]
+        plan.bisect = listed(parser, "--bisect", args.bisect, bisect_names(plan.deployments))
     if args.no_bisect:
         plan.bisect = []
     if args.no_saturation:

@@ -4,6 +4,8 @@ naming the patch and both vLLM versions, when a patch it declared did not apply.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -95,9 +97,6 @@ def test_vllm_disagg_serve_refuses_in_one_line(other_vllm, capsys, monkeypatch):
 def test_an_api_server_process_does_not_import_the_engine_modules_the_deferred_patches_target():
     """In a fresh interpreter: `register()` after what `vllm serve`'s API server imports leaves the
     scheduler and the CPU worker unimported; importing one applies its patch there and then."""
-    import subprocess
-    import sys
-
     script = """
 import sys
 import vllm.entrypoints.openai.api_server

@@ -12,7 +12,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-from serve_bench import Plan  # noqa: E402
+import argparse  # noqa: E402
+
+from serve_bench import Plan, bisect_names, listed  # noqa: E402
 from serve_bisect import known_goodputs, probe_window, rate_bound, rate_ratio, search_rates  # noqa: E402
 from serve_predict import predict  # noqa: E402
 
@@ -92,3 +94,12 @@ def test_the_planner_predicts_each_probe_on_the_sub_window_it_replayed(tmp_path)
     assert rows[(0.1, 8)]["kept_up"] and not rows[(0.1, 30)]["kept_up"]  # 0.9 x 0.1 req/s x 10 tokens
     assert rows[(0.1, 8)]["predicted"]["goodput"] == 1.0
     assert out["max_abs_error_below_saturation"] is not None
+
+
+def test_a_flag_naming_an_unknown_deployment_fails_with_one_line_instead_of_dropping_it(capsys):
+    parser = argparse.ArgumentParser()
+    assert listed(parser, "--bisect", "plain,ours_tcp", bisect_names(["plain_bind01", "ours_tcp"])) == ["plain", "ours_tcp"]
+    with pytest.raises(SystemExit):
+        listed(parser, "--bisect", "plain,ours_tpc", bisect_names(["plain_bind01", "ours_tcp"]))
+    assert "--bisect: unknown ours_tpc (known here: plain, plain_bind01, ours_tcp)" in capsys.readouterr().err
+    assert bisect_names(["ours_tcp"]) == ["ours_tcp"]
