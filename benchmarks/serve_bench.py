@@ -385,8 +385,7 @@ def main() -> int:
         chosen = listed(parser, "--deployments", args.deployments, DEPLOYMENTS)
         plan.deployments = chosen
         plan.saturation = [d for d in plan.saturation if d in chosen]
-        plan.bisect = [d for d in plan.bisect if d in chosen or (d == "plain" and any(c.startswith("plain")
-                                                                                       for c in chosen))]
+        plan.bisect = [d for d in plan.bisect if d in bisect_names(chosen)]
     if args.once:
         plan.once = listed(parser, "--once", args.once, DEPLOYMENTS)
         plan.deployments += [d for d in plan.once if d not in plan.deployments]

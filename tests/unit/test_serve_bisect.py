@@ -4,6 +4,7 @@ rounds' full-window runs (not the probes) narrow the bracket, ratios are None un
 found a rate (with a lower bound when only the baseline failed everywhere), the headline rate is
 probed first only when no round measured it, and the planner predicts each probe's own sub-window."""
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -11,8 +12,6 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-
-import argparse  # noqa: E402
 
 from serve_bench import Plan, bisect_names, listed  # noqa: E402
 from serve_bisect import known_goodputs, probe_window, rate_bound, rate_ratio, search_rates  # noqa: E402
