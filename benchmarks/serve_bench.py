@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from serve_bisect import bisect, rate_bound, rate_ratio, search  # noqa: E402
+from serve_bisect import as_plain, bisect, rate_bound, rate_ratio, search  # noqa: E402
 from serve_deploy import DEPLOYMENTS, engine_dtype, started  # noqa: E402
 from serve_import import import_keys  # noqa: E402
 from serve_run import log, measure, warm_up  # noqa: E402
@@ -278,6 +278,7 @@ def pick_plain(med: dict) -> str | None:
 def summary(bench: Bench, plain: str | None, max_rates: dict, prediction: dict | None, quick: bool) -> dict:
     runs, med = bench.runs, medians(bench.runs)
     ours, nixl = "ours_tcp", "vllm_nixl"
+    max_rates = as_plain(max_rates, plain)
 
     def ratio(a, b, key, kind="headline"):
         """The paired median; "unbounded" when b scored 0 in most rounds that a did not (JSON has no inf)."""

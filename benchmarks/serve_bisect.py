@@ -68,7 +68,7 @@ def bisect(bench, plain: str, lock) -> dict:
     out = bench.max_rates
     for alias in bench.plan.bisect:
         name = plain if alias == "plain" else alias
-        if name is None or alias in out:
+        if name is None or alias in out or name in out:  # 'plain' whose binding --bisect also named
             continue
         with lock(bench.args.lock), started(DEPLOYMENTS[name], bench.args.model_dir, bench.args.max_model_len,
                                             bench.work / "logs" / f"{name}_bisect") as running:
@@ -77,6 +77,15 @@ def bisect(bench, plain: str, lock) -> dict:
             search(bench, alias, name, running)
         bench.after_phase()
     return out
+
+
+def as_plain(max_rates: dict, plain: str | None) -> dict:
+    """The searches with the baseline's under 'plain' too: `--bisect plain_bind01` searched the binding
+    that the rounds then picked, and the ratio keys read 'plain'. Another binding's search is not the
+    baseline's and stays under its own name only."""
+    if "plain" in max_rates or plain not in max_rates:
+        return max_rates
+    return max_rates | {"plain": max_rates[plain]}
 
 
 def rate_ratio(max_rates: dict, a: str, b: str, bound_ok: bool = False) -> float | None:

@@ -14,7 +14,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 from serve_bench import Plan, bisect_names, listed  # noqa: E402
-from serve_bisect import known_goodputs, probe_window, rate_bound, rate_ratio, search_rates  # noqa: E402
+from serve_bisect import as_plain, known_goodputs, probe_window, rate_bound, rate_ratio, search_rates  # noqa: E402
 from serve_predict import predict  # noqa: E402
 
 from vllm_disagg.planner.goodput import HEADLINE_SLO  # noqa: E402
@@ -79,6 +79,15 @@ def _profile() -> dict:
 def _measured(rate: float, size: int, tok_s: float) -> dict:
     return _row("plain_bind01", rate, 1.0, size) | {
         "ttft_p50_ms": 50.0, "ttft_p90_ms": 60.0, "tbt_p50_ms": 20.0, "tbt_p99_ms": 22.0, "output_tok_s": tok_s}
+
+
+def test_a_search_named_after_the_chosen_plain_binding_is_the_plain_baselines():
+    rates = {"ours_tcp": {"max_rate": 1.2}, "plain_bind01": {"max_rate": 0.4}}
+    assert rate_ratio(as_plain(rates, "plain_bind01"), "ours_tcp", "plain") == pytest.approx(3.0)
+    assert rate_ratio(as_plain(rates, "plain_default"), "ours_tcp", "plain") is None  # not the baseline's
+    assert as_plain(rates, None) is rates
+    both = rates | {"plain": {"max_rate": 0.5}}  # a search of its own under 'plain' wins
+    assert rate_ratio(as_plain(both, "plain_bind01"), "ours_tcp", "plain") == pytest.approx(2.4)
 
 
 def test_the_planner_predicts_each_probe_on_the_sub_window_it_replayed(tmp_path):
