@@ -10,7 +10,7 @@ spin-waits on the Worker and would float onto P's core). Three measurements:
     and its exposed part feed the KV model, TTFT is kept to check the no-load residual. Then batched
     points: k 512-token prompts queued on P behind a busy step, which vLLM's scheduler runs as one
     step (k x 512 <= max_num_batched_tokens), as bursts do in (c).
-(b) decode points: B identical requests sent straight to D (local prefill there), the inter-token
+(b) decode points (pd_decode.py): B requests sent straight to D (local prefill there), the inter-token
     gaps while all B are decoding together = D's iteration time at batch B and that context.
 (c) validation: fixed prompt/output lengths at a fixed Poisson rate through the router; per-request
     TTFT and TBT (a request's mean gap, Splitwise's definition), P50/P90, and the arrival times used.
@@ -61,6 +61,7 @@ from pd_common import (  # noqa: E402
     start_router,
     stream,
 )
+from pd_decode import decode_points, step_jitter  # noqa: E402
 
 from vllm_disagg.planner.calibrate import validate  # noqa: E402
 from vllm_disagg.planner.catalog import ModelSpec  # noqa: E402
@@ -139,64 +140,6 @@ _STEP = ("vllm:request_prefill_time_seconds_sum", "vllm:request_prefill_time_sec
          "vllm:iteration_tokens_total_count", "vllm:iteration_tokens_total_sum", "vllm:request_queue_time_seconds_sum")
 _PROBE = ("vllm:request_prefill_time_seconds_sum", "vllm:disagg_kv_request_transfer_seconds_sum",
           "vllm:disagg_kv_exposed_transfer_seconds_sum", "vllm:disagg_kv_exposed_transfer_seconds_count")
-
-
-# -------------------------------------------------------------- (b) decode
-async def decode_point(session, d_url: str, batch: int, context: int, tokens: int, seed: int) -> dict | None:
-    """B concurrent requests straight to D; gaps while all B decode together (after the last first token,
-    before the first last token) are D's iteration time at batch B."""
-    rng = random.Random(seed)
-    outs = await asyncio.gather(*(stream(session, d_url, {"prompt": prompt(context, rng), "max_tokens": tokens})
-                                  for _ in range(batch)))
-    abs_times = [[o["t0"] + t for t in o["times"]] for o in outs]
-    lo, hi = max(ts[0] for ts in abs_times), min(ts[-1] for ts in abs_times)
-    gaps, ctx = [], []
-    for ts in abs_times:
-        for k, (a, b) in enumerate(zip(ts, ts[1:]), start=1):
-            if a >= lo and b <= hi:
-                gaps.append(b - a)
-                ctx.append(context + k)
-    if len(gaps) < batch * 3:
-        log(f"decode B={batch} ctx={context}: only {len(gaps)} steady gaps, skipped")
-        return None
-    median = statistics.median(gaps)
-    return {"batch_size": batch, "context_tokens": round(statistics.mean(ctx)),
-            "ms": 1e3 * median, "num_gaps": len(gaps), "gap_ratios": [round(g / median, 4) for g in gaps]}
-
-
-async def decode_points(session, d_url: str, batches: list[int], contexts: list[int], tokens: int,
-                        reps: int) -> list[dict]:
-    """Every (batch, context) point `reps` times in interleaved rounds; the median round counts (a
-    burst of other tenants' load spoils one round, not the point)."""
-    runs: dict[tuple[int, int], list[dict]] = {}
-    for r in range(reps):
-        for c in contexts:
-            for b in batches:
-                row = await decode_point(session, d_url, b, c, tokens, seed=b * 10_000 + c + r)
-                if row:
-                    runs.setdefault((b, c), []).append(row)
-    rows = []
-    for rounds in runs.values():
-        mid = sorted(rounds, key=lambda x: x["ms"])[len(rounds) // 2]
-        rows.append({**mid, "rounds_ms": [x["ms"] for x in rounds]})
-        log(f"decode { {k: v for k, v in rows[-1].items() if k != 'gap_ratios'} }")
-    return rows
-
-
-JITTER_QUANTILES = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.98, 0.99, 0.995, 0.999, 1.0)
-
-
-def step_jitter(decode_rows: list[dict]) -> dict:
-    """A profile's `step_jitter`: quantiles of every steady token gap over its point's median, pooled
-    (and the raw ratios taken out of the rows). The planner's curves are medians; this is the spread."""
-    import numpy as np
-
-    ratios = [r for row in decode_rows for r in row.pop("gap_ratios", [])]
-    if len(ratios) < 50:
-        return {}
-    return {"quantiles": list(JITTER_QUANTILES),
-            "ratios": [round(float(x), 4) for x in np.quantile(ratios, JITTER_QUANTILES)],
-            "num_gaps": len(ratios)}
 
 
 # ---------------------------------------------------------- (c) validation

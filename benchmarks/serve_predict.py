@@ -29,8 +29,9 @@ import sys
 from pathlib import Path
 
 import aiohttp
-from pd_calibrate import batched_prefill_points, decode_points, prefill_points, step_jitter
+from pd_calibrate import batched_prefill_points, prefill_points
 from pd_common import DTYPE
+from pd_decode import decode_points, step_jitter
 
 from vllm_disagg.planner.calibrate import measured_machine, sim_options
 from vllm_disagg.planner.catalog import ModelSpec
@@ -56,7 +57,7 @@ def calibrate(running, max_model_len: int, plan: dict = CALIBRATION) -> dict:
     """The profile (schema vllm-disagg-profile/1) of one running deployment: plain or ours 1P+1D.
     Prompt sizes are capped below `max_model_len` (room for the output tokens)."""
     sizes = sorted({min(n, max_model_len - 128) for n in plan["prefill_sizes"]})
-    return asyncio.run(_calibrate(running, plan | {"prefill_sizes": sizes}))
+    return asyncio.run(_calibrate(running, plan | {"prefill_sizes": sizes, "max_model_len": max_model_len}))
 
 
 async def _calibrate(running, plan: dict) -> dict:
@@ -68,7 +69,7 @@ async def _calibrate(running, plan: dict) -> dict:
         bat = await batched_prefill_points(session, front, p_url, 512, plan["batched_prompts"], plan["batched_reps"],
                                            single)
         dec = await decode_points(session, front, plan["decode_batches"], plan["decode_contexts"],
-                                  plan["decode_tokens"], plan["decode_reps"])
+                                  plan["decode_tokens"], plan["decode_reps"], plan.get("max_model_len"))
     facts = _engine_facts(running)
     exposed = [r["exposed_ms"] for r in pre if r.get("exposed_ms") is not None]
     machine = {"kv_capacity_tokens": facts.get("kv_capacity_tokens", 40_000),

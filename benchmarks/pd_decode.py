@@ -1,0 +1,95 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Decode points of the planner's calibration (pd_calibrate.py's (b), serve_predict.py's profile): B
+streamed requests, and the token gaps while all B decode together = the decode instance's iteration
+time at batch B and that context. Through a P/D front (the router), P prefills the B prompts one after
+another, so their first tokens can come further apart than a short decode lasts (float32 on one AVX2
+core: 2-3 s per 512-token prompt against ~2 s for 24 tokens): such a point is tried once more with
+enough tokens to span that spread, where the model's length allows it."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import statistics
+
+from pd_common import log, prompt, stream
+
+JITTER_QUANTILES = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.98, 0.99, 0.995, 0.999, 1.0)
+
+
+def steady_gaps(abs_times: list[list[float]], context: int) -> tuple[list[float], list[int]]:
+    """The gaps (and their context lengths) after the last first token and before the first last token."""
+    lo, hi = max(ts[0] for ts in abs_times), min(ts[-1] for ts in abs_times)
+    gaps, ctx = [], []
+    for ts in abs_times:
+        for k, (a, b) in enumerate(zip(ts, ts[1:]), start=1):
+            if a >= lo and b <= hi:
+                gaps.append(b - a)
+                ctx.append(context + k)
+    return gaps, ctx
+
+
+def tokens_to_overlap(abs_times: list[list[float]], tokens: int, batch: int) -> int:
+    """Output tokens that keep the earliest request decoding past the last first token for ~3 B gaps
+    (the steady window's minimum), from this try's own spread and median gap."""
+    every = [b - a for ts in abs_times for a, b in zip(ts, ts[1:])]
+    if not every:
+        return tokens
+    spread = max(ts[0] for ts in abs_times) - min(ts[0] for ts in abs_times)
+    return tokens + math.ceil(spread / statistics.median(every)) + 3 * batch
+
+
+async def decode_point(session, url: str, batch: int, context: int, tokens: int, seed: int,
+                       max_tokens: int | None = None) -> dict | None:
+    """B concurrent requests of `context` tokens through `url`; None when no steady window was seen."""
+    rng = random.Random(seed)
+    for again in (False, True):
+        outs = await asyncio.gather(*(stream(session, url, {"prompt": prompt(context, rng), "max_tokens": tokens})
+                                      for _ in range(batch)))
+        abs_times = [[o["t0"] + t for t in o["times"]] for o in outs]
+        gaps, ctx = steady_gaps(abs_times, context)
+        if len(gaps) >= batch * 3:
+            median = statistics.median(gaps)
+            return {"batch_size": batch, "context_tokens": round(statistics.mean(ctx)), "output_tokens": tokens,
+                    "ms": 1e3 * median, "num_gaps": len(gaps), "gap_ratios": [round(g / median, 4) for g in gaps]}
+        longer = min(tokens_to_overlap(abs_times, tokens, batch), max_tokens or tokens)
+        if again or longer <= tokens:
+            break
+        log(f"decode B={batch} ctx={context}: only {len(gaps)} steady gaps in {tokens} tokens, again with {longer}")
+        tokens = longer
+    log(f"decode B={batch} ctx={context}: only {len(gaps)} steady gaps, skipped")
+    return None
+
+
+async def decode_points(session, url: str, batches: list[int], contexts: list[int], tokens: int,
+                        reps: int, max_model_len: int | None = None) -> list[dict]:
+    """Every (batch, context) point `reps` times in interleaved rounds; the median round counts (a
+    burst of other tenants' load spoils one round, not the point)."""
+    runs: dict[tuple[int, int], list[dict]] = {}
+    for r in range(reps):
+        for c in contexts:
+            for b in batches:
+                room = max_model_len - c - 1 if max_model_len else None
+                row = await decode_point(session, url, b, c, tokens, seed=b * 10_000 + c + r, max_tokens=room)
+                if row:
+                    runs.setdefault((b, c), []).append(row)
+    rows = []
+    for rounds in runs.values():
+        mid = sorted(rounds, key=lambda x: x["ms"])[len(rounds) // 2]
+        rows.append({**mid, "rounds_ms": [x["ms"] for x in rounds]})
+        log(f"decode { {k: v for k, v in rows[-1].items() if k != 'gap_ratios'} }")
+    return rows
+
+
+def step_jitter(decode_rows: list[dict]) -> dict:
+    """A profile's `step_jitter`: quantiles of every steady token gap over its point's median, pooled
+    (and the raw ratios taken out of the rows). The planner's curves are medians; this is the spread."""
+    import numpy as np
+
+    ratios = [r for row in decode_rows for r in row.pop("gap_ratios", [])]
+    if len(ratios) < 50:
+        return {}
+    return {"quantiles": list(JITTER_QUANTILES),
+            "ratios": [round(float(x), 4) for x in np.quantile(ratios, JITTER_QUANTILES)],
+            "num_gaps": len(ratios)}

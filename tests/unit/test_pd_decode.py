@@ -1,0 +1,33 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The planner calibration's decode points: only gaps while every request decodes count, and a point
+whose first tokens came further apart than its decode lasted (P prefilling the prompts one after
+another behind the router) asks for enough tokens to overlap."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+from pd_decode import steady_gaps, tokens_to_overlap  # noqa: E402
+
+
+def _times(num: int, spread_s: float, tokens: int, gap_s: float = 0.1) -> list[list[float]]:
+    return [[i * spread_s + gap_s * k for k in range(tokens)] for i in range(num)]
+
+
+def test_only_gaps_between_the_last_first_token_and_the_first_last_token_count():
+    gaps, ctx = steady_gaps(_times(2, 0.5, 20), context=512)
+    assert len(gaps) == 2 * 14 and ctx[0] == 512 + 6  # request 0 joins at its 6th token (0.5 s / 0.1 s)
+    assert all(abs(g - 0.1) < 1e-9 for g in gaps)
+
+
+def test_first_tokens_further_apart_than_the_decode_ask_for_enough_tokens_to_overlap():
+    spread_out = _times(4, 3.0, 24)
+    assert steady_gaps(spread_out, 512)[0] == []
+    longer = tokens_to_overlap(spread_out, 24, batch=4)
+    assert longer >= 24 + 90 + 12
+    assert len(steady_gaps(_times(4, 3.0, longer), 512)[0]) >= 4 * 3
+
+
+def test_a_point_that_overlapped_needs_no_more_tokens_than_it_had_plus_the_window():
+    assert tokens_to_overlap(_times(4, 0.0, 24), 24, batch=4) == 24 + 12
