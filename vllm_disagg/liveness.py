@@ -28,7 +28,7 @@ import threading
 import time
 from collections import deque
 
-__all__ = ["LiveMiddleware", "LiveState", "StepBeacon", "socket_name"]
+__all__ = ["LONG_STEP_MARGIN", "LiveMiddleware", "LiveState", "StepBeacon", "socket_name", "stall_limit_for"]
 
 logger = logging.getLogger(__name__)
 _BEAT = struct.Struct("<iI")  # sender pid, tokens scheduled this step
@@ -47,6 +47,21 @@ MIN_STEP_SAMPLES = 3
 """Busy steps seen before `expected_step_s` is reported. Each sample over-states its step (beats are at
 most one per 50 ms), so a few are safe; 8 left a restarted engine on the fixed limit for minutes at
 low load (a short request gives 1-3 samples), and the chaos soak's 7.7 s SIGSTOP of it went uncut."""
+
+
+LONG_STEP_MARGIN = 3.0
+"""A step expected to take E seconds counts as stalled only past this many times E, the fixed timeout
+notwithstanding: a 1920-token prompt is one prefill step of ~12-15 s in float32 on one AVX2 core, and
+the router cut that healthy prefill instance at 10 s and recomputed the prompt on decode (stop 38).
+E scales the engine's fastest recent step linearly to the step's tokens, which under-states a long
+prompt's attention: hence a margin, not E itself."""
+
+
+def stall_limit_for(expected_step_s: object, timeout_s: float) -> float:
+    """The fixed stall timeout, raised for a step expected to be long (`LONG_STEP_MARGIN`)."""
+    if not isinstance(expected_step_s, (int, float)) or expected_step_s <= 0:
+        return timeout_s
+    return max(timeout_s, LONG_STEP_MARGIN * float(expected_step_s))
 
 
 def socket_name(api_server_pid: int) -> str:
@@ -231,7 +246,8 @@ class LiveState:
                 stalled = 0.0
             stalled = None if stalled is None else round(max(0.0, stalled), 3)
             expected = self.expected_step_s()
-            return {"live": stalled is None or stalled <= stall_timeout_s(), "stalled_s": stalled,
+            limit = stall_limit_for(expected, stall_timeout_s())
+            return {"live": stalled is None or stalled <= limit, "stalled_s": stalled,
                     "expected_step_s": None if expected is None else round(expected, 4),
                     "num_step_samples": len(self._steps),
                     "inflight": self.inflight, "engine_busy": self.engine_busy, "num_beats": self.num_beats,

@@ -12,7 +12,7 @@ import uuid
 
 import pytest
 
-from vllm_disagg.liveness import LiveMiddleware, LiveState, StepBeacon
+from vllm_disagg.liveness import LONG_STEP_MARGIN, LiveMiddleware, LiveState, StepBeacon, stall_limit_for
 
 
 def _until(cond, timeout=5.0):
@@ -167,6 +167,24 @@ def test_expected_step_time_is_learned_from_busy_beats_and_scaled_to_the_step_in
     live.beat(1, t + 30.1)  # a 400-token step took 50 ms: now that is the most optimistic sample
     live.beat(400, t + 30.15)
     assert live.expected_step_s() == pytest.approx(0.05)
+
+
+def test_a_step_expected_to_be_long_is_live_past_the_fixed_timeout_and_stalled_past_its_margin(state):
+    """A 1920-token prefill after 512-token ones: one engine step of seconds, no beat until it ends
+    (the fixed 0.3 s timeout here stands for 10 s; stop 38 saw a healthy P cut at 10 s)."""
+    live, _ = state
+    t = time.monotonic() - 10.0
+    for _ in range(4):  # 512-token steps of 0.1 s
+        live.beat(512, t)
+        t += 0.1
+    live.beat(2048, t)  # the long step starts: expected 0.4 s
+    live.last_beat = time.monotonic() - 0.5  # ... and has run 0.5 s: past 0.3 s, inside 3 x 0.4 s
+    report = live.report()
+    assert report["expected_step_s"] == pytest.approx(0.4) and report["stalled_s"] >= 0.5 and report["live"]
+    live.last_beat = time.monotonic() - 1.3  # past LONG_STEP_MARGIN x 0.4 s: a stall after all
+    assert not live.report()["live"]
+    assert stall_limit_for(None, 10.0) == 10.0 and stall_limit_for(1.0, 10.0) == 10.0
+    assert stall_limit_for(8.0, 10.0) == LONG_STEP_MARGIN * 8.0
 
 
 def test_a_request_answered_without_the_engine_owes_nothing(state, monkeypatch):

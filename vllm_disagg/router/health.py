@@ -21,6 +21,7 @@ import time
 
 import aiohttp
 
+from vllm_disagg.liveness import LONG_STEP_MARGIN, stall_limit_for
 from vllm_disagg.router.config import RouterConfig
 from vllm_disagg.router.pools import Instance, InstancePools
 
@@ -112,7 +113,9 @@ class HealthChecker:
         if not isinstance(stalled, (int, float)):
             return None
         inst.last_progress = now - float(stalled)
-        inst.stall_limit_s = self.stall_limit(live.get("expected_step_s"))
+        expected = live.get("expected_step_s")
+        inst.expected_step_s = float(expected) if isinstance(expected, (int, float)) and expected > 0 else None
+        inst.stall_limit_s = self.stall_limit(expected)
         inst.release_limit_s = self.release_limit(live.get("expected_step_s"))
         if (inst.release_limit_s is None or stalled <= inst.release_limit_s) and \
                 self.pools.set_suspect(inst.instance_id, False):
@@ -120,11 +123,15 @@ class HealthChecker:
         return float(stalled)
 
     def stall_limit(self, expected_step_s: object) -> float | None:
-        """The adaptive stall limit for an instance reporting `expected_step_s` (None: the fixed one)."""
+        """The adaptive stall limit for an instance reporting `expected_step_s` (None: the fixed one):
+        `stall_factor` times it within [`stall_min_s`, `stall_timeout_s`], and never under
+        `LONG_STEP_MARGIN` times it (a long prefill step is not a hang)."""
         factor = self.config.stall_factor
         if factor is None or not isinstance(expected_step_s, (int, float)) or expected_step_s <= 0:
             return None
-        return min(self.config.stall_timeout_s, max(self.config.stall_min_s, factor * float(expected_step_s)))
+        expected = float(expected_step_s)
+        adaptive = min(self.config.stall_timeout_s, max(self.config.stall_min_s, factor * expected))
+        return max(adaptive, LONG_STEP_MARGIN * expected)
 
     def release_limit(self, expected_step_s: object) -> float | None:
         """The soft limit past which the router probes an instance (None: adaptive detection is off).
@@ -144,7 +151,7 @@ class HealthChecker:
         rejoin (a health poll) and a re-prefill: in the 1P+1D soak, P stopped while D restarted
         kept its requests 6-9 s where the stop itself lasted less."""
         if inst.stall_limit_s is None or not self.pools.has_alternative(inst):
-            return self.config.stall_timeout_s
+            return stall_limit_for(inst.expected_step_s, self.config.stall_timeout_s)
         return inst.stall_limit_s
 
     async def _get(self, inst: Instance, path: str) -> bool:
@@ -213,7 +220,7 @@ class HealthChecker:
                 continue
             limit = self._limit_of(inst)
             if num and stalled > limit:
-                why = (f"adaptive limit {limit:.1f} s" if limit < self.config.stall_timeout_s
+                why = (f"adaptive limit {limit:.1f} s" if limit != self.config.stall_timeout_s
                        else f"--stall-timeout-s {self.config.stall_timeout_s:g}")
                 self.drop(inst, f"no progress for {stalled:.1f} s with {num} requests on it ({why})")
                 for callback in self.on_stall:

@@ -37,6 +37,8 @@ class Instance:
     """This instance's adaptive stall limit from its last `/live` (None: `stall_timeout_s`)."""
     release_limit_s: float | None = None
     """Its soft stall limit: past it the instance is suspect (None: adaptive detection is off)."""
+    expected_step_s: float | None = None
+    """How long its step in progress should take, from its last `/live` (None: unknown)."""
     idle_at: float = 0.0
     """Monotonic time the stall watchdog last saw nothing booked here: it owes no progress before."""
     has_live: bool | None = None

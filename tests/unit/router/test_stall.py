@@ -96,6 +96,23 @@ def test_an_idle_instance_polled_long_ago_owes_progress_only_from_its_first_book
     assert router.health.check_stalls(now + 0.7) == [inst]
 
 
+def test_a_long_prefill_step_is_not_cut_at_the_fixed_limit_but_past_its_margin():
+    """An instance whose `/live` expects an 8 s step (a long prompt's prefill, one engine step) is cut
+    past 3 x 8 s, not at the fixed 10 s, both as the only instance and with another to take over;
+    one stepping every 50 ms keeps the adaptive 2 s."""
+    from vllm_disagg.liveness import LONG_STEP_MARGIN
+
+    for urls in (["http://127.0.0.1:1"], ["http://127.0.0.1:1", "http://127.0.0.1:2"]):
+        router = Router(RouterConfig(mixed_urls=urls, stall_timeout_s=10, stall_factor=5, stall_min_s=2))
+        now = time.monotonic()
+        for inst in router.pools.instances.values():
+            assert router.health._take_report(inst, {"stalled_s": 0.0, "expected_step_s": 8.0}, now) == 0.0
+        inst = router.pools.route(2048, 5).target
+        assert router.health.check_stalls(now + 12) == []  # past --stall-timeout-s 10
+        assert router.health.check_stalls(now + LONG_STEP_MARGIN * 8 + 1) == [inst]
+    assert router.health.stall_limit(0.05) == 2.0
+
+
 def test_a_request_on_a_suspect_instance_moves_before_its_first_token_and_the_instance_stays():
     """m0 steps every 50 ms, then owes progress for 1 s: past the soft limit (0.3 s) its request, which
     showed the client nothing, is replayed on m1 while m0 stays in routing (its stall limit is 20 s);
