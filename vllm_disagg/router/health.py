@@ -21,7 +21,7 @@ import time
 
 import aiohttp
 
-from vllm_disagg.liveness import LONG_STEP_MARGIN, stall_limit_for
+from vllm_disagg.liveness import stall_limit_for
 from vllm_disagg.router.config import RouterConfig
 from vllm_disagg.router.pools import Instance, InstancePools
 
@@ -115,8 +115,8 @@ class HealthChecker:
         inst.last_progress = now - float(stalled)
         expected = live.get("expected_step_s")
         inst.expected_step_s = float(expected) if isinstance(expected, (int, float)) and expected > 0 else None
-        inst.stall_limit_s = self.stall_limit(expected)
-        inst.release_limit_s = self.release_limit(live.get("expected_step_s"))
+        inst.stall_limit_s = self.stall_limit(inst.expected_step_s)
+        inst.release_limit_s = self.release_limit(inst.expected_step_s)
         if (inst.release_limit_s is None or stalled <= inst.release_limit_s) and \
                 self.pools.set_suspect(inst.instance_id, False):
             logger.info("instance %s (%s) makes progress again", inst.url, inst.pool.value)
@@ -129,9 +129,8 @@ class HealthChecker:
         factor = self.config.stall_factor
         if factor is None or not isinstance(expected_step_s, (int, float)) or expected_step_s <= 0:
             return None
-        expected = float(expected_step_s)
-        adaptive = min(self.config.stall_timeout_s, max(self.config.stall_min_s, factor * expected))
-        return max(adaptive, LONG_STEP_MARGIN * expected)
+        adaptive = min(self.config.stall_timeout_s, max(self.config.stall_min_s, factor * float(expected_step_s)))
+        return stall_limit_for(expected_step_s, adaptive)
 
     def release_limit(self, expected_step_s: object) -> float | None:
         """The soft limit past which the router probes an instance (None: adaptive detection is off).
