@@ -44,6 +44,9 @@ async def decode_point(session, url: str, batch: int, context: int, tokens: int,
                        max_tokens: int | None = None) -> dict | None:
     """B concurrent requests of `context` tokens through `url`; None when no steady window was seen."""
     rng = random.Random(seed)
+    tokens = min(tokens, max_tokens) if max_tokens is not None else tokens
+    if tokens < 1:
+        raise ValueError(f"decode B={batch} ctx={context}: no room for an output token (max_tokens {max_tokens})")
     for again in (False, True):
         outs = await asyncio.gather(*(stream(session, url, {"prompt": prompt(context, rng), "max_tokens": tokens})
                                       for _ in range(batch)))

@@ -54,10 +54,17 @@ QUEUED = 2.0
 
 
 def calibrate(running, max_model_len: int, plan: dict = CALIBRATION) -> dict:
-    """The profile (schema vllm-disagg-profile/1) of one running deployment: plain or ours 1P+1D.
-    Prompt sizes are capped below `max_model_len` (room for the output tokens)."""
+    """The profile (schema vllm-disagg-profile/1) of one running deployment: plain or ours 1P+1D."""
+    return asyncio.run(_calibrate(running, capped_plan(plan, max_model_len)))
+
+
+def capped_plan(plan: dict, max_model_len: int) -> dict:
+    """`plan` with its prompt sizes under `max_model_len`: 128 tokens of room for a prefill point's
+    output, 256 for a decode point's (its retry for a steady window, pd_decode.py, may need ~280; past
+    the room it is cut to it). A `--max-model-len 1024` run sent 1024-token decode prompts before."""
     sizes = sorted({min(n, max_model_len - 128) for n in plan["prefill_sizes"]})
-    return asyncio.run(_calibrate(running, plan | {"prefill_sizes": sizes, "max_model_len": max_model_len}))
+    contexts = sorted({min(n, max_model_len - 256) for n in plan["decode_contexts"]})
+    return plan | {"prefill_sizes": sizes, "decode_contexts": contexts, "max_model_len": max_model_len}
 
 
 async def _calibrate(running, plan: dict) -> dict:

@@ -31,3 +31,12 @@ def test_first_tokens_further_apart_than_the_decode_ask_for_enough_tokens_to_ove
 
 def test_a_point_that_overlapped_needs_no_more_tokens_than_it_had_plus_the_window():
     assert tokens_to_overlap(_times(4, 0.0, 24), 24, batch=4) == 24 + 12
+
+
+def test_calibration_prompts_leave_room_for_their_output_under_max_model_len():
+    """A `--max-model-len 1024` run sent 1024-token decode prompts (HTTP 400, max_tokens 0) before."""
+    from serve_predict import CALIBRATION, capped_plan
+
+    plan = capped_plan(CALIBRATION, 1024)
+    assert max(plan["prefill_sizes"]) == 896 and max(plan["decode_contexts"]) == 768
+    assert capped_plan(CALIBRATION, 2048)["decode_contexts"] == CALIBRATION["decode_contexts"]
