@@ -13,7 +13,7 @@ instance's own files are new names, not leaks); after stop, everything new since
 `benchmarks/chaos.py` is the soak.
 It once timed out in a fresh-clone CI run (the deployment never got healthy again within 300 s):
 its logs were lost, and the likely cause was found later (commit 1178f9a): bad HTTP to an idle
-instance left it "stalled" on /live with nothing to step its engine, so out of routing for good. Fixed in vllm_disagg/liveness.py."""
+instance left it "stalled" on /live with nothing to step its engine, so out of routing for good. Fixed in vllm_disagg/liveness/."""
 
 from __future__ import annotations
 

@@ -187,6 +187,16 @@ def test_sixteen_concurrent_requests_equal_plain_vllm_and_leave_no_kv_blocks_on_
     assert _kv_usage(_url(deployment, "prefill")) == 0.0
 
 
+def test_both_engines_report_their_layers_progress_on_live(deployment):
+    """The worker's `LayerBeacon` reaches its API server (here a grandchild of it: a separate worker
+    process) on both instances after the requests above: `/live` knows the model's 4 layers."""
+    import urllib.request
+
+    for role in ("prefill", "decode"):
+        live = json.load(urllib.request.urlopen(f"{_url(deployment, role)}/live", timeout=10))
+        assert live["num_layers"] == 4 and live["live"], (role, live)
+
+
 def test_one_pd_request_is_one_trace_with_spans_from_every_process(deployment, tmp_path):
     """Router, P (API server, EngineCore, worker) and D (the same three) export to the test's OTLP
     receiver; the request's trace holds them all, its critical path covers the end-to-end latency

@@ -27,7 +27,7 @@ MIB = 1 << 20
 def server(monkeypatch):
     monkeypatch.setenv("VLLM_DISAGG_LIVE_SOCKET", f"vd-body-test-{uuid.uuid4().hex}")
     monkeypatch.setenv(ENV_MAX_BODY_MB, "1")
-    monkeypatch.setattr("vllm_disagg.liveness._STATE", None)
+    monkeypatch.setattr("vllm_disagg.liveness.state._STATE", None)
     app = FastAPI()
     seen = []
 

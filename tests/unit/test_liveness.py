@@ -12,7 +12,14 @@ import uuid
 
 import pytest
 
-from vllm_disagg.liveness import LONG_STEP_MARGIN, LiveMiddleware, LiveState, StepBeacon, stall_limit_for
+from vllm_disagg.liveness import (
+    LONG_STEP_MARGIN,
+    LayerBeacon,
+    LiveMiddleware,
+    LiveState,
+    StepBeacon,
+    stall_limit_for,
+)
 
 
 def _until(cond, timeout=5.0):
@@ -96,7 +103,7 @@ async def _call(app, path, method="GET"):
 
 def test_the_middleware_answers_live_and_fails_health_while_stalled(state, monkeypatch):
     live, beacon = state
-    monkeypatch.setattr("vllm_disagg.liveness._STATE", live)
+    monkeypatch.setattr("vllm_disagg.liveness.state._STATE", live)
     release = asyncio.Event()
 
     async def engine_app(scope, receive, send):
@@ -187,12 +194,55 @@ def test_a_step_expected_to_be_long_is_live_past_the_fixed_timeout_and_stalled_p
     assert stall_limit_for(8.0, 10.0) == LONG_STEP_MARGIN * 8.0
 
 
+def test_layer_reports_are_progress_inside_a_long_step_and_shrink_its_wait_to_one_layer(state):
+    """The same long step (expected 0.4 s, fixed timeout 0.3 s), its 4 layers reporting: each report is
+    progress, the expected wait is one layer's share (0.1 s), so the fixed limit applies again; a step
+    that started and reported no layer yet keeps the whole step's wait."""
+    live, _ = state
+    t = time.monotonic() - 10.0
+    for _ in range(4):
+        live.beat(512, t)
+        t += 0.1
+    live.beat(2048, t)
+    live.last_beat = time.monotonic() - 2.0
+    beacon = LayerBeacon(live.name, gap_s=0.0)
+    beacon.layer_done(2, 4)
+    _until(lambda: live.num_layers == 4)
+    report = live.report()
+    assert report["layer_progress"] and report["stalled_s"] < 0.3 and report["live"]
+    assert report["expected_progress_s"] == pytest.approx(0.1) and report["expected_step_s"] == pytest.approx(0.4)
+    live.last_layer = time.monotonic() - 0.5  # no layer for 0.5 s: past the fixed 0.3 s, no margin now
+    assert not live.report()["live"]
+    live.beat(2048, time.monotonic())  # the next step: no layer of it reported yet
+    live.last_beat = time.monotonic() - 0.5
+    report = live.report()
+    assert not report["layer_progress"] and report["expected_progress_s"] == pytest.approx(0.4) and report["live"]
+
+
+def test_a_layer_beacon_finds_the_api_server_among_its_ancestors_and_is_rate_limited(state):
+    """A tensor-parallel worker's API server is its grandparent: the beacon tries both names, keeps the one
+    that listens, and sends at most one datagram per gap."""
+    live, _ = state
+    beacon = LayerBeacon(gap_s=0.0)
+    beacon._addrs = ["\0vd-live-test-nobody", "\0" + live.name]
+    beacon.layer_done(0, 7)
+    _until(lambda: live.num_layers == 7)
+    assert beacon._addrs == ["\0" + live.name]
+    slow = LayerBeacon(live.name, gap_s=60.0)
+    slow.layer_done(0, 9)
+    slow.layer_done(1, 11)  # within the gap: not sent
+    _until(lambda: live.num_layers == 9)
+    time.sleep(0.1)
+    assert live.num_layers == 9
+    LayerBeacon("vd-live-test-nobody-at-all", gap_s=0.0).layer_done(0, 1)  # nobody listening: no error
+
+
 def test_a_request_answered_without_the_engine_owes_nothing(state, monkeypatch):
     """A 400 from validation (or a tokenizer call) never reaches an idle engine, which then takes no
     step: found by the chaos soak, where bad HTTP left an idle decode instance 'stalled' (so out of
     routing, so never given the request that would clear it) for 160 s."""
     live, beacon = state
-    monkeypatch.setattr("vllm_disagg.liveness._STATE", live)
+    monkeypatch.setattr("vllm_disagg.liveness.state._STATE", live)
 
     async def validating_app(scope, receive, send):
         status = 400 if scope["path"].startswith("/v1/") else 200
@@ -238,7 +288,7 @@ def test_a_reply_sent_after_the_client_left_is_no_answer(state, monkeypatch):
     and sends an error reply the server drops. Counted as an answer, that cleared the debt and the
     stopped instance rejoined routing a second after its cut (issue 18, found with a restarted D)."""
     live, beacon = state
-    monkeypatch.setattr("vllm_disagg.liveness._STATE", live)
+    monkeypatch.setattr("vllm_disagg.liveness.state._STATE", live)
 
     async def scenario():
         beacon.beat(0)
@@ -256,7 +306,7 @@ def test_an_abort_reply_to_one_request_is_no_progress_for_the_others(state, monk
     clock restarted and the second router saw the stall only 0.5 s later (the 1P+1D Lamina soak's
     slow requests came in pairs 0.52 s apart, issue 18)."""
     live, beacon = state
-    monkeypatch.setattr("vllm_disagg.liveness._STATE", live)
+    monkeypatch.setattr("vllm_disagg.liveness.state._STATE", live)
 
     async def scenario():
         beacon.beat(0)
@@ -273,7 +323,7 @@ def test_an_unanswered_request_owes_a_step_only_while_the_engine_process_is_sile
     """Cut before it was answered: owed until the next step, unless EngineCore's heartbeat shows an
     idle engine that runs (the API server dropped the request before handing it over)."""
     live, beacon = state
-    monkeypatch.setattr("vllm_disagg.liveness.ALIVE_PERIOD_S", 0.1)
+    monkeypatch.setattr("vllm_disagg.liveness.beacon.ALIVE_PERIOD_S", 0.1)
     beacon.beat(0)
     _until(lambda: live.num_beats == 1)
     live.request_ended(live.request_started(), answered=False)
@@ -288,7 +338,7 @@ def test_a_slowly_uploaded_body_is_not_owed_work_until_it_has_arrived(state, mon
     """A client that trickles its body (slowloris) holds a request open for as long as it likes;
     the engine owes nothing until the body is whole, so the instance never looks stalled for it."""
     live, beacon = state
-    monkeypatch.setattr("vllm_disagg.liveness._STATE", live)
+    monkeypatch.setattr("vllm_disagg.liveness.state._STATE", live)
     chunks = [{"type": "http.request", "body": b'{"prompt":', "more_body": True},
               {"type": "http.request", "body": b' "x"}', "more_body": False}]
 

@@ -113,7 +113,7 @@ class DisaggConnectorScheduler:
         self._pending_abandon: list[str] = []  # aborted prefill requests: their pushes end now
         self._awaiting_send: set[str] = set()
         self._beacon = StepBeacon()
-        """Tells this instance's API server that a step started (its `/live`, vllm_disagg/liveness.py)."""
+        """Tells this instance's API server that a step started (its `/live`, vllm_disagg/liveness/)."""
         self._beacon.start_heartbeat()
 
     # ---------------------------------------------------------------- decode side

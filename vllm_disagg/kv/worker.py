@@ -6,7 +6,7 @@ On `register_kv_caches` it builds this worker's `HandshakeInfo`, opens the trans
 `kv.kv_port`, sender thread) and/or `PushReceiver` (kv_consumer: KV receiver with one region per
 layer). Per step: `bind` hands the metadata to them, `save_kv_layer` marks a layer written behind an
 event on the forward stream (`layer_events.py`; the sender pushes its whole blocks once the event
-completed), `wait_for_save` marks the step's forward done, `get_transfer_results` reports pushes
+completed) and tells `/live` that the step moves (`liveness.LayerBeacon`), `wait_for_save` marks the step's forward done, `get_transfer_results` reports pushes
 that are over and receives that landed or failed. Nothing here blocks the forward pass except
 `bind` after a preemption (bounded). A Lamina model worker's extra steps (restoring retained
 blocks, registering written ones, CLAIMs before a push): README.md, "worker.py".
@@ -31,6 +31,7 @@ from vllm_disagg.kv.layer_events import device_events
 from vllm_disagg.kv.layer_specs import check_uniform_layers
 from vllm_disagg.kv.metadata import CancelSpec, DisaggConnectorMetadata, DisaggWorkerMetadata, RecvSpec
 from vllm_disagg.kv.stats import DisaggKVConnectorStats
+from vllm_disagg.liveness import LayerBeacon
 from vllm_disagg.transport import Transport, TransportOptions, get_transport
 
 if TYPE_CHECKING:
@@ -74,6 +75,8 @@ class DisaggConnectorWorker:
         self.events = device_events("cpu")
         """Where `save_kv_layer` records its per-layer event: the KV tensors' device."""
         self._recoveries_sent = 0  # attention-server recoveries the scheduler was told of
+        self.progress = LayerBeacon()
+        """Tells this instance's API server that a layer finished: a long step is not a hang (`/live`)."""
         from vllm_disagg.kv.lamina.targets import attention_settings
 
         self._attention = attention_settings(vllm_config)
@@ -172,10 +175,12 @@ class DisaggConnectorWorker:
         return self.reuse.take_load_errors() if self.reuse is not None else set()
 
     def save_kv_layer(self, layer_name: str) -> None:
+        layer_idx = self.layer_ids.get(layer_name)
+        if layer_idx is None:
+            return
+        self.progress.layer_done(layer_idx, len(self.layer_ids))
         if self.sender is not None:
-            layer_idx = self.layer_ids.get(layer_name)
-            if layer_idx is not None:
-                self.sender.layer_saved(layer_idx, self.events.record())
+            self.sender.layer_saved(layer_idx, self.events.record())
 
     def wait_for_save(self) -> None:
         if self.sender is not None:
@@ -209,6 +214,7 @@ class DisaggConnectorWorker:
         for side in (self.sender, self.receiver):
             if side is not None:
                 side.close()
+        self.progress.close()
 
 
 def rank_spec(spec: SpecT, rank: int) -> SpecT:

@@ -68,8 +68,9 @@ class RouterConfig(BaseModel):
     stall_timeout_s: float = Field(10.0, gt=0)
     """An instance with requests in flight that shows no progress this long (its `/live` reports a stuck
     engine step, or it stops answering) is cut from routing, and its requests are replayed or failed
-    over (non-replayable ones, when they cannot be re-sent, end with an error naming the stall). A step
-    the instance expects to take longer gets 3 x its `expected_step_s` (`liveness.LONG_STEP_MARGIN`)."""
+    over (non-replayable ones, when they cannot be re-sent, end with an error naming the stall). A wait
+    the instance expects to take longer gets 3 x its `expected_progress_s` (`liveness.LONG_STEP_MARGIN`:
+    its step's time, or one layer's share of it while the step's layers report)."""
     stall_factor: float | None = Field(5.0, gt=1)
     """Adaptive hang detection (None: off, the fixed `stall_timeout_s` only). An instance whose `/live` reports `expected_step_s` (its
     recent steps scaled to the step in progress) is cut after `stall_factor` times that, within

@@ -6,7 +6,7 @@ answer within `health_timeout_s`), after ONE when it never passed a check (still
 request waits for admission instead of failing on it), or at once when the proxy sees it refuse a
 connection. One good poll restores it. Instances are polled independently.
 
-Hang detection (`stall_timeout_s`): `/live` (vllm_disagg/liveness.py) reports how long the engine has
+Hang detection (`stall_timeout_s`): `/live` (vllm_disagg/liveness/) reports how long the engine has
 owed progress. An instance with requests booked on it that shows no progress for `stall_timeout_s` is
 dropped by the watchdog; the proxy then cuts and replays its requests. A stalled engine is not restored
 by a good `/health` while `/live` still reports the stall. Lifecycle: `start()` -> polls -> `stop()`.
@@ -113,33 +113,34 @@ class HealthChecker:
         if not isinstance(stalled, (int, float)):
             return None
         inst.last_progress = now - float(stalled)
-        expected = live.get("expected_step_s")
-        inst.expected_step_s = float(expected) if isinstance(expected, (int, float)) and expected > 0 else None
-        inst.stall_limit_s = self.stall_limit(inst.expected_step_s)
-        inst.release_limit_s = self.release_limit(inst.expected_step_s)
+        inst.expected_step_s = _positive(live.get("expected_step_s"))
+        inst.expected_progress_s = _positive(live.get("expected_progress_s", inst.expected_step_s))
+        inst.stall_limit_s = self.stall_limit(inst.expected_step_s, inst.expected_progress_s)
+        inst.release_limit_s = self.release_limit(inst.expected_step_s, inst.expected_progress_s)
         if (inst.release_limit_s is None or stalled <= inst.release_limit_s) and \
                 self.pools.set_suspect(inst.instance_id, False):
             logger.info("instance %s (%s) makes progress again", inst.url, inst.pool.value)
         return float(stalled)
 
-    def stall_limit(self, expected_step_s: object) -> float | None:
+    def stall_limit(self, expected_step_s: object, expected_progress_s: object = None) -> float | None:
         """The adaptive stall limit for an instance reporting `expected_step_s` (None: the fixed one):
         `stall_factor` times it within [`stall_min_s`, `stall_timeout_s`], and never under
-        `LONG_STEP_MARGIN` times it (a long prefill step is not a hang)."""
+        `LONG_STEP_MARGIN` times the wait for its next sign of progress (`expected_progress_s`, default
+        the step's): a long prefill step is not a hang, a long step whose layers report needs no margin."""
         factor = self.config.stall_factor
         if factor is None or not isinstance(expected_step_s, (int, float)) or expected_step_s <= 0:
             return None
         adaptive = min(self.config.stall_timeout_s, max(self.config.stall_min_s, factor * float(expected_step_s)))
-        return stall_limit_for(expected_step_s, adaptive)
+        return stall_limit_for(expected_step_s if expected_progress_s is None else expected_progress_s, adaptive)
 
-    def release_limit(self, expected_step_s: object) -> float | None:
+    def release_limit(self, expected_step_s: object, expected_progress_s: object = None) -> float | None:
         """The soft limit past which the router probes an instance (None: adaptive detection is off).
         An engine with too few steps for `expected_step_s` (just restarted) gets the adaptive floor, and
         is marked there only if `/live` does not answer (`_probe`): a restarted instance stopped again
         kept a request 4.4 s in the seed-1 soak while the cut waited for `stall_timeout_s`."""
         if self.config.stall_factor is None:
             return None
-        limit = self.stall_limit(expected_step_s)
+        limit = self.stall_limit(expected_step_s, expected_progress_s)
         if limit is None:
             return min(self.config.stall_timeout_s, max(self.config.stall_release_s, self.config.stall_min_s))
         return min(limit, max(self.config.stall_release_s, self.config.stall_factor * float(expected_step_s)))
@@ -150,7 +151,7 @@ class HealthChecker:
         rejoin (a health poll) and a re-prefill: in the 1P+1D soak, P stopped while D restarted
         kept its requests 6-9 s where the stop itself lasted less."""
         if inst.stall_limit_s is None or not self.pools.has_alternative(inst):
-            return stall_limit_for(inst.expected_step_s, self.config.stall_timeout_s)
+            return stall_limit_for(inst.expected_progress_s, self.config.stall_timeout_s)
         return inst.stall_limit_s
 
     async def _get(self, inst: Instance, path: str) -> bool:
@@ -265,3 +266,8 @@ class HealthChecker:
         if movable:
             for callback in self.on_suspect:
                 callback(inst)
+
+
+def _positive(value: object) -> float | None:
+    """A `/live` duration: a positive number, else unknown."""
+    return float(value) if isinstance(value, (int, float)) and value > 0 else None

@@ -39,10 +39,13 @@ class Instance:
     """Its soft stall limit: past it the instance is suspect (None: adaptive detection is off)."""
     expected_step_s: float | None = None
     """How long its step in progress should take, from its last `/live` (None: unknown)."""
+    expected_progress_s: float | None = None
+    """How long its next sign of progress should take: the step's, or one layer's share of it while the
+    step's layers report (`/live`'s `expected_progress_s`; an instance without it: `expected_step_s`)."""
     idle_at: float = 0.0
     """Monotonic time the stall watchdog last saw nothing booked here: it owes no progress before."""
     has_live: bool | None = None
-    """Whether it serves `/live` (vllm_disagg/liveness.py); None until asked."""
+    """Whether it serves `/live` (vllm_disagg/liveness/); None until asked."""
     live_asked_at: float = 0.0
 
 

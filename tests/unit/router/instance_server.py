@@ -29,7 +29,7 @@ class InstanceServer:
         """Streams drop the connection after this many tokens, `die_times` times."""
         self.die_times = 0
         self.live_stalled_s: float | None = 0.0
-        """What GET /live reports as `stalled_s` (vllm_disagg/liveness.py); None: no /live (404)."""
+        """What GET /live reports as `stalled_s` (vllm_disagg/liveness/); None: no /live (404)."""
         self.live_expected_step_s: float | None = None
         """What GET /live reports as `expected_step_s` (the engine's expected step time)."""
         self.frozen = False

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Hang detection and the bounded admission queue, against real HTTP instance servers.
 
-An instance whose engine makes no progress (its `/live` reports a stall, vllm_disagg/liveness.py)
+An instance whose engine makes no progress (its `/live` reports a stall, vllm_disagg/liveness/)
 is cut once its stall passes `stall_timeout_s`, and stays out while it is stuck; a request that
 cannot be replayed is sent whole to another instance when nothing of it reached the client, and a
 stream of it that had started ends with an error naming the stall. Past `max_waiting` requests
@@ -111,6 +111,22 @@ def test_a_long_prefill_step_is_not_cut_at_the_fixed_limit_but_past_its_margin()
         assert router.health.check_stalls(now + 12) == []  # past --stall-timeout-s 10
         assert router.health.check_stalls(now + LONG_STEP_MARGIN * 8 + 1) == [inst]
     assert router.health.stall_limit(0.05) == 2.0
+
+
+def test_a_long_step_whose_layers_report_is_cut_at_the_fixed_limit():
+    """The same 8 s step, with its layers reporting (`expected_progress_s` 0.27 s, 30 layers): no margin
+    is needed, so a hang inside it is cut at the fixed 10 s, not at 3 x 8 s. An instance that reports
+    no `expected_progress_s` (an older one) keeps the step's margin."""
+    for urls in (["http://127.0.0.1:1"], ["http://127.0.0.1:1", "http://127.0.0.1:2"]):
+        router = Router(RouterConfig(mixed_urls=urls, stall_timeout_s=10, stall_factor=5, stall_min_s=2))
+        now = time.monotonic()
+        report = {"stalled_s": 0.0, "expected_step_s": 8.0, "expected_progress_s": 8.0 / 30, "layer_progress": True}
+        for inst in router.pools.instances.values():
+            router.health._take_report(inst, report, now)
+        inst = router.pools.route(2048, 5).target
+        assert router.health.check_stalls(now + 9.5) == []
+        assert router.health.check_stalls(now + 10.5) == [inst]
+        assert router.health.stall_limit(8.0, 8.0 / 30) == 10.0 and router.health.stall_limit(8.0) == 24.0
 
 
 def test_a_request_on_a_suspect_instance_moves_before_its_first_token_and_the_instance_stays():

@@ -1,0 +1,157 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The engine's side of `/live`: datagrams to the API server's abstract unix socket (no file, gone with
+the process). Best effort: a send never blocks and never raises, and with nobody listening (offline
+`LLM()`) it costs a failed `sendto`. Three messages, told apart by their size:
+
+- a step starts (`StepBeacon.beat`, EngineCore's scheduler, once per schedule);
+- the process runs (`StepBeacon.start_heartbeat`, a thread, once a second);
+- a layer of the step in progress finished (`LayerBeacon`, the model's forward, from DisaggConnector's
+  `save_kv_layer`): what tells a long step from a stuck one.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import threading
+import time
+
+__all__ = ["ALIVE_PERIOD_S", "ENV_SOCKET", "LayerBeacon", "StepBeacon", "socket_name"]
+
+BEAT = struct.Struct("<iI")  # sender pid, tokens scheduled this step
+ALIVE = struct.Struct("<i")  # sender pid: EngineCore's process runs (heartbeat thread), nothing about steps
+LAYER = struct.Struct("<iII")  # sender pid, index of the layer that finished, number of layers
+ALIVE_PERIOD_S = 1.0
+LAYER_BEAT_GAP_S = 0.2
+"""At most one layer datagram per this many seconds: far under any stall limit (the smallest is 2 s),
+and a decode step of a few ms sends none past its first layer."""
+_MIN_BEAT_GAP_S = 0.05  # busy engines step every few ms: one datagram per 50 ms is plenty
+ENV_SOCKET = "VLLM_DISAGG_LIVE_SOCKET"
+_HEARTBEATS: set[str] = set()
+_HEARTBEATS_LOCK = threading.Lock()
+
+
+def socket_name(api_server_pid: int) -> str:
+    """The abstract socket of the API server `api_server_pid` (EngineCore is its child)."""
+    return os.environ.get(ENV_SOCKET) or f"vllm-disagg-live-{api_server_pid}"
+
+
+class StepBeacon:
+    """EngineCore side: best effort, never blocks, never raises (no listener: offline `LLM()`)."""
+
+    def __init__(self, name: str | None = None) -> None:
+        self._addr = "\0" + (name or socket_name(os.getppid()))
+        self._sock: socket.socket | None = None
+        self._last = 0.0
+        self._last_busy = False
+        self._last_tokens = 0
+        self._pid = os.getpid()
+
+    def beat(self, num_scheduled_tokens: int) -> None:
+        """A step of `num_scheduled_tokens` starts. Skipped within 50 ms of the last beat unless the
+        engine went idle or busy, or the step is over twice the last beat's size: the API server
+        scales its expected step time by the last beat's tokens, and must not think a big prefill
+        is a small decode step."""
+        now = time.monotonic()
+        busy = num_scheduled_tokens > 0
+        if (now - self._last < _MIN_BEAT_GAP_S and busy == self._last_busy
+                and num_scheduled_tokens <= 2 * self._last_tokens):
+            return
+        self._last, self._last_busy, self._last_tokens = now, busy, num_scheduled_tokens
+        try:
+            if self._sock is None:
+                self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_NONBLOCK)
+            self._sock.sendto(BEAT.pack(self._pid, max(0, min(num_scheduled_tokens, 2**32 - 1))), self._addr)
+        except OSError:  # nobody listening, or its queue is full: the next beat tries again
+            pass
+
+    def start_heartbeat(self, period_s: float = ALIVE_PERIOD_S) -> None:
+        """Say every `period_s` that this process runs (a daemon thread): an idle engine takes no
+        steps, and the API server needs to tell it from a stopped one (`LiveState.report`). Once per
+        process and API server: every connector built here shares the thread."""
+        with _HEARTBEATS_LOCK:
+            if self._addr in _HEARTBEATS:
+                return
+            _HEARTBEATS.add(self._addr)
+
+        def run() -> None:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_NONBLOCK)
+            while True:
+                try:
+                    sock.sendto(ALIVE.pack(self._pid), self._addr)
+                except OSError:
+                    pass
+                time.sleep(period_s)
+
+        threading.Thread(target=run, name="disagg-live-heartbeat", daemon=True).start()
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+
+class LayerBeacon:
+    """Worker side: "layer i of n finished", at most once per `LAYER_BEAT_GAP_S`. A prefill step of a
+    long prompt runs for seconds without a step beat; these show it moving, so `/live` needs no
+    whole-step margin to keep it from being cut, and a hang inside it is found at the normal limit.
+
+    The worker runs in EngineCore (one rank: its parent is the API server) or in a worker process that
+    EngineCore started (tensor parallel: the API server is its grandparent). The first send finds out
+    which, by trying both names; `VLLM_DISAGG_LIVE_SOCKET` names it outright."""
+
+    def __init__(self, name: str | None = None, gap_s: float = LAYER_BEAT_GAP_S) -> None:
+        names = [name] if name else ([os.environ[ENV_SOCKET]] if os.environ.get(ENV_SOCKET) else _ancestor_names())
+        self._addrs = ["\0" + n for n in names]
+        self._gap_s = gap_s
+        self._last = 0.0
+        self._sock: socket.socket | None = None
+        self._pid = os.getpid()
+
+    def layer_done(self, layer_index: int, num_layers: int) -> None:
+        """Called after every attention layer: one clock read unless a datagram is due."""
+        now = time.monotonic()
+        if now - self._last < self._gap_s:
+            return
+        self._last = now
+        self._send(LAYER.pack(self._pid, max(0, layer_index), max(0, num_layers)))
+
+    def _send(self, data: bytes) -> None:
+        try:
+            if self._sock is None:
+                self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_NONBLOCK)
+            for addr in self._addrs:
+                try:
+                    self._sock.sendto(data, addr)
+                except (ConnectionRefusedError, FileNotFoundError):  # nobody listens on this name
+                    continue
+                self._addrs = [addr]  # found: the other name is never tried again
+                return
+        except OSError:  # a full queue, or no socket at all: the next layer tries again
+            pass
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+
+def _ancestor_names() -> list[str]:
+    """Socket names of this process's parent and grandparent, the two places the API server can be."""
+    parent = os.getppid()
+    names = [socket_name(parent)]
+    grandparent = _parent_of(parent)
+    if grandparent:
+        names.append(socket_name(grandparent))
+    return names
+
+
+def _parent_of(pid: int) -> int | None:
+    """`pid`'s parent from /proc (None where it cannot be read)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as stat:
+            fields = stat.read().rpartition(")")[2].split()
+        return int(fields[1])
+    except (OSError, ValueError, IndexError):
+        return None
