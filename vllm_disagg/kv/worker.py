@@ -6,10 +6,11 @@ On `register_kv_caches` it builds this worker's `HandshakeInfo`, opens the trans
 `kv.kv_port`, sender thread) and/or `PushReceiver` (kv_consumer: KV receiver with one region per
 layer). Per step: `bind` hands the metadata to them, `save_kv_layer` marks a layer written behind an
 event on the forward stream (`layer_events.py`; the sender pushes its whole blocks once the event
-completed) and tells `/live` that the step moves (`liveness.LayerBeacon`), `wait_for_save` marks the step's forward done, `get_transfer_results` reports pushes
-that are over and receives that landed or failed. Nothing here blocks the forward pass except
-`bind` after a preemption (bounded). A Lamina model worker's extra steps (restoring retained
-blocks, registering written ones, CLAIMs before a push): README.md, "worker.py".
+completed) and tells `/live` that the step moves (`liveness.LayerBeacon`), `wait_for_save` marks the
+step's forward done, `get_transfer_results` reports pushes that are over and receives that landed or
+failed. Nothing here blocks the forward pass except `bind` after a preemption (bounded). A Lamina
+model worker's extra steps (restoring retained blocks, registering written ones, CLAIMs before a
+push): README.md, "worker.py".
 """
 
 from __future__ import annotations
