@@ -102,6 +102,9 @@ def test_the_planner_predicts_each_probe_on_the_sub_window_it_replayed(tmp_path)
     assert rows[(0.1, 8)]["kept_up"] and not rows[(0.1, 30)]["kept_up"]  # 0.9 x 0.1 req/s x 10 tokens
     assert rows[(0.1, 8)]["predicted"]["goodput"] == 1.0
     assert out["max_abs_error_below_saturation"] is not None
+    # goodput at every SLO of the grid that a run measured (here the headline's only), below saturation
+    assert rows[(0.1, 8)]["goodput_by_slo"] == {HEADLINE_SLO.key: {"measured": 1.0, "predicted": 1.0}}
+    assert out["goodput_error_by_slo_below_saturation"] == {HEADLINE_SLO.key: 0.0}
 
 
 def test_a_flag_naming_an_unknown_deployment_fails_with_one_line_instead_of_dropping_it(capsys):
