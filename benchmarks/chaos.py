@@ -254,7 +254,7 @@ def main() -> int:
                      stall_timeout_s=stall_timeout_s,
                      stall_factor=args.stall_factor, stall_min_s=args.stall_min_s,
                      stall_release_s=args.stall_release_s,
-                     slow_link=not num_attention,  # the link of slow_link and corrupt_link is P -> D only
+                     slow_link=True,  # slow_link and corrupt_link: P -> D, or P -> each attention server
                      kv_verify=True,  # corrupt_link's flip must be caught; Lamina's pushes are verified too
                      push_timeout_s=args.push_timeout_s)
     try:

@@ -46,7 +46,8 @@ def rename_deprecated(data: Any, renamed: dict[str, str], section: str) -> Any:
     return data
 
 
-def _check_host_port(value: str) -> str:
+def check_host_port(value: str) -> str:
+    """`value` when it is HOST:PORT with a port in 1..65535, else a ValueError naming it."""
     host, sep, port = value.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"expected HOST:PORT, got {value!r}")
@@ -78,7 +79,7 @@ class KVTransferSection(_Section):
     @field_validator("advertise_address")
     @classmethod
     def _advertise_is_host_port(cls, v: str | None) -> str | None:
-        return None if v is None else _check_host_port(v)
+        return None if v is None else check_host_port(v)
 
 
 class RemoteAttentionSection(_Section):
@@ -111,7 +112,7 @@ class RemoteAttentionSection(_Section):
     @field_validator("servers")
     @classmethod
     def _servers_are_host_port(cls, v: list[str]) -> list[str]:
-        return [_check_host_port(s) for s in v]
+        return [check_host_port(s) for s in v]
 
     @field_validator("send_q_early")
     @classmethod
@@ -197,7 +198,7 @@ class DisaggConfig(_Section):
     @field_validator("peers")
     @classmethod
     def _peers_are_host_port(cls, v: list[str]) -> list[str]:
-        return [_check_host_port(p) for p in v]
+        return [check_host_port(p) for p in v]
 
     @property
     def enabled(self) -> bool:

@@ -40,6 +40,10 @@ def add_server_args(p: argparse.ArgumentParser, with_host_port: bool = True) -> 
     p.add_argument("--kv-port", type=int, default=0,
                    help="with --kv-transport tcp/nixl: fixed port of the prefill KV receiver, e.g. for k8s "
                         "NetworkPolicies (0: pick one; reported on /health as kv_address)")
+    p.add_argument("--kv-advertise", default=None, metavar="HOST:PORT",
+                   help="with --kv-transport tcp: the address prefill instances connect to for this server's KV "
+                        "receiver, where it differs from where it listens (a proxy, a NAT, a Kubernetes Service); "
+                        "/health reports it as kv_address and the listening one as kv_listen_address")
     p.add_argument("--kv-cache-gib", type=float, default=0.25, help="KV memory of this shard in GiB")
     p.add_argument("--kernel", default="cpu", choices=["cpu", "cuda", "torch", "none"],
                    help="attention kernel: vLLM's CPU kernel, or FlashAttention on a GPU (untested); 'torch': "
@@ -77,7 +81,8 @@ def run(args: argparse.Namespace) -> int:
         server = DisaggAttentionServer(
             transport=args.transport, kv_cache_bytes=int(args.kv_cache_gib * (1 << 30)),
             kernel=args.kernel, http_host=args.host, http_port=args.http_port, num_threads=args.threads,
-            data_port=args.data_port, kv_transport=args.kv_transport, kv_port=args.kv_port, spin_us=args.spin_us,
+            data_port=args.data_port, kv_transport=args.kv_transport, kv_port=args.kv_port,
+            kv_advertise=args.kv_advertise, spin_us=args.spin_us,
             retain_ttl_s=args.retain_ttl_s, kv_ingest_ttl_s=args.kv_ingest_ttl_s,
             retain_copy_bytes=None if args.retain_copy_gib is None else int(args.retain_copy_gib * (1 << 30)),
         )

@@ -18,6 +18,7 @@ from urllib.parse import parse_qs, urlsplit
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from vllm.logger import init_logger
 
+from vllm_disagg.config import check_host_port
 from vllm_disagg.errors import DisaggError
 from vllm_disagg.transport import TransportOptions, checksum, get_transport
 
@@ -33,12 +34,19 @@ class KVIngest:
     """The KV receiver of one attention server (`transport` must be the prefill side's kv.transport)."""
 
     def __init__(self, transport: str, auth_token: str, host: str = "127.0.0.1", port: int = 0,
-                 registry: CollectorRegistry | None = None, poll_s: float = 0.001, ttl_s: float = TTL_S):
+                 registry: CollectorRegistry | None = None, poll_s: float = 0.001, ttl_s: float = TTL_S,
+                 advertise: str | None = None):
+        if advertise is not None and transport != "tcp":
+            raise ValueError(f"--kv-advertise needs --kv-transport tcp (got {transport}): only a TCP address can "
+                             "stand in front of this receiver")
+        self.advertise = None if advertise is None else check_host_port(advertise)
+        """What prefill instances are told to connect to (a proxy, a NAT, a Service); None: `listen_address`."""
         self.kind = transport
         self._transport = get_transport(transport, TransportOptions(auth_token=auth_token, host=host, port=port))
         self._receiver = None
         self._caches: list = []
         self.address: str | None = None
+        self.listen_address: str | None = None
         self._lock = threading.Lock()
         self._landed: dict[str, list[float]] = {}  # transfer_id -> [bytes, last update]
         self._poll_s = poll_s
@@ -66,17 +74,19 @@ class KVIngest:
         receiver = self._transport.kv_receiver(name="attention")
         for layer, tensor in enumerate(caches):
             receiver.register_region(str(layer), tensor)
-        self.address = receiver.start()
+        self.listen_address = receiver.start()
+        self.address = self.advertise or self.listen_address
         with self._lock:
             self._receiver, self._caches = receiver, list(caches)
         if self._thread is None:
             self._thread = threading.Thread(target=self._drain_loop, name="attn-kv-ingest", daemon=True)
             self._thread.start()
-        logger.info("attention server: prefill KV pushes land at %s (%s)", self.address, self.kind)
+        logger.info("attention server: prefill KV pushes land at %s (%s)%s", self.listen_address, self.kind,
+                    f", advertised as {self.address}" if self.advertise else "")
         return self.address
 
     def info(self) -> dict:
-        return {"kv_address": self.address, "kv_transport": self.kind}
+        return {"kv_address": self.address, "kv_listen_address": self.listen_address, "kv_transport": self.kind}
 
     def _drain_loop(self) -> None:
         while not self._stop.wait(self._poll_s):

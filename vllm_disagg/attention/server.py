@@ -53,7 +53,7 @@ class DisaggAttentionServer:
                  recv_timeout_s: float = 1.0, num_threads: int | None = None, data_port: int = 0,
                  spin_us: float | None = None, kv_transport: str | None = None, kv_port: int = 0,
                  retain_ttl_s: float = 600.0, retain_copy_bytes: int | None = None,
-                 kv_ingest_ttl_s: float | None = None):
+                 kv_ingest_ttl_s: float | None = None, kv_advertise: str | None = None):
         token = auth_token or envs.auth_token()
         if not token:
             raise ValueError("attention server needs a shared token: set VLLM_DISAGG_AUTH_TOKEN")
@@ -72,7 +72,10 @@ class DisaggAttentionServer:
             from vllm_disagg.attention.kv_ingest import KVIngest
 
             ttl = {} if kv_ingest_ttl_s is None else {"ttl_s": kv_ingest_ttl_s}
-            self.ingest = KVIngest(kv_transport, token, http_host, port=kv_port, registry=self.metrics.registry, **ttl)
+            self.ingest = KVIngest(kv_transport, token, http_host, port=kv_port, registry=self.metrics.registry,
+                                   advertise=kv_advertise, **ttl)
+        elif kv_advertise:
+            raise ValueError("--kv-advertise needs --kv-transport: without it this server takes no prefill KV")
         # a prefill push writes block memory directly, unseen by this server: the decode worker CLAIMs
         # the destination blocks first (`_claim`), so retention still sees every write
         copy_bytes = kv_cache_bytes // 4 if retain_copy_bytes is None else retain_copy_bytes

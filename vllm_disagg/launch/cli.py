@@ -92,6 +92,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "(--attention-replacement-wait-s) and rebuilds the lost KV")
     g.add_argument("--attention-replacement-wait-s", type=float, default=30.0,
                    help="with --restart-attention: how long the model worker waits for the restarted server")
+    g.add_argument("--attention-kv-advertise", default=None, metavar="HOST:PORT,...",
+                   help="with --prefill and --transport tcp: one address per attention server that prefill instances "
+                        "connect to for its KV receiver, where it differs from where it listens (a proxy, a NAT)")
     g.add_argument("--send-q-early", action=argparse.BooleanOptionalAction, default=None,
                    help="send Q first and merge the partial softmax (default: the config's default)")
     from vllm_disagg.launch.ray.specs import add_ray_args
@@ -128,8 +131,10 @@ def plan_from_args(args: argparse.Namespace, model_dir: str | None = None) -> li
     if num_attention and model_dir is not None:
         sizing = size_for_args(args, model_dir)
         partition, kv_gib = sizing.partition, sizing.kv_cache_gib
+    advertise = getattr(args, "attention_kv_advertise", None)
     worker = attach_attention(specs, AttentionPlan(num_attention, partition, args.pipeline, args.attention_transport,
-                                                   kv_gib, args.send_q_early, args.transport))
+                                                   kv_gib, args.send_q_early, args.transport,
+                                                   advertise.split(",") if advertise else None))
     if worker is not None and getattr(args, "restart_attention", False):
         worker.disagg_extra["remote_attention"]["replacement_wait_s"] = args.attention_replacement_wait_s
     return specs

@@ -241,6 +241,8 @@ class AttentionPlan:
     """None keeps the config default."""
     kv_transport: str | None = None
     """With prefill instances: the servers accept their KV pushes on this transport (= `up --transport`)."""
+    kv_advertise: list[str] | None = None
+    """One HOST:PORT per server that prefill instances connect to for its KV (`--attention-kv-advertise`)."""
 
 
 def attach_attention(specs: list[InstanceSpec], plan: AttentionPlan) -> InstanceSpec | None:
@@ -261,6 +263,7 @@ def attach_attention(specs: list[InstanceSpec], plan: AttentionPlan) -> Instance
     users[0].disagg_extra["remote_attention"] = remote_attention
     if plan.pipeline > 1:  # n=2 ping-pong = the NanoFlow nano-batch executor (one overlap mechanism)
         users[0].disagg_extra["nanoflow"] = {"num_nano_batches": plan.pipeline}
+    advertised = iter(_kv_advertise(plan, specs, len(servers)))
     for s in specs:
         if s.role == "attention":
             size = [] if plan.kv_cache_gib is None else ["--kv-cache-gib", str(plan.kv_cache_gib)]
@@ -269,7 +272,24 @@ def attach_attention(specs: list[InstanceSpec], plan: AttentionPlan) -> Instance
                 s.args += ["--kv-transport", plan.kv_transport]
                 if plan.kv_transport in ("tcp", "nixl"):  # kept across restarts: the model worker advertised it
                     s.args += ["--kv-port", str(free_ports(1)[0])]
+                if plan.kv_advertise:
+                    s.args += ["--kv-advertise", next(advertised)]
     return users[0]
+
+
+def _kv_advertise(plan: AttentionPlan, specs: list[InstanceSpec], num_servers: int) -> list[str]:
+    """`--attention-kv-advertise`, checked: one HOST:PORT per server, tcp KV pushes from prefill instances."""
+    from vllm_disagg.config import check_host_port
+
+    if not plan.kv_advertise:
+        return []
+    if not any(p.role == "prefill" for p in specs) or plan.kv_transport != "tcp":
+        raise ValueError("--attention-kv-advertise needs prefill instances pushing over --transport tcp "
+                         "(the address stands in front of a server's tcp KV receiver)")
+    if len(plan.kv_advertise) != num_servers:
+        raise ValueError(f"--attention-kv-advertise names {len(plan.kv_advertise)} addresses for {num_servers} "
+                         "attention servers: give one per server")
+    return [check_host_port(addr) for addr in plan.kv_advertise]
 
 
 def parse_cores(cores: str) -> set[int]:

@@ -12,7 +12,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from vllm_disagg import envs
-from vllm_disagg.config import _check_host_port
+from vllm_disagg.config import check_host_port
 
 
 class RouterConfig(BaseModel):
@@ -105,7 +105,7 @@ class RouterConfig(BaseModel):
                 "give one HOST:PORT per prefill instance, in the same order"
             )
         for addr in self.prefill_kv:
-            _check_host_port(addr)
+            check_host_port(addr)
         if self.dynamic_membership:
             return self  # /health answers 503 until discovery adds a decode or mixed instance
         if self.prefill_urls and not self.decode_urls and not self.mixed_urls:

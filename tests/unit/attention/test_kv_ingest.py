@@ -131,3 +131,34 @@ def test_push_counts_nobody_collects_are_reclaimed_after_the_ttl_and_past_the_ca
         assert sorted(ing._landed) == ["t2", "t3", "t4"]  # the oldest went first
     finally:
         ing.close()
+
+
+def test_an_advertised_address_stands_in_front_of_the_receiver_and_pushes_through_it_land():
+    """`attn-server --kv-advertise`: /health's kv_address is the proxy prefill connects to, and
+    kv_listen_address the receiver behind it (the chaos campaign's Lamina links, testing/chaos/links.py)."""
+    from vllm_disagg.launch.local import free_ports
+    from vllm_disagg.testing.throttle import ThrottledProxy
+
+    port = free_ports(1)[0]
+    ingest = KVIngest("tcp", TOKEN, advertise=f"127.0.0.1:{port}")
+    caches = [torch.zeros(NB, H, BS, D2) for _ in range(LAYERS)]
+    sender = get_transport("tcp", TransportOptions(auth_token=TOKEN)).kv_sender(name="prefill")
+    proxy = None
+    try:
+        assert ingest.attach(caches) == f"127.0.0.1:{port}"
+        info = ingest.info()
+        assert info["kv_address"] == f"127.0.0.1:{port}" and info["kv_listen_address"] != info["kv_address"]
+        proxy = ThrottledProxy(info["kv_listen_address"], None, port=port)
+        src = torch.randn(NB, H, BS, D2)
+        sender.connect(info["kv_address"], timeout=10).write_blocks([BlockWrite("0", src, [2], [5])], "tid-a", 0).wait(10)
+        _wait_landed(ingest, "tid-a", H * BS * D2 * 4)
+        assert torch.equal(caches[0][5], src[2]) and proxy.num_forwarded > 0
+    finally:
+        sender.close()
+        ingest.close()
+        if proxy is not None:
+            proxy.close()
+    with pytest.raises(ValueError, match="needs --kv-transport tcp"):
+        KVIngest("shm", TOKEN, advertise="127.0.0.1:9")
+    with pytest.raises(ValueError, match="expected HOST:PORT"):
+        KVIngest("tcp", TOKEN, advertise="nowhere")

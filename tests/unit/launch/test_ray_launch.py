@@ -211,3 +211,30 @@ def test_attention_workers_are_sized_from_the_model_as_on_the_local_backend(tmp_
                          str(tmp_path))
     fixed = plan_actor_specs(up_args("--decode", "1", "--attention", "2", "--attention-kv-cache-gib", "0.5"), "/m")
     assert fixed[0].kv_cache_gib == 0.5
+
+
+def test_each_attention_server_advertises_its_own_kv_address_on_the_local_backend_only():
+    """`up --attention-kv-advertise A,B`: server i's `attn-server --kv-advertise` is the i-th address (the
+    real parser accepts it); a wrong count, shm pushes or no prefill instance are refused with one line,
+    and so is the Ray backend, which places the servers itself."""
+    from vllm_disagg.attention.cli import add_server_args
+    from vllm_disagg.launch.local import AttentionPlan, attach_attention, plan_instances
+
+    parser = argparse.ArgumentParser()
+    add_server_args(parser)
+    local = plan_instances(1, 1, 0, 1, num_attention=2)
+    attach_attention(local, AttentionPlan(2, "request", 1, "tcp", None, None, "tcp", ["127.0.0.1:7001", "127.0.0.1:7002"]))
+    servers = [s for s in local if s.role == "attention"]
+    assert [parser.parse_args(s.args).kv_advertise for s in servers] == ["127.0.0.1:7001", "127.0.0.1:7002"]
+    bad = [(1, 1, "tcp", ["127.0.0.1:7001"], "names 1 addresses for 2"),
+           (1, 1, "shm", ["127.0.0.1:7001", "127.0.0.1:7002"], "--transport tcp"),
+           (0, 1, "tcp", ["127.0.0.1:7001", "127.0.0.1:7002"], "--transport tcp"),
+           (1, 1, "tcp", ["127.0.0.1:7001", "nowhere"], "expected HOST:PORT")]
+    for num_prefill, num_decode, kv_transport, addresses, message in bad:
+        specs = plan_instances(num_prefill, 0 if not num_prefill else num_decode, 0 if num_prefill else 1, 1,
+                               num_attention=2)
+        with pytest.raises(ValueError, match=message):
+            attach_attention(specs, AttentionPlan(2, "request", 1, "tcp", None, None, kv_transport, addresses))
+    with pytest.raises(ValueError, match="--backend local only"):
+        plan_actor_specs(up_args("--prefill", "1", "--decode", "1", "--attention", "2",
+                                 "--attention-kv-advertise", "127.0.0.1:7001,127.0.0.1:7002"), "/m")

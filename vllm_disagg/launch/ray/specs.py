@@ -79,6 +79,9 @@ def plan_actor_specs(args: argparse.Namespace, model: str) -> list[ActorSpec]:
     if tensor_parallel_size(list(getattr(args, "vllm_args", []))) > 1:
         raise ValueError("--tensor-parallel-size > 1 runs with --backend local only: a Ray actor gets one "
                          "KV port and one core slice, not one per TP rank")
+    if getattr(args, "attention_kv_advertise", None):
+        raise ValueError("--attention-kv-advertise runs with --backend local only: Ray picks each attention "
+                         "worker's node and port when it places it")
     token = os.environ.get(VLLM_DISAGG_AUTH_TOKEN) or secrets.token_hex(16)
     common = dict(model=model, served_name=args.model, transport=args.transport,
                   vllm_args=list(getattr(args, "vllm_args", [])), kv_cache_gib=args.kv_cache_gib,

@@ -38,8 +38,8 @@ from vllm_disagg.testing.chaos.cuts import (
     ttft_split,
 )
 from vllm_disagg.testing.chaos.faults import KINDS, LINK_KINDS, Fault, FaultInjector, signal_group
+from vllm_disagg.testing.chaos.links import KVLinks
 from vllm_disagg.testing.chaos.workload import References, schedule
-from vllm_disagg.testing.throttle import ThrottledProxy
 from vllm_disagg.testing.up import group_alive
 
 ENGINE_ARGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "1024", "--block-size", "32",
@@ -99,9 +99,9 @@ class Deployment:
     shm_at_start: set[str] = field(default_factory=set)
     """/dev/shm before `up` started: after stop, anything new is left over (leaks.left_after_stop)."""
     slow_link: bool = False
-    """P/D: the decode instance advertises a proxy in front of its KV receiver (`--disagg-kv-advertise`),
-    which the `slow_link` fault throttles; full speed otherwise."""
-    link: ThrottledProxy | None = None
+    """The KV receivers advertise proxies in front of themselves (links.py: the decode instance's, or with
+    attention servers each server's), which `slow_link` throttles and `corrupt_link` damages."""
+    links: KVLinks | None = None
     kv_verify: bool = False
     """`--disagg-kv-verify on` on every instance: the `corrupt_link` fault needs it (and `slow_link`)."""
     push_timeout_s: float | None = None
@@ -109,9 +109,9 @@ class Deployment:
 
     @property
     def has_link(self) -> bool:
-        """The proxied KV link exists only into a single decode instance without attention servers
-        (every decode instance would advertise the same proxy)."""
-        return self.slow_link and not self.num_attention and self.num_decode == 1
+        """Proxied KV links exist into a single decode instance (every decode instance would advertise
+        the same proxy) or, with attention servers, into each server."""
+        return self.slow_link and (self.num_decode == 1 or bool(self.num_attention))
 
     @property
     def state_file(self) -> Path:
@@ -136,9 +136,9 @@ class Deployment:
             cmd += ["--attention", str(self.num_attention), "--restart-attention", "--attention-transport", "tcp"]
         if self.push_timeout_s:
             cmd += ["--push-timeout-s", str(self.push_timeout_s)]
-        link_port = _free_port() if self.has_link else None
-        if link_port:
-            cmd += ["--disagg-kv-advertise", f"127.0.0.1:{link_port}"]
+        links = KVLinks(self.num_attention, _free_port) if self.has_link else None
+        if links is not None:
+            cmd += links.up_args()
         if self.kv_verify:
             cmd += ["--disagg-kv-verify", "on"]
         log = open(self.workdir / "up.log", "wb")  # noqa: SIM115 (the child's)
@@ -149,9 +149,9 @@ class Deployment:
             if self.up.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"up did not start: {(self.workdir / 'up.log').read_text()[-3000:]}")
             time.sleep(1)
-        if link_port:
-            (decode,) = [i for i in self.state()["instances"] if i["role"] == "decode"]
-            self.link = ThrottledProxy(decode["kv"], None, port=link_port)
+        if links is not None:
+            self.links = links
+            links.open(self.state()["instances"])
         self.router_port = _free_port()
         for i in range(self.num_routers):
             self.routers.append({"name": f"router-{i}", "role": "router", "url": self.url, "pid": None})
@@ -217,7 +217,9 @@ class Deployment:
                         health = json.loads(resp.read())
                 except OSError:
                     continue
-                ports += [(f"{inst['name']}-{k}", health[k]) for k in ("address", "kv_address") if health.get(k)]
+                kv = health.get("kv_listen_address") or health.get("kv_address")  # the receiver, not a proxy
+                ports += [(f"{inst['name']}-{k}", v) for k, v in (("address", health.get("address")), ("kv_address", kv))
+                          if v]
         return ports
 
     def http_urls(self) -> list[str]:
@@ -275,8 +277,8 @@ class Deployment:
             time.sleep(0.2)
         for p in alive:
             signal_group(p, signal.SIGKILL)
-        if self.link is not None:
-            self.link.close()
+        if self.links is not None:
+            self.links.close()
         return [str(p) for p in alive]
 
 

@@ -4,9 +4,10 @@
 Kinds (`KINDS`): SIGKILL of an instance's process group (prefill, decode / model worker, attention
 server); SIGSTOP of a whole group for 5-30 s, or of its EngineCore alone (the API server keeps
 answering: only `/live` sees it); a slow peer (the group stopped and continued on a duty cycle, half
-its time gone); a throttled KV link into the decode instance (`slow_link`: a proxy it advertises,
-`Deployment(slow_link=True)`); one byte flipped on that link (`corrupt_link`, with `--disagg-kv-verify on`:
-the push's checksums must catch it, and the answer stay right); garbage, truncated and oversized frames from strangers on every KV and attention port;
+its time gone); a throttled KV link into the decode instance or, with attention servers, into one of
+them (`slow_link`: a proxy the receiver advertises, `Deployment(slow_link=True)`, links.py); one byte
+flipped on such a link (`corrupt_link`, with `--disagg-kv-verify on`: the push's checksums must catch it,
+and the answer stay right); garbage, truncated and oversized frames from strangers on every KV and attention port;
 malformed, huge and slowloris HTTP on the router and the instances; SIGKILL of one of the routers
 (restarted at once: the other one behind the same port keeps serving). Every fault is bounded in time
 and undoes itself (SIGCONT, restart), so the run always ends with everything up.
@@ -30,7 +31,7 @@ from vllm_disagg.testing.fuzz import FuzzTarget, _stranger
 KINDS = ("kill", "stop", "stop_engine", "slow", "slow_link", "corrupt_link", "garbage_frames", "bad_http",
          "router_restart")
 LINK_KINDS = ("slow_link", "corrupt_link")
-"""Faults on the P -> D KV link: they need `Deployment(slow_link=True)` (no attention servers)."""
+"""Faults on a KV link (P -> D, or P -> an attention server): they need `Deployment(slow_link=True)`."""
 SLOW_LINK_BYTES_PER_S = 16 << 10
 """The `slow_link` fault's rate into the decode instance's KV receiver: a long prompt's push then outlasts
 the push timeout, and the prefill side cannot answer the CANCEL in time (the receiver's fence is tested)."""
@@ -128,14 +129,13 @@ class FaultInjector:
         return fault
 
     def slow_link(self, seconds: float, rate_bytes_per_s: float = SLOW_LINK_BYTES_PER_S) -> Fault:
-        """The KV link into the decode instance throttled for `seconds` (P/D only: with remote attention
-        the KV lands on the attention servers, not behind the link)."""
-        link = self.d.link
-        name = self.d.pick("decode", self.rng)["name"] if link is not None else "decode"
-        fault = Fault("slow_link", name, time.monotonic(), detail={"seconds": round(seconds, 1),
-                                                                  "bytes_per_s": rate_bytes_per_s})
+        """A KV link throttled for `seconds`: into the decode instance (P/D), or into one attention server
+        (Lamina: the KV lands there, `links.py`)."""
+        name, link = self._link()
+        fault = Fault("slow_link", name or "decode", time.monotonic(),
+                      detail={"seconds": round(seconds, 1), "bytes_per_s": rate_bytes_per_s})
         if link is None:
-            fault.detail["skipped"] = "no throttled KV link (Deployment(slow_link=True), P/D without attention servers)"
+            fault.detail["skipped"] = "no throttled KV link (Deployment(slow_link=True) with one decode instance)"
             fault.t_end = time.monotonic()
             return fault
         self.log(f"throttling the KV link into {name} to {rate_bytes_per_s / 1024:.0f} KiB/s for {seconds:.1f} s")
@@ -148,27 +148,33 @@ class FaultInjector:
         return fault
 
     def corrupt_link(self, seconds: float) -> Fault:
-        """One byte of the KV link into the decode instance flipped, 4-64 KiB past what has gone through
-        (inside a push's payload, where no frame check looks): with `--disagg-kv-verify on` the push's
-        end-to-end checksums catch it and D recomputes, so the answer is still plain vLLM's."""
-        link, fault = self.d.link, Fault("corrupt_link", "decode", time.monotonic(), detail={"seconds": round(seconds, 1)})
+        """One byte of a KV link (into the decode instance, or into an attention server) flipped, 4-64 KiB
+        past what has gone through (inside a push's payload, where no frame check looks): with
+        `--disagg-kv-verify on` the push's end-to-end checksums catch it and D recomputes, so the answer is
+        still plain vLLM's. D (the model worker, with attention servers) counts the mismatch."""
+        name, link = self._link()
+        fault = Fault("corrupt_link", name or "decode", time.monotonic(), detail={"seconds": round(seconds, 1)})
         if link is None or not self.d.kv_verify:
-            fault.detail["skipped"] = "needs Deployment(slow_link=True, kv_verify=True): P/D without attention servers"
+            fault.detail["skipped"] = "needs Deployment(slow_link=True, kv_verify=True) with one decode instance"
             fault.t_end = time.monotonic()
             return fault
         decode = self.d.pick("decode", self.rng)
         before, flipped = _mismatches(decode["url"]), link.num_corrupted
         link.flip_after(self.rng.randrange(4 << 10, 64 << 10))
-        self.log(f"flipping a byte on the KV link into {decode['name']} within {seconds:.0f} s")
+        self.log(f"flipping a byte on the KV link into {name} within {seconds:.0f} s")
         deadline = time.monotonic() + seconds
         while link.num_corrupted == flipped and time.monotonic() < deadline:
             time.sleep(0.2)
         link.cancel_flip()
         time.sleep(min(5.0, max(0.0, deadline - time.monotonic())))  # D verifies after the last byte landed
-        fault.detail.update(flipped=link.num_corrupted - flipped, instance=decode["name"],
+        fault.detail.update(flipped=link.num_corrupted - flipped, instance=name,
                             checksum_mismatches=_mismatches(decode["url"]) - before)
         fault.t_end = time.monotonic()
         return fault
+
+    def _link(self):
+        """(receiving instance's name, its proxy) of a KV link at random; (None, None) without links."""
+        return self.d.links.pick(self.rng) if self.d.links is not None else (None, None)
 
     # ------------------------------------------------------------------ input faults
     def garbage_frames(self, num_per_port: int = 200) -> Fault:
