@@ -37,16 +37,44 @@ def socket_name(api_server_pid: int) -> str:
     return os.environ.get(ENV_SOCKET) or f"vllm-disagg-live-{api_server_pid}"
 
 
-class StepBeacon:
+class _Datagrams:
+    """A non-blocking datagram socket to the API server, opened on first use. A send tries `addrs` in
+    order and keeps the first that listens; with none listening, or its queue full, it drops the
+    datagram (the next one tries again) and never raises."""
+
+    def __init__(self, names: list[str]) -> None:
+        self._addrs = ["\0" + n for n in names]
+        self._sock: socket.socket | None = None
+        self._pid = os.getpid()
+
+    def _send(self, data: bytes) -> None:
+        try:
+            if self._sock is None:
+                self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_NONBLOCK)
+            for addr in self._addrs:
+                try:
+                    self._sock.sendto(data, addr)
+                except (ConnectionRefusedError, FileNotFoundError):  # nobody listens on this name
+                    continue
+                self._addrs = [addr]  # found: another name is never tried again
+                return
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+
+class StepBeacon(_Datagrams):
     """EngineCore side: best effort, never blocks, never raises (no listener: offline `LLM()`)."""
 
     def __init__(self, name: str | None = None) -> None:
-        self._addr = "\0" + (name or socket_name(os.getppid()))
-        self._sock: socket.socket | None = None
+        super().__init__([name or socket_name(os.getppid())])
         self._last = 0.0
         self._last_busy = False
         self._last_tokens = 0
-        self._pid = os.getpid()
 
     def beat(self, num_scheduled_tokens: int) -> None:
         """A step of `num_scheduled_tokens` starts. Skipped within 50 ms of the last beat unless the
@@ -59,40 +87,31 @@ class StepBeacon:
                 and num_scheduled_tokens <= 2 * self._last_tokens):
             return
         self._last, self._last_busy, self._last_tokens = now, busy, num_scheduled_tokens
-        try:
-            if self._sock is None:
-                self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_NONBLOCK)
-            self._sock.sendto(BEAT.pack(self._pid, max(0, min(num_scheduled_tokens, 2**32 - 1))), self._addr)
-        except OSError:  # nobody listening, or its queue is full: the next beat tries again
-            pass
+        self._send(BEAT.pack(self._pid, max(0, min(num_scheduled_tokens, 2**32 - 1))))
 
     def start_heartbeat(self, period_s: float = ALIVE_PERIOD_S) -> None:
         """Say every `period_s` that this process runs (a daemon thread): an idle engine takes no
         steps, and the API server needs to tell it from a stopped one (`LiveState.report`). Once per
         process and API server: every connector built here shares the thread."""
+        (addr,) = self._addrs
         with _HEARTBEATS_LOCK:
-            if self._addr in _HEARTBEATS:
+            if addr in _HEARTBEATS:
                 return
-            _HEARTBEATS.add(self._addr)
+            _HEARTBEATS.add(addr)
 
         def run() -> None:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_NONBLOCK)
             while True:
                 try:
-                    sock.sendto(ALIVE.pack(self._pid), self._addr)
+                    sock.sendto(ALIVE.pack(self._pid), addr)
                 except OSError:
                     pass
                 time.sleep(period_s)
 
         threading.Thread(target=run, name="disagg-live-heartbeat", daemon=True).start()
 
-    def close(self) -> None:
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
 
-
-class LayerBeacon:
+class LayerBeacon(_Datagrams):
     """Worker side: "layer i of n finished", at most once per `LAYER_BEAT_GAP_S`. A prefill step of a
     long prompt runs for seconds without a step beat; these show it moving, so `/live` needs no
     whole-step margin to keep it from being cut, and a hang inside it is found at the normal limit.
@@ -102,12 +121,10 @@ class LayerBeacon:
     which, by trying both names; `VLLM_DISAGG_LIVE_SOCKET` names it outright."""
 
     def __init__(self, name: str | None = None, gap_s: float = LAYER_BEAT_GAP_S) -> None:
-        names = [name] if name else ([os.environ[ENV_SOCKET]] if os.environ.get(ENV_SOCKET) else _ancestor_names())
-        self._addrs = ["\0" + n for n in names]
+        super().__init__([name] if name else ([os.environ[ENV_SOCKET]] if os.environ.get(ENV_SOCKET)
+                                              else _ancestor_names()))
         self._gap_s = gap_s
         self._last = 0.0
-        self._sock: socket.socket | None = None
-        self._pid = os.getpid()
 
     def layer_done(self, layer_index: int, num_layers: int) -> None:
         """Called after every attention layer: one clock read unless a datagram is due."""
@@ -116,25 +133,6 @@ class LayerBeacon:
             return
         self._last = now
         self._send(LAYER.pack(self._pid, max(0, layer_index), max(0, num_layers)))
-
-    def _send(self, data: bytes) -> None:
-        try:
-            if self._sock is None:
-                self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_NONBLOCK)
-            for addr in self._addrs:
-                try:
-                    self._sock.sendto(data, addr)
-                except (ConnectionRefusedError, FileNotFoundError):  # nobody listens on this name
-                    continue
-                self._addrs = [addr]  # found: the other name is never tried again
-                return
-        except OSError:  # a full queue, or no socket at all: the next layer tries again
-            pass
-
-    def close(self) -> None:
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
 
 
 def _ancestor_names() -> list[str]:

@@ -64,8 +64,6 @@ class LiveState:
         """The last layer-progress datagram (`LayerBeacon`): the step in progress moves."""
         self.num_layers = 0
         """Layers per step, as the last layer datagram said (0: none came yet)."""
-        self.step_layer_progress = False
-        """A layer datagram came since the step in progress started: its wait is one layer's, not all."""
         self._steps: deque[tuple[float, int]] = deque(maxlen=_NUM_STEP_SAMPLES)
         """(seconds from one busy beat to the next, tokens of the first): an upper bound on that step's
         time, since beats are at most one per 50 ms."""
@@ -102,7 +100,6 @@ class LiveState:
             self.last_beat = now
             self.engine_busy = num_tokens > 0
             self.num_step_tokens = num_tokens
-            self.step_layer_progress = False
             self._owed.clear()
 
     def layer_done(self, num_layers: int, now: float) -> None:
@@ -110,7 +107,11 @@ class LiveState:
         with self._lock:
             self.last_layer = now
             self.num_layers = num_layers
-            self.step_layer_progress = num_layers > 0
+
+    @property
+    def step_layer_progress(self) -> bool:
+        """A layer datagram came since the step in progress started: its wait is one layer's, not all."""
+        return self.num_layers > 0 and self.last_layer > self.last_beat
 
     def expected_step_s(self) -> float | None:
         """How long the step in progress should take, judged by this engine's recent steps: the most
@@ -125,7 +126,7 @@ class LiveState:
     def expected_progress_s(self, expected_step_s: float | None) -> float | None:
         """The expected wait for the next sign of progress: the whole step's, or one layer's share of it
         once this step's layers report (`LayerBeacon`; that is the wait a stall limit must allow)."""
-        if expected_step_s is None or not self.step_layer_progress or self.num_layers <= 0:
+        if expected_step_s is None or not self.step_layer_progress:
             return expected_step_s
         return expected_step_s / self.num_layers
 
