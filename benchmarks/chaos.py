@@ -33,10 +33,10 @@ sys.path.insert(0, str(REPO))
 from vllm_disagg.testing.chaos.campaign import (  # noqa: E402
     QUICK_STALL_TIMEOUT_S,
     CampaignConfig,
-    Deployment,
     quick_config,
     run_campaign,
 )
+from vllm_disagg.testing.chaos.deployment import Deployment  # noqa: E402
 from vllm_disagg.testing.chaos.leaks import left_after_stop  # noqa: E402
 from vllm_disagg.testing.chaos.workload import (  # noqa: E402
     REFERENCES,
@@ -58,7 +58,7 @@ def record_references(workdir: Path, out: Path) -> None:
     from transformers import AutoTokenizer
 
     from vllm_disagg.launch.local import free_ports
-    from vllm_disagg.testing.chaos.campaign import ENGINE_ARGS
+    from vllm_disagg.testing.chaos.deployment import ENGINE_ARGS
 
     path, fingerprint = chaos_model(workdir)
     tok = AutoTokenizer.from_pretrained(path)
@@ -72,9 +72,9 @@ def record_references(workdir: Path, out: Path) -> None:
     with open(workdir / "plain.log", "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
-        from vllm_disagg.testing.chaos.campaign import _wait_http
+        from vllm_disagg.testing.chaos.deployment import wait_http
 
-        _wait_http(f"http://127.0.0.1:{port}/health", 600)
+        wait_http(f"http://127.0.0.1:{port}/health", 600)
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=300)
         extra = {"ignore_eos": True, "return_token_ids": True}
         outputs = {}

@@ -26,7 +26,6 @@ median of per-turn ratios):
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import statistics
@@ -40,7 +39,18 @@ from pathlib import Path
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 RESULTS = Path(__file__).parent / "results"
 sys.path.insert(0, str(Path(__file__).parent))
-from nano_micro import bench_gpu_interference, bench_tp_executor  # noqa: E402
+from nano_engines import (  # noqa: E402
+    NANO_WORKER,
+    close_engine,
+    interleaved,
+    nano_cfg,
+    open_engine,
+    paired_ratio,
+    placed,
+    summary,
+    with_engines,
+)
+from nano_micro import bench_gpu_interference, bench_tp_executor, executor_overhead_us_per_op  # noqa: E402
 
 MEDIUM = dict(
     hidden_size=512,
@@ -51,91 +61,10 @@ MEDIUM = dict(
     head_dim=64,
     vocab_size=1024,
 )
-NANO_WORKER = "vllm_disagg.nanoflow.worker.NanoFlowCPUWorker"
 NANO_REMOTE_WORKER = "vllm_disagg.nanoflow.remote.NanoFlowRemoteAttentionWorker"
 AB_ENV = "VLLM_DISAGG_NANOFLOW_AB"  # vllm_disagg.nanoflow.runner.AB_ENV
 DENSE_MAX_TOKENS = 512  # the tuner's default --max-tokens
 STEP_KEYS = ("steps", "nano_steps", "pipeline_steps", "fallback_steps", "prefill_steps", "decode_steps", "mixed_steps")
-
-
-# ------------------------------------------------------------------ engine runs
-def placed(cpus, threads):
-    from bench_probes import placed as _placed
-
-    return _placed(cpus, threads)
-
-
-def open_engine(model_dir: str, **extra):
-    from vllm import LLM
-
-    from vllm_disagg.testing import tiny_llm_kwargs
-
-    return LLM(**tiny_llm_kwargs(model_dir, **{"max_num_batched_tokens": 512, "max_num_seqs": 64, **extra}))
-
-
-def close_engine(llm) -> None:
-    llm.llm_engine.engine_core.shutdown()
-    del llm
-    gc.collect()
-
-
-def interleaved(engines: dict, prompts: list, max_tokens: int, reps: int) -> dict:
-    """Time the engines in turn, `reps` rounds (A B A B ...): a shared, noisy box hits both alike.
-
-    Returns per engine: tokens/s per round, the token ids, and nanoflow stats where available."""
-    from vllm import SamplingParams
-
-    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    tokens = sum(len(p["prompt_token_ids"]) for p in prompts) + max_tokens * len(prompts)
-    out = {name: {"tokens_per_s": []} for name in engines}
-    for llm in engines.values():
-        llm.generate(prompts[:4], sp, use_tqdm=False)  # warm-up
-    for _ in range(reps):
-        for name, llm in engines.items():
-            res, secs = _timed(llm, prompts, sp)
-            out[name]["tokens_per_s"].append(tokens / secs)
-            out[name]["token_ids"] = [list(o.outputs[0].token_ids) for o in res]
-    for name, llm in engines.items():
-        try:
-            out[name]["stats"] = llm.collective_rpc("nanoflow_stats")[0]
-        except Exception:  # plain workers have no such method
-            out[name]["stats"] = None
-    return out
-
-
-def _timed(llm, prompts, sp):
-    t0 = time.perf_counter()
-    res = llm.generate(prompts, sp, use_tqdm=False)
-    return res, time.perf_counter() - t0
-
-
-def paired_ratio(runs: dict, num: str, den: str) -> float:
-    """Median over rounds of num/den throughput."""
-    return statistics.median(a / b for a, b in zip(runs[num]["tokens_per_s"], runs[den]["tokens_per_s"]))
-
-
-def _with_engines(configs: dict, fn):
-    engines = {}
-    try:
-        for name, (model_dir, extra) in configs.items():
-            engines[name] = open_engine(model_dir, **extra)
-        return fn(engines)
-    finally:
-        for llm in engines.values():
-            close_engine(llm)
-
-
-def _nano_cfg(nanoflow: dict, **sections) -> dict:
-    return {"additional_config": {"disagg": {"nanoflow": nanoflow, **sections}}}
-
-
-def _summary(runs: dict, num: str, den: str, prefix: str) -> dict:
-    return {
-        f"{prefix}_{num}_tokens_per_s": statistics.median(runs[num]["tokens_per_s"]),
-        f"{prefix}_{den}_tokens_per_s": statistics.median(runs[den]["tokens_per_s"]),
-        f"{prefix}_same_tokens": runs[num]["token_ids"] == runs[den]["token_ids"],
-        f"{prefix}_nano_stats": runs[num]["stats"],
-    }
 
 
 def bench_overhead(model_dir: str, quick: bool) -> dict:
@@ -202,7 +131,7 @@ def bench_overhead_dense(model_dir: str, quick: bool) -> dict:
     prompt_len, max_tokens, rounds = (32, 16, 3) if quick else (64, 32, 5)
     prompts = token_prompts(b, prompt_len, vocab=MEDIUM["vocab_size"], seed=5)
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    nano = {"worker_cls": NANO_WORKER, **_nano_cfg({"num_nano_batches": 2}), "max_num_batched_tokens": b,
+    nano = {"worker_cls": NANO_WORKER, **nano_cfg({"num_nano_batches": 2}), "max_num_batched_tokens": b,
             "max_num_seqs": b}
     os.environ[AB_ENV] = "1"
     try:
@@ -245,15 +174,15 @@ def bench_overhead_small(model_dir: str, quick: bool) -> dict:
 
     prompts = token_prompts(12 if quick else 32, 64 if quick else 96, vocab=MEDIUM["vocab_size"], seed=3)
     reps, max_tokens = (5, 16) if quick else (9, 32)
-    nano = {"worker_cls": NANO_WORKER, **_nano_cfg({"num_nano_batches": 2})}
-    runs = _with_engines(
+    nano = {"worker_cls": NANO_WORKER, **nano_cfg({"num_nano_batches": 2})}
+    runs = with_engines(
         {"plain": (model_dir, {}), "nano2": (model_dir, nano)},
         lambda engines: interleaved(engines, prompts, max_tokens, reps),
     )
     os.environ[AB_ENV] = "1"  # plain and nano forwards alternate step by step inside one engine
     try:
         # 4+ rounds: the few large prefill steps carry most of the time, so they need samples
-        ab = _with_engines(
+        ab = with_engines(
             {"nano2": (model_dir, nano)}, lambda e: interleaved(e, prompts, max_tokens, 4 if quick else 6)
         )
     finally:
@@ -272,7 +201,7 @@ def bench_overhead_small(model_dir: str, quick: bool) -> dict:
         "_e2e: two engines timed in turn, ratio of median throughputs",
         "overhead_ratio_small_batch_e2e": e2e,
         "overhead_ratio_small_batch_e2e_per_round_median": paired_ratio(runs, "nano2", "plain"),
-        **_summary(runs, "nano2", "plain", "overhead_small_batch"),
+        **summary(runs, "nano2", "plain", "overhead_small_batch"),
     }
 
 
@@ -282,27 +211,6 @@ def _assert_nano_batched(stats: dict | None) -> None:
         raise RuntimeError(f"nano engine did not run the nano-batch pipeline: {stats}")
     if stats.get("fallback_steps"):
         raise RuntimeError(f"nano engine fell back to sequential nano-batches: {stats}")
-
-
-def executor_overhead_us_per_op(num_layers: int, reps: int = 200) -> float:
-    """The executor's own cost per op (inline, no-op ops, best of 5): what the machinery adds
-    on top of the doubled per-op cost of vLLM's kernels and Python layers."""
-    from vllm_disagg.nanoflow.executor import OpGraphExecutor
-    from vllm_disagg.nanoflow.graph import PipelineSpec, build_graph, list_schedule
-    from vllm_disagg.nanoflow.units import make_cpu_units
-
-    nodes = build_graph(PipelineSpec(num_layers, 2, 2))
-    sched = list_schedule(nodes, lambda n: 1.0)
-    fns = {n.key: (lambda: None) for n in nodes}
-    ex = OpGraphExecutor(make_cpu_units({"dense": 0}), inline=True)
-    best = float("inf")
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            ex.run(nodes, sched, fns)
-        best = min(best, (time.perf_counter() - t0) / reps)
-    ex.shutdown()
-    return best / len(nodes) * 1e6
 
 
 def bench_auto_sweep(model_dir: str, quick: bool) -> dict:
@@ -318,7 +226,7 @@ def bench_auto_sweep(model_dir: str, quick: bool) -> dict:
     engines = {}
     try:
         with placed({0}, 1):
-            for name, extra in (("plain", {}), ("auto", {"worker_cls": NANO_WORKER, **_nano_cfg({"num_nano_batches": "auto"})}),
+            for name, extra in (("plain", {}), ("auto", {"worker_cls": NANO_WORKER, **nano_cfg({"num_nano_batches": "auto"})}),
                                 ("plain_again", {})):
                 engines[name] = SweepEngine(name, open_engine(model_dir, max_num_batched_tokens=2048, max_num_seqs=512,
                                                               max_model_len=512, **extra), ({0}, 1))
@@ -394,17 +302,17 @@ def bench_tp_engine(model_dir: str) -> dict:
         tp = {"tensor_parallel_size": 2}
         configs = {
             "plain": (model_dir, tp),
-            "nano2": (model_dir, {**tp, "worker_cls": NANO_WORKER, **_nano_cfg({"num_nano_batches": 2})}),
+            "nano2": (model_dir, {**tp, "worker_cls": NANO_WORKER, **nano_cfg({"num_nano_batches": 2})}),
         }
         runs = {}
         for name, cfg in configs.items():  # two TP=2 engines at once would need 4 cores
-            runs.update(_with_engines({name: cfg}, lambda e: interleaved(e, prompts, 16, 3)))
+            runs.update(with_engines({name: cfg}, lambda e: interleaved(e, prompts, 16, 3)))
     finally:
         for k, v in saved.items():
             os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
     return {
         "tp_engine_speedup": paired_ratio(runs, "nano2", "plain"),
-        **_summary(runs, "nano2", "plain", "tp_engine"),
+        **summary(runs, "nano2", "plain", "tp_engine"),
     }
 
 

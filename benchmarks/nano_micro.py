@@ -10,6 +10,28 @@ import statistics
 import time
 
 
+# ----------------------------------------------------- executor cost per op
+def executor_overhead_us_per_op(num_layers: int, reps: int = 200) -> float:
+    """The executor's own cost per op (inline, no-op ops, best of 5): what the machinery adds
+    on top of the doubled per-op cost of vLLM's kernels and Python layers."""
+    from vllm_disagg.nanoflow.executor import OpGraphExecutor
+    from vllm_disagg.nanoflow.graph import PipelineSpec, build_graph, list_schedule
+    from vllm_disagg.nanoflow.units import make_cpu_units
+
+    nodes = build_graph(PipelineSpec(num_layers, 2, 2))
+    sched = list_schedule(nodes, lambda n: 1.0)
+    fns = {n.key: (lambda: None) for n in nodes}
+    ex = OpGraphExecutor(make_cpu_units({"dense": 0}), inline=True)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            ex.run(nodes, sched, fns)
+        best = min(best, (time.perf_counter() - t0) / reps)
+    ex.shutdown()
+    return best / len(nodes) * 1e6
+
+
 # ----------------------------------------------------- executor-level TP=2 (gloo)
 def _tp_rank(rank: int, port: int, reps: int, out) -> None:
     import torch

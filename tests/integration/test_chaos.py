@@ -25,10 +25,10 @@ import pytest
 from vllm_disagg.testing.chaos.campaign import (
     QUICK_PLAN,
     QUICK_STALL_TIMEOUT_S,
-    Deployment,
     quick_config,
     run_campaign,
 )
+from vllm_disagg.testing.chaos.deployment import Deployment
 from vllm_disagg.testing.chaos.leaks import left_after_stop
 from vllm_disagg.testing.chaos.workload import References, chaos_model
 

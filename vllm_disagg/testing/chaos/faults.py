@@ -73,7 +73,7 @@ def signal_group(pgid: int, sig: int) -> None:
 
 
 class FaultInjector:
-    """Runs one fault at a time against a deployment (`Deployment` from campaign.py)."""
+    """Runs one fault at a time against a deployment (`Deployment` from deployment.py)."""
 
     def __init__(self, deployment, rng: random.Random, log: Callable[[str], None] = print) -> None:
         self.d, self.rng, self.log = deployment, rng, log
