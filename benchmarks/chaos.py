@@ -5,6 +5,7 @@
     python benchmarks/chaos.py --quick                # ~2 min: the CI run (1P+1D, seven faults of seven kinds)
     python benchmarks/chaos.py --fuzz-only            # 10,000 fuzzed frames per port kind, in process
     python benchmarks/chaos.py --record-references    # plain vLLM's greedy answers -> benchmarks/data/
+    python benchmarks/chaos.py --backend ray --attention 0   # on Ray, in a loopback-only netns (root)
 
 Topology: `vllm-disagg up --prefill 1 --decode 1 [--attention 2]` (P is the mixed fallback: with D down
 it serves whole requests), dead instances restarted, and two routers of it on one port (SO_REUSEPORT).
@@ -13,6 +14,9 @@ with the `openai` client: streamed and not, completions and chat, some clients l
 Every 10-20 s one fault (vllm_disagg/testing/chaos/faults.py). Greedy tokens are checked against
 plain vLLM's float32 answers recorded in benchmarks/data/chaos_references.json. At the end: leak
 checks on every instance and attention server. Output: JSON (issue 18's keys) + a timeline PNG.
+With --backend ray the same campaign runs on `up --backend ray` (testing/chaos/ray_deployment.py):
+the script re-runs itself inside a fresh loopback-only network namespace with a one-node Ray cluster,
+its routers find the instances through GCS, and half the kills hit the Ray actor instead of its server.
 Run it under the heavy lock on a quiet box; the JSON records the load average before and after.
 """
 
@@ -38,6 +42,7 @@ from vllm_disagg.testing.chaos.campaign import (  # noqa: E402
 )
 from vllm_disagg.testing.chaos.deployment import Deployment  # noqa: E402
 from vllm_disagg.testing.chaos.leaks import left_after_stop  # noqa: E402
+from vllm_disagg.testing.chaos.ray_deployment import RayDeployment  # noqa: E402
 from vllm_disagg.testing.chaos.workload import (  # noqa: E402
     REFERENCES,
     References,
@@ -182,6 +187,26 @@ def rereport(path: Path) -> int:
     return 0
 
 
+NETNS_ENV = "VLLM_DISAGG_CHAOS_NETNS"
+"""Set (to the namespace's name) in the copy of this script that runs inside the netns."""
+
+
+def in_netns(argv: list[str]) -> int:
+    """Run this script again inside a fresh loopback-only network namespace; remove it after."""
+    import subprocess
+
+    from vllm_disagg.testing.netns import Netns, prereqs
+
+    if reason := prereqs():
+        raise SystemExit(f"chaos.py --backend ray: {reason}")
+    ns = Netns()
+    try:
+        env = {**os.environ, NETNS_ENV: ns.name}
+        return subprocess.run(ns.argv(sys.executable, str(Path(__file__).resolve()), *argv), env=env).returncode
+    finally:
+        ns.destroy()
+
+
 def _router_stall(args: argparse.Namespace, stall_timeout_s: float) -> dict:
     """The stall settings the routers ran with: a flag left out is the router's default (0: off)."""
     from vllm_disagg.router.config import RouterConfig
@@ -197,6 +222,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="CI size: 1P+1D, seven faults of seven kinds")
     ap.add_argument("--duration-s", type=float, default=600.0)
+    ap.add_argument("--backend", choices=("local", "ray"), default="local",
+                    help="ray: up --backend ray on a one-node Ray cluster, inside a loopback-only netns")
     ap.add_argument("--attention", type=int, default=2, help="attention servers behind the decode model worker")
     ap.add_argument("--prefill", type=int, default=1, help="prefill instances (2: a fault leaves one serving)")
     ap.add_argument("--decode", type=int, default=1, help="decode instances (2: a fault leaves one serving)")
@@ -222,6 +249,8 @@ def main() -> int:
     ap.add_argument("--rereport", default=None, metavar="JSON",
                     help="recompute a finished run's TTFT keys from its stored outcomes and faults, in place")
     args = ap.parse_args()
+    if args.backend == "ray" and not os.environ.get(NETNS_ENV):
+        return in_netns(sys.argv[1:])
     if args.rereport:
         return rereport(Path(args.rereport))
     workdir = Path(tempfile.mkdtemp(prefix="vd-chaos-"))
@@ -239,9 +268,10 @@ def main() -> int:
     if args.plan:
         cfg.plan = tuple(tuple(item.split(":", 1)) if ":" in item else (item, "") for item in args.plan.split(","))
     stall_timeout_s = QUICK_STALL_TIMEOUT_S if quick else args.stall_timeout_s
-    out = Path(args.out or REPO / "benchmarks" / "results" / ("chaos_quick.json" if quick else "chaos.json"))
+    name = ("chaos_quick" if quick else "chaos") + ("_ray" if args.backend == "ray" else "")
+    out = Path(args.out or REPO / "benchmarks" / "results" / f"{name}.json")
     t_start = time.time()
-    result: dict = {"benchmark": "chaos", "quick": quick, "loadavg_start": os.getloadavg(),
+    result: dict = {"benchmark": "chaos", "quick": quick, "backend": args.backend, "loadavg_start": os.getloadavg(),
                     "topology": {"prefill": args.prefill, "decode": args.decode, "attention": 0 if quick else args.attention},
                     "router_stall": _router_stall(args, stall_timeout_s)}
     if args.fuzz_frames and not quick:
@@ -250,13 +280,14 @@ def main() -> int:
         print(json.dumps(result, indent=1))
         return 0
     num_attention = 0 if quick else args.attention
-    dep = Deployment(workdir, path, num_attention=num_attention, num_prefill=args.prefill, num_decode=args.decode,
-                     stall_timeout_s=stall_timeout_s,
-                     stall_factor=args.stall_factor, stall_min_s=args.stall_min_s,
-                     stall_release_s=args.stall_release_s,
-                     slow_link=True,  # slow_link and corrupt_link: P -> D, or P -> each attention server
-                     kv_verify=True,  # corrupt_link's flip must be caught; Lamina's pushes are verified too
-                     push_timeout_s=args.push_timeout_s)
+    ray_backend = args.backend == "ray"
+    kind = RayDeployment if ray_backend else Deployment
+    dep = kind(workdir, path, num_attention=num_attention, num_prefill=args.prefill, num_decode=args.decode,
+               stall_timeout_s=stall_timeout_s, stall_factor=args.stall_factor, stall_min_s=args.stall_min_s,
+               stall_release_s=args.stall_release_s,
+               slow_link=not ray_backend,  # slow_link, corrupt_link: P -> D or P -> each attention server
+               kv_verify=True,  # corrupt_link's flip must be caught; Lamina's pushes are verified too
+               push_timeout_s=args.push_timeout_s)
     try:
         dep.start()
         result.update(run_campaign(dep, refs, cfg))

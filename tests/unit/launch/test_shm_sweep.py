@@ -73,3 +73,48 @@ def test_unmapped_semaphores_created_since_the_group_started_are_unlinked_older_
         for path in (older, newer):
             if os.path.exists(path):
                 os.unlink(path)
+
+
+def test_a_ray_actors_record_lets_its_next_incarnation_remove_what_the_killed_server_mapped(tmp_path):
+    """The record lives in a file: the actor that wrote it is gone (SIGKILL), a new one reads it."""
+    from vllm_disagg.launch.shm_sweep import ShmRecord
+
+    mine, shared = _shm_file(), _shm_file()
+    server, bystander = _mapper(mine), _mapper(shared)
+    extra = _mapper(shared)  # the server's group also maps `shared`, which the bystander keeps
+    record_path = tmp_path / "ns-decode0.json"
+    try:
+        first = ShmRecord(record_path)
+        first.started(server.pid)
+        first.record()
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait(5)
+        extra.kill()
+        extra.wait(5)
+        del first  # the killed actor: nothing of it but the file
+        assert ShmRecord(record_path).sweep("decode0") == [os.path.basename(mine)]
+        assert not os.path.exists(mine) and os.path.exists(shared) and not record_path.exists()
+        assert ShmRecord(record_path).sweep("decode0") == []  # nothing recorded: nothing removed
+    finally:
+        bystander.kill()
+        for path in (mine, shared):
+            if os.path.exists(path):
+                os.unlink(path)
+
+
+def test_the_sweep_waits_for_the_recorded_group_to_die_and_keeps_what_a_live_group_maps(tmp_path):
+    from vllm_disagg.launch.shm_sweep import ShmRecord
+
+    mine = _shm_file()
+    server = _mapper(mine)
+    try:
+        record = ShmRecord(tmp_path / "r.json")
+        record.started(server.pid)
+        record.record()
+        t0 = time.monotonic()
+        assert record.sweep("decode0", wait_s=0.5) == []  # still alive after the wait: kept
+        assert time.monotonic() - t0 >= 0.5 and os.path.exists(mine)
+    finally:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait(5)
+        os.unlink(mine)

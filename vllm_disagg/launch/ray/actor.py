@@ -24,9 +24,12 @@ from pathlib import Path
 from vllm_disagg.launch.instances import core_slices
 from vllm_disagg.launch.ray.specs import POOLS, ActorSpec, server_command
 from vllm_disagg.launch.reaper import start_reaper
+from vllm_disagg.launch.shm_sweep import ShmRecord
 from vllm_disagg.router.discovery import host_port
 
 logger = logging.getLogger("vllm_disagg.launch.ray")
+SHM_RECORD_S = 10.0
+"""How often a running server's /dev/shm mappings are recorded (a /proc scan)."""
 
 
 class InstanceServer:
@@ -47,7 +50,10 @@ class InstanceServer:
         self.http_port, self.kv_port = self._ports()
         self._stopping = False
         self._ready = threading.Event()
+        self.shm = ShmRecord(shm_record_path(self.spec.name))
+        self.shm.sweep(self.spec.name)  # the last incarnation was killed with its server: its /dev/shm files
         self.proc = self._start_server()
+        self.shm.started(self.proc.pid)
         self._reaper_w = self._start_reaper()
         threading.Thread(target=self._watch_ready, daemon=True, name="ready").start()
         threading.Thread(target=self._exit_with_server, daemon=True, name="watch").start()
@@ -73,14 +79,19 @@ class InstanceServer:
         return start_reaper(self.proc.pid)  # kept open for the actor's lifetime; closes when it dies
 
     def _watch_ready(self) -> None:
-        while not self._ready.is_set() and self.proc.poll() is None:
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        self._ready.set()
-                        return
-            except OSError:
-                pass
+        """Sets ready once /health answers; records the server's /dev/shm files all along (vLLM maps its
+        queues while it starts), so that whoever outlives the server can remove them."""
+        next_record = 0.0
+        while self.proc.poll() is None:
+            if time.monotonic() >= next_record:
+                self.shm.record()
+                next_record = time.monotonic() + (SHM_RECORD_S if self._ready.is_set() else 2.0)
+            if not self._ready.is_set():
+                with contextlib.suppress(OSError):
+                    with urllib.request.urlopen(f"{self.url}/health", timeout=2) as resp:
+                        if resp.status == 200:
+                            self._ready.set()
+                            self.shm.record()
             time.sleep(0.5)
 
     def _exit_with_server(self) -> None:
@@ -88,6 +99,7 @@ class InstanceServer:
         rc = self.proc.wait()
         if not self._stopping and self.exit_with_server:
             logger.error("%s: server exited with %s; exiting so Ray restarts the actor", self.spec.name, rc)
+            self.shm.sweep(self.spec.name)
             os._exit(1)
 
     @property
@@ -99,7 +111,7 @@ class InstanceServer:
         alive = self.proc.poll() is None
         return {"name": self.spec.name, "role": self.spec.role, "url": self.url,
                 "kv": host_port(self.host, self.kv_port) if self.kv_port else None,
-                "node_ip": self.host, "pid": self.proc.pid, "up": alive and self._ready.is_set(),
+                "node_ip": self.host, "pid": self.proc.pid, "actor_pid": os.getpid(), "up": alive and self._ready.is_set(),
                 "alive": alive, "starts": self.starts, "log": str(self.log_path)}
 
     def log_tail(self, num_bytes: int = 3000) -> str:
@@ -117,6 +129,7 @@ class InstanceServer:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 rc = self.proc.wait(timeout=wait)
                 shutil.rmtree(self.log_dir, ignore_errors=True)
+                self.shm.sweep(self.spec.name, wait_s=5.0)
                 return rc
         return None
 
@@ -133,6 +146,17 @@ def free_ports(num: int, host: str) -> list[int]:
     finally:
         for s in socks:
             s.close()
+
+
+def shm_record_path(name: str) -> Path:
+    """Node-local, per namespace and actor name: the next incarnation on this node finds it."""
+    namespace = "none"
+    with contextlib.suppress(Exception):
+        import ray
+
+        if ray.is_initialized():
+            namespace = ray.get_runtime_context().namespace
+    return Path(tempfile.gettempdir()) / "vllm-disagg-shm" / f"{namespace}-{name}.json".replace(":", "_")
 
 
 def node_ip() -> str:

@@ -127,14 +127,20 @@ class Deployment:
         log = open(self.workdir / "up.log", "wb")  # noqa: SIM115 (the child's)
         self.up = subprocess.Popen([*cmd, *self.engine_args], stdout=log, stderr=subprocess.STDOUT,
                                    env=self._env(), start_new_session=True)
+        self._wait_state_file(timeout_s)
+        if links is not None:
+            self.links = links
+            links.open(self.state()["instances"])
+        self._start_routers()
+
+    def _wait_state_file(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while not self.state_file.exists():
             if self.up.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"up did not start: {(self.workdir / 'up.log').read_text()[-3000:]}")
             time.sleep(1)
-        if links is not None:
-            self.links = links
-            links.open(self.state()["instances"])
+
+    def _start_routers(self) -> None:
         self.router_port = _free_port()
         for i in range(self.num_routers):
             self.routers.append({"name": f"router-{i}", "role": "router", "url": self.url, "pid": None})
@@ -142,7 +148,19 @@ class Deployment:
         wait_http(f"{self.url}/health", 120)
 
     def _router_cmd(self) -> list[str]:
-        state = self.state()
+        return self._router_flags() + self._router_members()
+
+    def _router_members(self) -> list[str]:
+        """The instances, from `up`'s state file (its instances restart on the same addresses)."""
+        cmd = []
+        for inst in self.state()["instances"]:
+            if inst["role"] == "prefill":
+                cmd += ["--prefill", inst["url"], "--prefill-kv", inst["kv"]]
+            elif inst["role"] in ("decode", "mixed"):
+                cmd += ["--decode" if inst["role"] == "decode" else "--mixed", inst["url"]]
+        return cmd
+
+    def _router_flags(self) -> list[str]:
         cmd = [sys.executable, "-m", "vllm_disagg.cli.main", "router", "--port", str(self.router_port),
                "--reuse-port", "--stall-timeout-s", str(self.stall_timeout_s), "--health-interval-s", "1"]
         if self.stall_factor is not None:
@@ -153,11 +171,6 @@ class Deployment:
             cmd += ["--stall-release-s", str(self.stall_release_s)]
         if self.push_timeout_s:
             cmd += ["--push-timeout-s", str(self.push_timeout_s)]  # the routers hand it to D per request
-        for inst in state["instances"]:
-            if inst["role"] == "prefill":
-                cmd += ["--prefill", inst["url"], "--prefill-kv", inst["kv"]]
-            elif inst["role"] in ("decode", "mixed"):
-                cmd += ["--decode" if inst["role"] == "decode" else "--mixed", inst["url"]]
         return cmd
 
     def _spawn_router(self, router: dict) -> None:

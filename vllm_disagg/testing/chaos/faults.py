@@ -85,6 +85,10 @@ class FaultInjector:
         self.log(f"SIGKILL {inst['name']} (pgid {inst['pid']})")
         if role == "router":
             self.d.kill_router(inst)
+        elif inst.get("actor_pid") and self.rng.random() < 0.5:  # a Ray actor: its reaper takes the server along
+            fault.detail["actor_pid"] = inst["actor_pid"]
+            self.log(f"  (the Ray actor, pid {inst['actor_pid']})")
+            _quiet(os.kill, inst["actor_pid"], signal.SIGKILL)
         else:
             signal_group(inst["pid"], signal.SIGKILL)
             if role == "attention":
