@@ -126,8 +126,13 @@ def test_instances_run_the_plugins_real_commands():
     cmd = server_command(p, "10.0.0.7", 8100, 9100)
     assert cmd[1:3] == ["serve", "/m"] and cmd[0].endswith("/vllm")
     joined = " ".join(cmd)
-    assert "--host 10.0.0.7 --port 8100 --served-model-name tiny" in joined
+    assert "--host 10.0.0.7 --port 8100 --middleware vllm_disagg.liveness.LiveMiddleware --served-model-name tiny" in joined
     assert "--plugin disagg --disagg-role prefill --disagg-kv-port 9100 --disagg-transport tcp" in joined
+    # /live and the body cap, as on the local backend: without them the routers' adaptive hang detection
+    # never engaged on Ray (the Ray chaos soak: no suspect mark, requests waited out the fixed 10 s)
+    for role in ("prefill", "decode", "mixed"):
+        rcmd = server_command(ActorSpec(role, 0, "/m"), "h", 1, 2)
+        assert rcmd[rcmd.index("--middleware") + 1] == "vllm_disagg.liveness.LiveMiddleware"
     assert cmd[-2:] == ["--dtype", "float32"]
     d = ActorSpec("decode", 0, "/m", attention_servers=["10.0.0.9:8300"])
     dcmd = server_command(d, "10.0.0.8", 8200, 9200)

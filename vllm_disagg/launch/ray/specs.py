@@ -14,7 +14,7 @@ from pathlib import Path
 
 from vllm_disagg.envs import VLLM_DISAGG_AUTH_TOKEN
 from vllm_disagg.launch.attention_sizing import size_for_args
-from vllm_disagg.launch.instances import CONNECTOR, tensor_parallel_size
+from vllm_disagg.launch.instances import CONNECTOR, LIVE_MIDDLEWARE, tensor_parallel_size
 from vllm_disagg.router.ray_registry import ACTOR_PREFIX, NAMESPACE
 
 POOLS = ("prefill", "decode", "mixed", "attention")
@@ -141,7 +141,8 @@ def server_command(spec: ActorSpec, host: str, http_port: int, kv_port: int | No
         if spec.kv_transport:  # prefill instances push their KV straight into this server's blocks
             cmd += ["--kv-transport", spec.kv_transport]
         return cmd
-    cmd = [str(exe_dir / "vllm"), "serve", spec.model, "--host", host, "--port", str(http_port)]
+    cmd = [str(exe_dir / "vllm"), "serve", spec.model, "--host", host, "--port", str(http_port),
+           "--middleware", LIVE_MIDDLEWARE]  # /live (the router's hang detection) and the body cap, as local
     if spec.served_name and "--served-model-name" not in spec.vllm_args:
         cmd += ["--served-model-name", spec.served_name]
     if spec.role in ("prefill", "decode"):
