@@ -35,6 +35,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from vllm_disagg.testing.netns import Netns
+from vllm_disagg.testing.netns import prereqs as netns_prereqs
+
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
 OVERLAYS = ["cpu", "gpu", "gpu-rdma", "lamina-cpu"]
@@ -322,19 +325,11 @@ def test_hpas_scale_existing_pools_on_metrics_the_adapter_rules_expose(rendered,
 
 
 # ------------------------------------------------------------------------------- run locally
-def _have_netns() -> str | None:
-    if os.geteuid() != 0 or shutil.which("ip") is None:
-        return "needs root and iproute2 for a loopback-only network namespace"
-    return None
-
-
-class PodNetns:
+class PodNetns(Netns):
     """A loopback-only network namespace standing in for one pod's network."""
 
     def __init__(self) -> None:
-        self.name = f"vdk8s-{uuid.uuid4().hex[:8]}"
-        subprocess.run(["ip", "netns", "add", self.name], check=True)
-        subprocess.run(["ip", "-n", self.name, "link", "set", "lo", "up"], check=True)
+        super().__init__(prefix="vdk8s")
 
     def popen(self, argv: list[str], env: dict, log: Path) -> subprocess.Popen:
         with open(log, "wb") as f:
@@ -397,7 +392,7 @@ def _router_knows_discovery() -> bool:
 
 @pytest.mark.slow
 def test_the_rendered_router_command_serves_its_probe_paths_on_its_port(rendered, tmp_path):
-    if reason := _have_netns():
+    if reason := netns_prereqs():
         pytest.skip(reason)
     if not _router_knows_discovery():
         pytest.skip("`vllm-disagg router` has no --discovery flag yet (.coord/scaleout_requests.md #1)")
@@ -426,7 +421,7 @@ def test_the_rendered_router_command_serves_its_probe_paths_on_its_port(rendered
 
 @pytest.mark.slow
 def test_the_rendered_attention_server_command_serves_its_probe_paths_on_its_port(rendered, tmp_path):
-    if reason := _have_netns():
+    if reason := netns_prereqs():
         pytest.skip(reason)
     docs = rendered["lamina-cpu"]
     sts = one(docs, "StatefulSet", "vllm-disagg-attention")

@@ -23,8 +23,8 @@ def prereqs() -> str | None:
 class Netns:
     """A network namespace with only `lo`; every process of the cluster under test runs inside it."""
 
-    def __init__(self) -> None:
-        self.name = f"vdray-{uuid.uuid4().hex[:8]}"
+    def __init__(self, prefix: str = "vdray") -> None:
+        self.name = f"{prefix}-{uuid.uuid4().hex[:8]}"
         subprocess.run(["ip", "netns", "add", self.name], check=True)
         subprocess.run(["ip", "-n", self.name, "link", "set", "lo", "up"], check=True)
 

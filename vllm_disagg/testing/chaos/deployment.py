@@ -117,23 +117,25 @@ class Deployment:
                "--stall-timeout-s", str(self.stall_timeout_s)]
         if self.num_attention:
             cmd += ["--attention", str(self.num_attention), "--restart-attention", "--attention-transport", "tcp"]
-        if self.push_timeout_s:
-            cmd += ["--push-timeout-s", str(self.push_timeout_s)]
         links = KVLinks(self.num_attention, _free_port) if self.has_link else None
         if links is not None:
             cmd += links.up_args()
-        if self.kv_verify:
-            cmd += ["--disagg-kv-verify", "on"]
-        log = open(self.workdir / "up.log", "wb")  # noqa: SIM115 (the child's)
-        self.up = subprocess.Popen([*cmd, *self.engine_args], stdout=log, stderr=subprocess.STDOUT,
-                                   env=self._env(), start_new_session=True)
-        self._wait_state_file(timeout_s)
+        self._launch_up(cmd, timeout_s)
         if links is not None:
             self.links = links
             links.open(self.state()["instances"])
         self._start_routers()
 
-    def _wait_state_file(self, timeout_s: float) -> None:
+    def _launch_up(self, cmd: list[str], timeout_s: float) -> None:
+        """Start `up` (`cmd` plus the flags every backend shares and the engine arguments), logging to
+        up.log, and wait for its state file."""
+        if self.push_timeout_s:
+            cmd = [*cmd, "--push-timeout-s", str(self.push_timeout_s)]
+        if self.kv_verify:
+            cmd = [*cmd, "--disagg-kv-verify", "on"]
+        log = open(self.workdir / "up.log", "wb")  # noqa: SIM115 (the child's)
+        self.up = subprocess.Popen([*cmd, *self.engine_args], stdout=log, stderr=subprocess.STDOUT,
+                                   env=self._env(), start_new_session=True)
         deadline = time.monotonic() + timeout_s
         while not self.state_file.exists():
             if self.up.poll() is not None or time.monotonic() > deadline:

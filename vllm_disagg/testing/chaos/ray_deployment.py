@@ -51,14 +51,7 @@ class RayDeployment(Deployment):
                "--health-timeout-s", str(timeout_s)]
         if self.num_attention:
             cmd += ["--attention", str(self.num_attention)]
-        if self.push_timeout_s:
-            cmd += ["--push-timeout-s", str(self.push_timeout_s)]
-        if self.kv_verify:
-            cmd += ["--disagg-kv-verify", "on"]
-        log = open(self.workdir / "up.log", "wb")  # noqa: SIM115 (the child's)
-        self.up = subprocess.Popen([*cmd, *self.engine_args], stdout=log, stderr=subprocess.STDOUT,
-                                   env=self._env(), start_new_session=True)
-        self._wait_state_file(timeout_s)
+        self._launch_up(cmd, timeout_s)
         import ray
 
         ray.init(address=self.address, namespace=NAMESPACE, log_to_driver=False, logging_level="ERROR")
