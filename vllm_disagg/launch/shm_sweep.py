@@ -7,6 +7,7 @@ run) unlinks nothing: measured, three entries per killed decode instance. `ShmSw
 which /dev/shm files each instance's process group has mapped (from /proc/<pid>/maps, polled by the
 supervisor) and, once the group is gone, unlinks those that no live process still maps, and the
 unmapped `sem.mp-*` files created since the dead group started (why: README.md, "shm_sweep.py").
+"Mapped" is judged by inode: a live semaphore's creator maps it under glibc's temporary name.
 """
 
 from __future__ import annotations
@@ -41,24 +42,47 @@ def group_pids(pgid: int) -> list[int]:
     return out
 
 
-def mapped_shm(pids: list[int]) -> set[str]:
-    """Names of the /dev/shm files the processes `pids` have mapped."""
-    names = set()
+def _shm_mappings(pids: list[int]):
+    """(inode, name) of every /dev/shm mapping of the processes `pids`."""
     for pid in pids:
         try:
             with open(f"/proc/{pid}/maps") as f:
                 for line in f:
                     i = line.find(SHM_DIR + "/")
-                    if i >= 0:
-                        names.add(line[i + len(SHM_DIR) + 1:].split()[0])
+                    if i >= 0:  # "addr perms offset dev inode path"
+                        yield int(line.split()[4]), line[i + len(SHM_DIR) + 1:].split()[0]
+        except (OSError, ValueError, IndexError):
+            continue
+
+
+def mapped_shm(pids: list[int]) -> set[str]:
+    """Names of the /dev/shm files the processes `pids` have mapped."""
+    return {name for _, name in _shm_mappings(pids)}
+
+
+def mapped_inodes() -> set[int]:
+    """Inodes of the /dev/shm files some live process on the box has mapped. By inode, not name: glibc's
+    sem_open maps a semaphore under a temporary name (`sem.XXXXXX (deleted)`) and then links it as
+    `sem.mp-*`, so its creator's mapping never shows the name (a sweep by name removed another
+    deployment's fresh semaphore, and that instance's worker failed to start: FileNotFoundError)."""
+    return {inode for inode, _ in _shm_mappings([int(p) for p in os.listdir("/proc") if p.isdigit()])}
+
+
+def mapped_by_any_process(names: set[str]) -> set[str]:
+    """Those of the /dev/shm files `names` that exist and some live process maps (by inode)."""
+    inodes = _inodes(names)
+    alive = mapped_inodes()  # after the stat: a file created later is not in `names`' answer
+    return {name for name, inode in inodes.items() if inode in alive}
+
+
+def _inodes(names: set[str]) -> dict[str, int]:
+    out = {}
+    for name in names:
+        try:
+            out[name] = os.stat(os.path.join(SHM_DIR, name)).st_ino
         except OSError:
             continue
-    return names
-
-
-def mapped_by_any_process() -> set[str]:
-    """Names of the /dev/shm files some live process on the box has mapped."""
-    return mapped_shm([int(p) for p in os.listdir("/proc") if p.isdigit()])
+    return out
 
 
 class ShmSweeper:
@@ -129,12 +153,11 @@ class ShmRecord:
 
 def unlink_orphans(candidates: set[str], label: str) -> list[str]:
     """Unlink the /dev/shm files `candidates` that exist and no live process maps."""
-    candidates = {n for n in candidates if os.path.exists(os.path.join(SHM_DIR, n))}
-    if not candidates:
+    existing = set(_inodes(candidates))
+    if not existing:
         return []
-    alive = mapped_by_any_process()
     removed = []
-    for shm in sorted(candidates - alive):
+    for shm in sorted(existing - mapped_by_any_process(existing)):
         try:
             os.unlink(os.path.join(SHM_DIR, shm))
             removed.append(shm)

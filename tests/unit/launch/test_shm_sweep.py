@@ -75,6 +75,35 @@ def test_unmapped_semaphores_created_since_the_group_started_are_unlinked_older_
                 os.unlink(path)
 
 
+_SEMAPHORE_OWNER = """
+import multiprocessing, time
+lock = multiprocessing.get_context("spawn").Lock()  # what vLLM's executor makes for the worker it spawns
+print(lock._semlock.name, flush=True); time.sleep(60)
+"""
+
+
+def test_a_live_processs_fresh_semaphore_is_kept_though_its_name_is_mapped_nowhere():
+    """Another deployment's engine, starting while this one's instance dies: its executor created a
+    semaphore for the worker it is about to spawn. glibc maps it under a temporary name, so by name it
+    looked orphaned, and the sweep unlinked it (that worker then failed: FileNotFoundError). By inode it
+    is live."""
+    sweeper = ShmSweeper()
+    sweeper.started("decode0")
+    owner = subprocess.Popen([sys.executable, "-c", _SEMAPHORE_OWNER], stdout=subprocess.PIPE, start_new_session=True)
+    orphan = f"/dev/shm/sem.mp-vd-test-{uuid.uuid4().hex[:8]}"
+    try:
+        name = "sem" + owner.stdout.readline().decode().strip().replace("/", ".")
+        open(orphan, "wb").close()
+        assert os.path.exists(f"/dev/shm/{name}")
+        assert sweeper.sweep("decode0") == [os.path.basename(orphan)]
+        assert os.path.exists(f"/dev/shm/{name}")
+    finally:
+        owner.kill()
+        owner.wait(5)
+        if os.path.exists(orphan):
+            os.unlink(orphan)
+
+
 def test_a_ray_actors_record_lets_its_next_incarnation_remove_what_the_killed_server_mapped(tmp_path):
     """The record lives in a file: the actor that wrote it is gone (SIGKILL), a new one reads it."""
     from vllm_disagg.launch.shm_sweep import ShmRecord

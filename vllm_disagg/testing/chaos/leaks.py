@@ -121,7 +121,7 @@ def retained_past_ttl(url: str, token: str) -> int:
 def snapshot(instances: list[dict], token: str | None = None) -> dict:
     """Per instance name: its role, metrics and process counts; plus `/dev/shm` and what is mapped of it."""
     entries = shm_entries()
-    out = {"instances": {}, "shm": sorted(entries), "shm_mapped": sorted(entries & mapped_by_any_process())}
+    out = {"instances": {}, "shm": sorted(entries), "shm_mapped": sorted(mapped_by_any_process(entries))}
     for inst in instances:
         entry = {"role": inst["role"], "pid": inst["pid"], **process_counts(inst["pid"])}
         try:
