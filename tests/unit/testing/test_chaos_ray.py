@@ -94,3 +94,19 @@ def test_slow_links_are_refused_on_ray_before_anything_starts(tmp_path):
     with pytest.raises(ValueError, match="local backend"):
         dep.start()
     assert dep.up is None and os.listdir(tmp_path) == []
+
+
+def test_stopping_keeps_rays_logs_in_the_work_dir_and_removes_its_temp_dir(tmp_path):
+    """Each Ray chaos run left its /tmp/vdray-* dir behind; its logs belong with the run's other logs."""
+    ray_dir = tmp_path / "vdray-x"
+    session = ray_dir / "session_2026-11-29_07-45-10_1"
+    (session / "logs").mkdir(parents=True)
+    (session / "logs" / "raylet.out").write_text("raylet")
+    (ray_dir / "session_latest").symlink_to(session)
+    work = tmp_path / "work"
+    work.mkdir()
+    dep = RayDeployment(work, "model", ray_dir=ray_dir)
+    dep._keep_ray_logs()
+    assert (work / "ray-logs" / "raylet.out").read_text() == "raylet"
+    assert not ray_dir.exists() and dep.ray_dir is None
+    dep._keep_ray_logs()  # stopping twice is harmless

@@ -15,12 +15,14 @@ and undoes itself (SIGCONT, restart), so the run always ends with everything up.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
 import socket
 import threading
 import time
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -109,7 +111,10 @@ class FaultInjector:
         send = (lambda sig: os.kill(pid, sig)) if engine_only else (lambda sig: signal_group(inst["pid"], sig))
         try:
             send(signal.SIGSTOP)
-            time.sleep(seconds)
+            if engine_only:  # what the routers read: does /live say the engine owes progress, and by when?
+                fault.detail["live"] = sample_live(inst["url"], seconds)
+            else:
+                time.sleep(seconds)
         finally:
             _quiet(send, signal.SIGCONT)
         fault.t_end = time.monotonic()
@@ -297,6 +302,25 @@ def _slowloris(url: str, seconds: float, num: int = 20) -> None:
     finally:
         for s in socks:
             s.close()
+
+
+LIVE_FIELDS = ("stalled_s", "expected_step_s", "expected_progress_s", "num_step_samples", "inflight", "engine_busy")
+
+
+def sample_live(url: str, seconds: float, period_s: float = 1.0) -> list[dict]:
+    """`/live` of an instance whose engine is stopped, every `period_s` for `seconds` (the report keeps why
+    a router did or did not mark it suspect: a Ray decode instance was cut only at the fixed limit)."""
+    samples, start = [], time.monotonic()
+    end = start + seconds
+    while (now := time.monotonic()) < end:
+        try:
+            with urllib.request.urlopen(f"{url}/live", timeout=min(1.0, end - now)) as resp:
+                report = json.loads(resp.read())
+            samples.append({"t_s": round(now - start, 2), **{k: report.get(k) for k in LIVE_FIELDS}})
+        except (OSError, ValueError) as err:
+            samples.append({"t_s": round(now - start, 2), "error": type(err).__name__})
+        time.sleep(max(0.0, min(period_s, end - time.monotonic())))
+    return samples
 
 
 def _quiet(fn, *args) -> None:

@@ -11,6 +11,7 @@ This process becomes a Ray driver to read the instances' current endpoints from 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -101,5 +102,17 @@ class RayDeployment(Deployment):
         ray.shutdown()
         subprocess.run([str(Path(sys.executable).with_name("ray")), "stop", "--force"], env=self._env(),
                        capture_output=True, timeout=120)
+        self._keep_ray_logs()
         return left
+
+    def _keep_ray_logs(self) -> None:
+        """Ray's logs go to the work dir with the rest; its short temp dir under /tmp goes (each run left
+        one behind)."""
+        if self.ray_dir is None:
+            return
+        logs = self.ray_dir / "session_latest" / "logs"
+        if logs.is_dir():
+            shutil.copytree(logs, self.workdir / "ray-logs", dirs_exist_ok=True, ignore_dangling_symlinks=True)
+        shutil.rmtree(self.ray_dir, ignore_errors=True)
+        self.ray_dir = None
 
