@@ -176,6 +176,28 @@ def test_expected_step_time_is_learned_from_busy_beats_and_scaled_to_the_step_in
     assert live.expected_step_s() == pytest.approx(0.05)
 
 
+def test_beats_read_together_still_measure_their_steps_by_when_they_were_sent(state):
+    """A busy API server reads queued beats in a burst (here: its listener waits on the lock). By arrival
+    time those steps took 0 s, so a Ray decode instance reported `expected_step_s` 0 and the router never
+    applied its adaptive limit; each beat carries the step's start instead."""
+    live, beacon = state
+    with live._lock:  # the listener thread blocks in beat(): the datagrams queue in the socket
+        for num_tokens in (0, 4, 4, 4, 4):
+            beacon.beat(num_tokens)
+            time.sleep(0.06)  # past the beacon's 50 ms gap: every beat goes out
+    _until(lambda: live.num_beats == 5)
+    assert live.expected_step_s() == pytest.approx(0.06, abs=0.03)
+
+
+def test_a_step_under_a_millisecond_is_no_sample(state):
+    live, _ = state
+    t = 100.0
+    for gap in (0.0, 0.05, 0.05, 0.05, 0.0, 0.00001):  # the first beat starts the count
+        t += gap
+        live.beat(4, t)
+    assert live.report()["num_step_samples"] == 3 and live.expected_step_s() == pytest.approx(0.05)
+
+
 def test_a_step_expected_to_be_long_is_live_past_the_fixed_timeout_and_stalled_past_its_margin(state):
     """A 1920-token prefill after 512-token ones: one engine step of seconds, no beat until it ends
     (the fixed 0.3 s timeout here stands for 10 s; stop 38 saw a healthy P cut at 10 s)."""

@@ -19,7 +19,10 @@ import time
 
 __all__ = ["ALIVE_PERIOD_S", "ENV_SOCKET", "LayerBeacon", "StepBeacon", "socket_name"]
 
-BEAT = struct.Struct("<iI")  # sender pid, tokens scheduled this step
+BEAT = struct.Struct("<iId")  # sender pid, tokens scheduled this step, its start (sender's time.monotonic())
+"""The start travels in the datagram: a busy API server reads a few queued beats at once, and their
+arrival times made steps of 0 s (a Ray decode instance reported `expected_step_s` 0, so the router
+never applied its adaptive stall limit). CLOCK_MONOTONIC is one clock for every process of the host."""
 ALIVE = struct.Struct("<i")  # sender pid: EngineCore's process runs (heartbeat thread), nothing about steps
 LAYER = struct.Struct("<iII")  # sender pid, index of the layer that finished, number of layers
 ALIVE_PERIOD_S = 1.0
@@ -87,7 +90,7 @@ class StepBeacon(_Datagrams):
                 and num_scheduled_tokens <= 2 * self._last_tokens):
             return
         self._last, self._last_busy, self._last_tokens = now, busy, num_scheduled_tokens
-        self._send(BEAT.pack(self._pid, max(0, min(num_scheduled_tokens, 2**32 - 1))))
+        self._send(BEAT.pack(self._pid, max(0, min(num_scheduled_tokens, 2**32 - 1)), now))
 
     def start_heartbeat(self, period_s: float = ALIVE_PERIOD_S) -> None:
         """Say every `period_s` that this process runs (a daemon thread): an idle engine takes no

@@ -23,6 +23,8 @@ MIN_STEP_SAMPLES = 3
 """Busy steps seen before `expected_step_s` is reported. Each sample over-states its step (beats are at
 most one per 50 ms), so a few are safe; 8 left a restarted engine on the fixed limit for minutes at
 low load (a short request gives 1-3 samples), and the chaos soak's 7.7 s SIGSTOP of it went uncut."""
+MIN_STEP_S = 1e-3
+"""A sample shorter than this is a clock artefact, not a step (no engine steps in under a millisecond)."""
 
 
 LONG_STEP_MARGIN = 3.0
@@ -86,7 +88,8 @@ class LiveState:
             if len(data) == ALIVE.size:
                 self.last_alive = time.monotonic()
             elif len(data) == BEAT.size:  # only EngineCore writes here (abstract sockets: same user)
-                self.beat(BEAT.unpack(data)[1], time.monotonic())
+                _, num_tokens, started = BEAT.unpack(data)
+                self.beat(num_tokens, min(started, time.monotonic()))
             elif len(data) == LAYER.size:
                 _, _, num_layers = LAYER.unpack(data)
                 self.layer_done(num_layers, time.monotonic())
@@ -94,7 +97,7 @@ class LiveState:
     def beat(self, num_tokens: int, now: float) -> None:
         """EngineCore started a step of `num_tokens` tokens (0: it has nothing to do) at `now`."""
         with self._lock:
-            if self.num_beats and self.engine_busy:
+            if self.num_beats and self.engine_busy and now - self.last_beat >= MIN_STEP_S:
                 self._steps.append((now - self.last_beat, self.num_step_tokens))
             self.num_beats += 1
             self.last_beat = now
