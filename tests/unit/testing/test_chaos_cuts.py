@@ -88,3 +88,15 @@ def test_a_request_in_flight_when_a_fault_starts_counts_as_during_it_not_as_quie
     assert [o["during_faults"] for o in outcomes[-3:]] == [True, True, False]
     assert result["p99_ttft_quiet_s"] == 0.25 and result["num_quiet_requests"] == 21
     assert result["p99_ttft_during_faults / p99_ttft_quiet"] == round(2.0 / 0.25, 3)
+
+
+def test_a_kill_holds_its_target_until_it_was_back_when_that_was_measured():
+    """Lamina on Ray, stop 41: P killed at 187 s served again 94 s later, and requests sent at 250 s while
+    D was stopped had no serving instance; the fixed 60 s window said they had one."""
+    kill = {"kind": "kill", "target": "prefill0", "t_start_s": 187.0, "t_end_s": 187.0}
+    stop = {"kind": "stop", "target": "decode0", "t_start_s": 250.0, "t_end_s": 273.0}
+    outcomes = [{"key": "16/chat", "t_sent_s": 252.0, "ttft_s": 18.4}]
+    serving = ["prefill0", "decode0"]
+    assert not slow_requests(outcomes, [kill, stop], serving, bound_s=1.5)[0]["no_serving_instance"]
+    assert slow_requests(outcomes, [{**kill, "back_after_s": 94.0}, stop], serving, bound_s=1.5)[0]["no_serving_instance"]
+    assert not slow_requests(outcomes, [{**kill, "back_after_s": 40.0}, stop], serving, bound_s=1.5)[0]["no_serving_instance"]

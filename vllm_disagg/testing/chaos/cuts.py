@@ -22,7 +22,8 @@ PROCESS_FAULTS = ("kill", "stop", "stop_engine", "slow")
 """Faults that hold an instance's progress up; a cut while none runs is a false cut."""
 KILL_AFTERMATH_S = 60.0
 """A kill holds its target, and a decode instance waiting on a killed attention server, up until the
-restart is done (30-60 s for a vLLM instance here): its window runs this long."""
+restart is done: measured per kill (`back_after_s`, faults.py), else this long (30-60 s for a local
+vLLM instance here; a Ray restart took 94 s)."""
 
 
 def router_cuts(log_paths: list[Path], t0_wall: float) -> list[dict]:
@@ -55,8 +56,10 @@ def _events(log_paths: list[Path], t0_wall: float, pattern: re.Pattern, fields) 
 
 def _held(fault: dict, slack_s: float = 0.0) -> tuple[float, float]:
     """When a process fault holds its target up (a kill: until the restart is done)."""
-    aftermath = KILL_AFTERMATH_S if fault["kind"] == "kill" else 0.0
-    return fault["t_start_s"] - slack_s, fault["t_end_s"] + slack_s + aftermath
+    end = fault["t_end_s"]
+    if fault["kind"] == "kill":
+        end = fault["t_start_s"] + fault["back_after_s"] if "back_after_s" in fault else end + KILL_AFTERMATH_S
+    return fault["t_start_s"] - slack_s, end + slack_s
 
 
 def cuts_outside_faults(cuts: list[dict], faults: list[dict], slack_s: float = 2.0) -> list[dict]:

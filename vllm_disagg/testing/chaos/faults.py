@@ -96,7 +96,27 @@ class FaultInjector:
             if role == "attention":
                 self.d.restart_attention(inst)
         fault.t_end = time.monotonic()
+        if role != "router":  # a router is back at once (restarted in place)
+            self._watch_back(fault, inst["name"], inst["pid"])
         return fault
+
+    def _watch_back(self, fault: Fault, name: str, old_pid: int) -> None:
+        """In the background: when a new process of the killed instance `name` answers `/health`, set
+        `back_after_s` (the report's window for the kill; cuts.py). A Ray restart took 94 s under load,
+        past the fixed 60 s, so requests that had no serving instance were counted as having one."""
+        def run() -> None:
+            deadline = time.monotonic() + BACK_TIMEOUT_S
+            while time.monotonic() < deadline:
+                time.sleep(1.0)
+                try:
+                    new = [i for i in self.d.instances() if i["name"] == name and i.get("pid") != old_pid]
+                    if new and _healthy(new[0]["url"]):
+                        fault.detail["back_after_s"] = round(time.monotonic() - fault.t_start, 1)
+                        return
+                except Exception:  # noqa: BLE001 (a state file mid-write, GCS busy: ask again)
+                    continue
+
+        threading.Thread(target=run, name=f"chaos-back-{name}", daemon=True).start()
 
     def stop(self, role: str, seconds: float, engine_only: bool = False) -> Fault:
         inst = self.d.pick(role, self.rng)
@@ -302,6 +322,18 @@ def _slowloris(url: str, seconds: float, num: int = 20) -> None:
     finally:
         for s in socks:
             s.close()
+
+
+BACK_TIMEOUT_S = 300.0
+"""How long a killed instance's return is watched for (`back_after_s`)."""
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
 
 
 LIVE_FIELDS = ("stalled_s", "expected_step_s", "expected_progress_s", "num_step_samples", "inflight", "engine_busy")
