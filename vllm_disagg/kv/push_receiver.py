@@ -104,6 +104,8 @@ class PushReceiver:
         self._recvs: dict[str, _Recv] = {}  # req_id -> receive
         self._by_tid: dict[str, _Recv] = {}
         self._late: dict[str, float] = {}  # transfer ids given up on; their notifications are dropped
+        self._unanswered: dict[str, float] = {}  # prefill address -> when a STATUS call to it last timed out
+        self._status_locks: dict[str, threading.Lock] = {}  # one STATUS round per prefill instance at a time
         self._errors: dict[str, tuple[str, bool]] = {}
         self.num_landed = 0
         """Receives whose every byte landed (the evidence, per TP rank, that pushes arrive here)."""
@@ -274,7 +276,20 @@ class PushReceiver:
     # ------------------------------------------------------------ registration threads
     def _ask_status(self, remote: str, recvs: list[_Recv]) -> None:
         """Fail the receives whose push P abandoned (or never heard of, twice); a P that does not
-        answer is left to the lost-peer check and the deadline."""
+        answer is left to the lost-peer check and the deadline. Rounds to one P take turns, and one
+        that comes within _STATUS_AFTER_S of an unanswered call waits too: receives that stalled a poll
+        apart made two rounds on two threads, and the second, queued on the connection, asked the frozen
+        P the moment the first gave up (CI, stop 41: 0.1 s after)."""
+        with self._lock:
+            status_lock = self._status_locks.setdefault(remote, threading.Lock())
+        with status_lock:
+            with self._lock:
+                if time.monotonic() - self._unanswered.get(remote, -_STATUS_AFTER_S) < _STATUS_AFTER_S:
+                    self._defer(recvs)
+                    return
+            self._status_round(remote, recvs)
+
+    def _status_round(self, remote: str, recvs: list[_Recv]) -> None:
         for recv in recvs:
             try:
                 reply = decode_msg(self._client.call(
@@ -283,11 +298,17 @@ class PushReceiver:
             except (DisaggError, OSError) as err:
                 logger.info("KV push: prefill instance %s did not answer STATUS (%s)", remote, err)
                 with self._lock:  # a frozen P: ask again in _STATUS_AFTER_S, not on every poll
-                    for rest in recvs:
-                        rest.probing, rest.t_progress = False, time.monotonic()
+                    self._unanswered[remote] = time.monotonic()
+                    self._defer(recvs)
                 return
             with self._lock:
                 self._on_state(recv, reply)
+
+    @staticmethod
+    def _defer(recvs: list[_Recv]) -> None:
+        """Called holding the lock: ask about `recvs` again only after _STATUS_AFTER_S."""
+        for recv in recvs:
+            recv.probing, recv.t_progress = False, time.monotonic()
 
     def _on_state(self, recv: _Recv, reply: SideMsg) -> None:
         """Called holding the lock."""

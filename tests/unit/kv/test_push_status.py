@@ -11,6 +11,7 @@ import signal
 import threading
 import time
 
+import pytest
 import torch
 from test_kv_push import INFO, NUM_LAYERS, SHAPE, Pair, _landed, _transport, _until
 
@@ -100,11 +101,13 @@ class _Unanswered(logging.Handler):
             self.times.append(record.created)
 
 
-def test_a_frozen_prefill_instance_is_asked_again_every_few_seconds_not_on_every_poll():
+@pytest.mark.parametrize("stagger_s", [0.0, 0.6], ids=["one_round", "two_rounds"])
+def test_a_frozen_prefill_instance_is_asked_again_every_few_seconds_not_on_every_poll(stagger_s):
     """P SIGSTOPped (alive, its sockets open, nothing answered) after accepting two registrations:
     each STATUS round waits out its 5 s call, and the next comes _STATUS_AFTER_S after it, not at once
-    for the round's other receive (b9a98af^: 5 s apart). Polls stay instant, both receives wait for
-    their push, and once P runs again it answers."""
+    for the round's other receive (b9a98af^: 5 s apart), nor for a second round queued behind it when
+    the receives stalled a poll apart (`two_rounds`; stop 41's CI: 0.1 s after). Polls stay instant,
+    both receives wait for their push, and once P runs again it answers."""
     proc, address = start_sender_process(INFO, "tok", SHAPE, TIMEOUT_S, timeout_s=5.0)
     receiver = PushReceiver(_transport(), _transport(), INFO, "tok", [torch.zeros(SHAPE) for _ in range(NUM_LAYERS)],
                             (DisaggKVConnectorStats(), threading.Lock()))
@@ -113,8 +116,10 @@ def test_a_frozen_prefill_instance_is_asked_again_every_few_seconds_not_on_every
     level = logger.level
     logger.setLevel(logging.INFO)
     try:
-        receiver.start([RecvSpec(f"d-t{i}", f"t{i}", address, (2 * i, 2 * i + 1), 0, 20, TIMEOUT_S) for i in (1, 2)])
-        _until(lambda: all(receiver._recvs[f"d-t{i}"].state is RecvState.REGISTERED for i in (1, 2)))
+        for i in (1, 2):
+            receiver.start([RecvSpec(f"d-t{i}", f"t{i}", address, (2 * i, 2 * i + 1), 0, 20, TIMEOUT_S)])
+            _until(lambda i=i: receiver._recvs[f"d-t{i}"].state is RecvState.REGISTERED)
+            time.sleep(stagger_s)
         os.kill(proc.pid, signal.SIGSTOP)
         slowest = _poll_for(25.0, receiver, until=lambda: len(unanswered.times) >= 2)
         assert len(unanswered.times) == 2, "P frozen for 25 s and fewer than two STATUS calls timed out"
