@@ -59,13 +59,15 @@ unit: setup
 # own interpreter, so one module's engine cannot crash or skew another's. pytest's exit 5 (nothing
 # collected) is not a failure.
 test: lint model sysdeps
-	@fail=""; \
+	@fail=""; took=""; \
 	$(PY) benchmarks/gpu_check.py --dry-run || fail="$$fail gpu-check-dry-run"; \
 	for target in "tests/unit tests/patches" $$(ls tests/integration/test_*.py); do \
 	  workers=""; case "$$target" in tests/unit*) workers="-n $(UNIT_WORKERS)";; esac; \
-	  $(PY) -m pytest $(PYTEST_ARGS) $$workers $$target; rc=$$?; \
+	  start=$$(date +%s); $(PY) -m pytest $(PYTEST_ARGS) $$workers $$target; rc=$$?; \
+	  took="$$took\n  $$(( $$(date +%s) - start )) s  $$target"; \
 	  if [ $$rc -ne 0 ] && [ $$rc -ne 5 ]; then fail="$$fail $$target(exit $$rc)"; fi; \
 	done; \
+	printf 'make test: seconds per group (CI budget: 45 min in all)%b\n' "$$took"; \
 	if [ -n "$$fail" ]; then echo "make test: FAILED:$$fail"; exit 1; fi; echo "make test: every group passed"
 
 # GPU kit (docs/gpu.md). The dry run needs no GPU and no .whl/ (it checks the lock instead).

@@ -26,6 +26,7 @@ from pathlib import Path
 import psutil
 
 from vllm_disagg.launch.local import free_ports, vllm_serve_prefix
+from vllm_disagg.testing.http import answers
 
 HOST = "127.0.0.1"
 SERVED_NAME = "smollm2-135m"
@@ -184,8 +185,6 @@ def _start_ours(run: Running, model: str, max_model_len: int) -> None:
 
 
 def _wait_ready(run: Running, timeout_s: float) -> None:
-    import urllib.request
-
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         dead = [p for p in run.procs if p.poll() is not None]
@@ -197,25 +196,10 @@ def _wait_ready(run: Running, timeout_s: float) -> None:
             run.url = state["endpoint"] if "endpoint" in state else state["router"]
             run.instances = {i["name"].rstrip("0123456789"): i["url"] for i in state["instances"]}
             run.instances["router"] = run.url
-        if run.url:
-            try:
-                with urllib.request.urlopen(f"{run.url}/v1/models", timeout=5) as resp:
-                    if resp.status == 200 and all(_healthy(u) for u in run.instances.values()):
-                        return
-            except OSError:
-                pass
+        if run.url and answers(f"{run.url}/v1/models") and all(answers(f"{u}/health") for u in run.instances.values()):
+            return
         time.sleep(2)
     raise RuntimeError(f"{run.deployment.name} not ready after {timeout_s:.0f} s; logs in {run.log_dir}")
-
-
-def _healthy(url: str) -> bool:
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(f"{url}/health", timeout=5) as resp:
-            return resp.status == 200
-    except OSError:
-        return False
 
 
 def placement(procs: list[subprocess.Popen]) -> dict:

@@ -16,13 +16,13 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from vllm_disagg.testing.chaos import leaks
 from vllm_disagg.testing.chaos.faults import signal_group
 from vllm_disagg.testing.chaos.links import KVLinks
+from vllm_disagg.testing.http import answers, health, wait_http
 from vllm_disagg.testing.up import group_alive
 
 ENGINE_ARGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "1024", "--block-size", "32",
@@ -33,28 +33,6 @@ def _free_port() -> int:
     from vllm_disagg.launch.local import free_ports
 
     return free_ports(1)[0]
-
-
-def _answers(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as resp:
-            return resp.status == 200
-    except OSError:
-        return False
-
-
-def wait_http(url: str, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            with urllib.request.urlopen(url, timeout=5) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            pass
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{url} not answering 200 after {timeout_s:.0f} s")
-        time.sleep(0.5)
 
 
 @dataclass
@@ -210,13 +188,11 @@ class Deployment:
             if inst.get("kv") and not (inst["role"] == "decode" and self.num_attention):
                 ports.append((f"{inst['name']}-kv", inst["kv"]))
             if inst["role"] == "attention":
-                try:
-                    with urllib.request.urlopen(f"{inst['url']}/health", timeout=5) as resp:
-                        health = json.loads(resp.read())
-                except OSError:
+                body = health(inst["url"])
+                if body is None:
                     continue
-                kv = health.get("kv_listen_address") or health.get("kv_address")  # the receiver, not a proxy
-                ports += [(f"{inst['name']}-{k}", v) for k, v in (("address", health.get("address")), ("kv_address", kv))
+                kv = body.get("kv_listen_address") or body.get("kv_address")  # the receiver, not a proxy
+                ports += [(f"{inst['name']}-{k}", v) for k, v in (("address", body.get("address")), ("kv_address", kv))
                           if v]
         return ports
 
@@ -228,13 +204,11 @@ class Deployment:
         router must have every one in routing, and every router must run. The instances are asked
         themselves: a router restarted a moment ago still counts unpolled instances healthy."""
         why = [f"{inst['name']}: /health does not answer 200" for inst in self.instances()
-               if not _answers(f"{inst['url']}/health")]
+               if not answers(f"{inst['url']}/health")]
         why += [f"router pid {r['pid']} exited" for r in self.routers if r["proc"].poll() is not None]
-        try:
-            with urllib.request.urlopen(f"{self.url}/health", timeout=5) as resp:
-                body = json.loads(resp.read())
-        except (OSError, ValueError) as err:
-            return [*why, f"router /health: {err!r}"]
+        body = health(self.url)
+        if body is None:
+            return [*why, "router /health does not answer 200"]
         return why + [f"router: {i.get('url', i)} not in routing" for i in body["instances"] if not i["healthy"]]
 
     def wait_all_healthy(self, timeout_s: float, num_in_row: int = 3, log=print) -> bool:

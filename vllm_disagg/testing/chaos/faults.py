@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from vllm_disagg.errors import DisaggError
 from vllm_disagg.testing.chaos.leaks import children, metrics
 from vllm_disagg.testing.fuzz import FuzzTarget, _stranger
+from vllm_disagg.testing.http import answers
 
 KINDS = ("kill", "stop", "stop_engine", "slow", "slow_link", "corrupt_link", "garbage_frames", "bad_http",
          "router_restart")
@@ -110,7 +111,7 @@ class FaultInjector:
                 time.sleep(1.0)
                 try:
                     new = [i for i in self.d.instances() if i["name"] == name and i.get("pid") != old_pid]
-                    if new and _healthy(new[0]["url"]):
+                    if new and answers(f"{new[0]['url']}/health", timeout_s=2.0):
                         fault.detail["back_after_s"] = round(time.monotonic() - fault.t_start, 1)
                         return
                 except Exception:  # noqa: BLE001 (a state file mid-write, GCS busy: ask again)
@@ -326,14 +327,6 @@ def _slowloris(url: str, seconds: float, num: int = 20) -> None:
 
 BACK_TIMEOUT_S = 300.0
 """How long a killed instance's return is watched for (`back_after_s`)."""
-
-
-def _healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
-            return resp.status == 200
-    except OSError:
-        return False
 
 
 LIVE_FIELDS = ("stalled_s", "expected_step_s", "expected_progress_s", "num_step_samples", "inflight", "engine_busy")

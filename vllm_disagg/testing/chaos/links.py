@@ -13,10 +13,9 @@ instance listens on the same fixed port, so its proxy stays valid.
 
 from __future__ import annotations
 
-import json
 import random
-import urllib.request
 
+from vllm_disagg.testing.http import health
 from vllm_disagg.testing.throttle import ThrottledProxy
 
 __all__ = ["KVLinks"]
@@ -61,8 +60,7 @@ class KVLinks:
 
 def _listen_address(server: dict) -> str:
     """Where an attention server's KV receiver listens (its /health `kv_listen_address`)."""
-    with urllib.request.urlopen(f"{server['url']}/health", timeout=10) as resp:
-        health = json.loads(resp.read())
-    if not health.get("kv_listen_address"):
-        raise RuntimeError(f"attention server {server['name']} reports no kv_listen_address: {health}")
-    return health["kv_listen_address"]
+    body = health(server["url"], timeout_s=10.0) or {}
+    if not body.get("kv_listen_address"):
+        raise RuntimeError(f"attention server {server['name']} reports no kv_listen_address: {body or 'no 200'}")
+    return body["kv_listen_address"]
