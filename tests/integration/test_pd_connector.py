@@ -265,11 +265,11 @@ def test_a_byte_flipped_on_the_link_is_caught_by_verification_and_that_prompt_re
         decode.close()
 
 
-def test_handshake_mismatch_fails_fast_with_the_field_named(tiny_model_dir, prompts, log_dir):
-    port = _free_port()
-    prefill = Engine("prefill", tiny_model_dir, log_dir, "0", kv_port=port)
-    # D keeps "recompute" (needed for the dead-P fallback); patches/P4 still fails a mismatch fast.
-    decode = Engine("decode", tiny_model_dir, log_dir, "1", kv_port=_free_port(), dtype="bfloat16", policy="recompute")
+def test_handshake_mismatch_fails_fast_with_the_field_named(tiny_model_dir, prompts, decode, log_dir):
+    """A bfloat16 P pushing to the module's float32 D (which keeps "recompute", needed for the dead-P
+    fallback; patches/P4 still fails a mismatch fast)."""
+    prefill, port = _start_prefill(tiny_model_dir, log_dir, dtype="bfloat16")
+    seen = len(decode.log_text())
     try:
         t0 = time.monotonic()
         _, d_out = _run_pd(prefill, decode, port, prompts[:2], timeout_s=60.0)
@@ -277,13 +277,12 @@ def test_handshake_mismatch_fails_fast_with_the_field_named(tiny_model_dir, prom
         assert time.monotonic() - t0 < 30, "a handshake mismatch must not wait for the push timeout"
         assert d_out["finish_reasons"] == ["error", "error"]
         assert all(len(o) == 0 for o in d_out["outputs"]), "no tokens may come from mismatched KV"
-        assert "handshake mismatch" in decode.log_text() and "'dtype'" in decode.log_text()
+        assert "handshake mismatch" in decode.log_text()[seen:] and "'dtype'" in decode.log_text()[seen:]
         assert "'dtype'" in prefill.log_text()
         assert p_out["free_blocks"] == prefill.ready["free_blocks"]
         assert d_out["free_blocks"] == decode.ready["free_blocks"]
     finally:
         prefill.close()
-        decode.close()
 
 
 def _assert_nano_batched(out: dict, role: str) -> None:
