@@ -6,6 +6,8 @@
   `VLLM_CPU_OMP_THREADS_BIND=0-1` (compute on both);
 - `vllm_nixl` (`vllm_nixl_push`): vLLM's NixlConnector 1P+1D, pull (push) mode, each `vllm serve` on one core
   (`taskset` + `VLLM_CPU_OMP_THREADS_BIND`), behind `vllm-disagg router --pd-protocol vllm`;
+  `vllm_nixl_inline`: the same without NIXL's UCX progress thread, which spins a core per engine
+  (nixl_inline/sitecustomize.py; a secondary baseline, not what vLLM runs by default);
 - `ours_tcp` / `ours_shm` / `ours_nano`: `vllm-disagg up --prefill 1 --decode 1` over tcp or shm (nano:
   `--disagg-num-nano-batches auto`), which binds each instance's process tree to its core.
 Every process (and the client) may use cores 0-1; `placement` records where each one actually sits.
@@ -67,6 +69,9 @@ DEPLOYMENTS = {d.name: d for d in (
     Deployment("vllm_nixl", "vllm_nixl"),
     Deployment("vllm_nixl_push", "vllm_nixl", connector="NixlPushConnector"),
     Deployment("vllm_nixl_ucx_tcp", "vllm_nixl", env=(("UCX_TLS", "tcp,self"),)),
+    # NIXL without its spinning progress thread (nixl_inline/sitecustomize.py): a secondary baseline
+    Deployment("vllm_nixl_inline", "vllm_nixl", env=(("PYTHONPATH", str(Path(__file__).parent / "nixl_inline")),
+                                                     ("UCX_RCACHE_MAX_UNRELEASED", "1024"))),
     Deployment("ours_tcp", "ours", transport="tcp"),
     Deployment("ours_shm", "ours", transport="shm"),
     Deployment("ours_nano", "ours", transport="tcp", nano=True),
