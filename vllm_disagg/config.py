@@ -75,6 +75,9 @@ class KVTransferSection(_Section):
     verify_checksums: bool = False
     """Decode side: check every push end to end (a CRC32 per layer from P, transport/checksum.py) before its
     request runs, and recompute on a difference. Costs a pass over the KV on each side."""
+    recompute_slow_pushes: bool = True
+    """Decode side: cancel a push still landing longer after its prefill ended than the prefill took,
+    and recompute the prompt (a slow link; kv/push_status.py). Off: such a push waits up to push_timeout_s."""
 
     @field_validator("advertise_address")
     @classmethod

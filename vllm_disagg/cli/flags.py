@@ -59,6 +59,8 @@ FLAGS = [
          "HOST:PORT the prefill side connects to for this decode instance's KV receiver (a NAT, a Service, a proxy)."),
     Flag("--disagg-kv-verify", "kv.verify_checksums",
          "Decode side: check each push's landed KV against P's checksums; recompute on a difference.", ("on", "off")),
+    Flag("--disagg-recompute-slow-pushes", "kv.recompute_slow_pushes",
+         "Decode side: recompute a push that lands slower than its prefill computed (a slow link).", ("on", "off")),
     Flag("--disagg-attention-servers", "remote_attention.servers",
          "HOST:PORT of each attention worker (comma separated or repeated).", kind="list"),
     Flag("--disagg-attention-partition", "remote_attention.partition",

@@ -102,6 +102,9 @@ class PushPlan:
         self.orphans: set[str] = set()
         self.failed: dict[str, tuple[str, float]] = {}
         """transfer id -> (why, when): failed pushes already freed, for D's STATUS (`status`)."""
+        self.completed: dict[str, tuple[float, float]] = {}
+        """transfer id -> (prefill seconds, when the prefill ended): pushes whose every write left here,
+        for D's STATUS while their bytes may still be on a slow link (`prefill_timing`)."""
         self.checksums: dict[str, tuple[str, float]] = {}
         """transfer id -> (per-layer CRC32s, when): completed pushes whose decode side asked to verify
         them, until its VERIFY takes them (or _CANCELLED_TTL_S passes)."""
@@ -215,7 +218,22 @@ class PushPlan:
                 return "failed", gone[transfer_id][0]
         if transfer_id in self.rejected:
             return "failed", self.rejected[transfer_id]
+        if transfer_id in self.completed:
+            return "done", ""
         return ("waiting", "") if transfer_id in self.registry else ("unknown", "")
+
+    def prefill_timing(self, transfer_id: str) -> dict[str, float]:
+        """For D's STATUS of a push still landing after its prefill finished here: `prefill_s`, what
+        computing the prompt took (about what D's recompute would cost), and `since_prefill_s`, how long
+        its bytes have been on the link alone since (kv/push_status.py weighs one against the other)."""
+        push = self.pushes.get(self.by_tid.get(transfer_id, ""))
+        if push is not None and push.t_prefill_done is not None and push.error is None:
+            prefill_s, t_prefill_done = push.t_prefill_done - push.t_created, push.t_prefill_done
+        elif push is None and transfer_id in self.completed:
+            prefill_s, t_prefill_done = self.completed[transfer_id]
+        else:
+            return {}
+        return {"prefill_s": round(prefill_s, 4), "since_prefill_s": round(time.monotonic() - t_prefill_done, 4)}
 
     # ------------------------------------------------------------ sender thread
     def busy(self) -> bool:
@@ -318,6 +336,10 @@ class PushPlan:
     def _complete(self, push: Push, now: float) -> None:
         push.done = True
         push.t_done = now
+        if push.transfer_id and push.t_prefill_done is not None:
+            self.completed[push.transfer_id] = (push.t_prefill_done - push.t_created, push.t_prefill_done)
+            while len(self.completed) > _MAX_CANCELLED:
+                del self.completed[next(iter(self.completed))]
         t0 = push.t_first_issue or now
         self.timeline.append({
             "transfer_id": push.transfer_id, "layerwise": push.layerwise, "num_writes": len(push.handles),
@@ -340,7 +362,7 @@ class PushPlan:
                 logger.warning("KV push %s: registration expired, no prefill request with that id", transfer_id)
         if len(self.rejected) > 4096:
             self.rejected.clear()
-        for kept in (self.cancelled, self.checksums, self.failed):
+        for kept in (self.cancelled, self.checksums, self.failed, self.completed):
             for transfer_id, (_, t) in list(kept.items()):
                 if now - t <= _CANCELLED_TTL_S:
                     break  # insertion order is arrival order

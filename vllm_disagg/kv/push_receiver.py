@@ -8,7 +8,6 @@ More: README.md, "push_receiver.py".
 
 from __future__ import annotations
 
-import enum
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -29,6 +28,7 @@ from vllm_disagg.kv.handshake import (
     handshake_body,
 )
 from vllm_disagg.kv.metadata import CancelSpec, RecvSpec
+from vllm_disagg.kv.push_status import CANCEL_TIMEOUT_S, RecvState, StatusRounds
 from vllm_disagg.kv.side_channel import SideChannelClient
 from vllm_disagg.kv.spans import end_receive_span, start_receive_span
 from vllm_disagg.kv.stats import StatsSink
@@ -38,26 +38,8 @@ from vllm_disagg.transport import KVReceiver, Transport, checksum
 __all__ = ["PushReceiver", "RecvState"]
 
 logger = init_logger(__name__)
-_CANCEL_TIMEOUT_S = 5.0
-_STATUS_AFTER_S = 2.0
-"""A registered receive that landed no byte for this long asks its prefill instance how the push is
-doing (STATUS): a push P abandoned, or one P never heard of (it restarted), fails now, not at
-push_timeout_s."""
-_UNKNOWN_TIMES = 2
-"""`unknown` answers in a row before the receive fails: the first can race a push that just completed
-and was forgotten while its last notification is still queued here."""
 _THREADS_PER_PREFILL = 2
 """Calls to one prefill instance share one channel and its lock, so more threads would only queue there."""
-
-
-class RecvState(enum.IntEnum):
-    REGISTERING = 1
-    REGISTERED = 2
-    CANCELLING = 3
-    DONE = 4
-    FAILED = 5
-    VERIFYING = 6
-    """Every byte landed; waiting for P's checksums (`kv.verify_checksums`)."""
 
 
 _OVER = (RecvState.DONE, RecvState.FAILED)
@@ -78,16 +60,18 @@ class _Recv:
     """`kv.receive` of a traced request (kv/spans.py), ended when the receive is over."""
     t_progress: float = field(default_factory=time.monotonic)
     """When a byte last landed (or the prefill side last said the push goes on)."""
+    t_asked: float = field(default_factory=time.monotonic)
+    """When the prefill side last answered a STATUS about it (at first: when it was created)."""
     probing: bool = False
     num_unknown: int = 0
 
 
-class PushReceiver:
+class PushReceiver(StatusRounds):
     """Owns the decode worker's KV receiver (on `data`) and side-channel client (on `control`)."""
 
     def __init__(self, control: Transport, data: Transport | None, handshake: HandshakeInfo, token: str,
                  layers: list[Any], stats: StatsSink, failure_policy: str = "recompute",
-                 advertise_address: str | None = None, verify: bool = False):
+                 advertise_address: str | None = None, verify: bool = False, recompute_slow_pushes: bool = True):
         self.handshake, self.token, self.layers = handshake, token, layers
         self.verify = verify
         """Check every push end to end before its request runs (checksum.py)."""
@@ -104,8 +88,7 @@ class PushReceiver:
         self._recvs: dict[str, _Recv] = {}  # req_id -> receive
         self._by_tid: dict[str, _Recv] = {}
         self._late: dict[str, float] = {}  # transfer ids given up on; their notifications are dropped
-        self._unanswered: dict[str, float] = {}  # prefill address -> when a STATUS call to it last timed out
-        self._status_locks: dict[str, threading.Lock] = {}  # one STATUS round per prefill instance at a time
+        self._init_status(recompute_slow_pushes)
         self._errors: dict[str, tuple[str, bool]] = {}
         self.num_landed = 0
         """Receives whose every byte landed (the evidence, per TP rank, that pushes arrive here)."""
@@ -261,67 +244,7 @@ class PushReceiver:
             if now - t > 600:
                 del self._late[transfer_id]
 
-    def _probe_stalled(self, now: float) -> None:
-        """One STATUS round per prefill instance for its registered receives that landed nothing for
-        _STATUS_AFTER_S (on that instance's pool: a frozen one holds up only its own)."""
-        stalled: dict[str, list[_Recv]] = {}
-        with self._lock:
-            for recv in self._recvs.values():
-                if recv.state is RecvState.REGISTERED and not recv.probing and now - recv.t_progress > _STATUS_AFTER_S:
-                    recv.probing = True
-                    stalled.setdefault(recv.spec.remote, []).append(recv)
-        for remote, recvs in stalled.items():
-            self._submit(remote, self._ask_status, remote, recvs)
-
     # ------------------------------------------------------------ registration threads
-    def _ask_status(self, remote: str, recvs: list[_Recv]) -> None:
-        """Fail the receives whose push P abandoned (or never heard of, twice); a P that does not
-        answer is left to the lost-peer check and the deadline. Rounds to one P take turns, and one
-        that comes within _STATUS_AFTER_S of an unanswered call waits too: receives that stalled a poll
-        apart made two rounds on two threads, and the second, queued on the connection, asked the frozen
-        P the moment the first gave up (CI, stop 41: 0.1 s after)."""
-        with self._lock:
-            status_lock = self._status_locks.setdefault(remote, threading.Lock())
-        with status_lock:
-            with self._lock:
-                if time.monotonic() - self._unanswered.get(remote, -_STATUS_AFTER_S) < _STATUS_AFTER_S:
-                    self._defer(recvs)
-                    return
-            self._status_round(remote, recvs)
-
-    def _status_round(self, remote: str, recvs: list[_Recv]) -> None:
-        for recv in recvs:
-            try:
-                reply = decode_msg(self._client.call(
-                    remote, encode_msg(SideMsg(MsgType.STATUS, {"transfer_id": recv.spec.transfer_id})),
-                    timeout=_CANCEL_TIMEOUT_S), remote)
-            except (DisaggError, OSError) as err:
-                logger.info("KV push: prefill instance %s did not answer STATUS (%s)", remote, err)
-                with self._lock:  # a frozen P: ask again in _STATUS_AFTER_S, not on every poll
-                    self._unanswered[remote] = time.monotonic()
-                    self._defer(recvs)
-                return
-            with self._lock:
-                self._on_state(recv, reply)
-
-    @staticmethod
-    def _defer(recvs: list[_Recv]) -> None:
-        """Called holding the lock: ask about `recvs` again only after _STATUS_AFTER_S."""
-        for recv in recvs:
-            recv.probing, recv.t_progress = False, time.monotonic()
-
-    def _on_state(self, recv: _Recv, reply: SideMsg) -> None:
-        """Called holding the lock."""
-        recv.probing, recv.t_progress = False, time.monotonic()
-        if recv.state is not RecvState.REGISTERED:
-            return
-        state = reply.body.get("state") if reply.type is MsgType.STATE else None
-        recv.num_unknown = recv.num_unknown + 1 if state == "unknown" else 0
-        if state == "failed":
-            self._set_failed(recv, f"the prefill instance abandoned the push: {reply.body.get('message', '')}")
-        elif recv.num_unknown >= _UNKNOWN_TIMES:
-            self._set_failed(recv, f"prefill instance {recv.spec.remote} has no record of the push (restarted?)")
-
     def _register(self, recv: _Recv) -> None:
         spec = recv.spec
         if recv.state is not RecvState.REGISTERING:  # cancelled (aborted) before its turn came
@@ -414,7 +337,7 @@ class PushReceiver:
     def _send_cancel(self, remote: str, transfer_id: str, reason: str) -> bool:
         try:
             reply = decode_msg(self._client.call(
-                remote, cancel_msg(transfer_id, reason), timeout=_CANCEL_TIMEOUT_S), remote)
+                remote, cancel_msg(transfer_id, reason), timeout=CANCEL_TIMEOUT_S), remote)
             if reply.type is MsgType.CANCEL_ACK:
                 return True
             logger.info("KV push %s: prefill answered CANCEL with %s", transfer_id, reply.type.name)

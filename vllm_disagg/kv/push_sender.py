@@ -149,8 +149,9 @@ class PushSender:
         if msg.type is MsgType.STATUS:
             with self._cond:
                 state, why = self.plan.status(msg.transfer_id)
+                timing = self.plan.prefill_timing(msg.transfer_id)
             return encode_msg(SideMsg(MsgType.STATE, {"transfer_id": msg.transfer_id, "state": state,
-                                                      "message": why[:500]}))
+                                                      "message": why[:500], **timing}))
         logger.warning("KV side channel: unexpected %s from %s; ignored", msg.type.name, peer)
         return None
 

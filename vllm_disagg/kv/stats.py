@@ -11,6 +11,7 @@ vLLM ships each step's snapshot to the frontend, where `DisaggKVPromMetrics.obse
     vllm:disagg_kv_fallbacks_total               counter    decode requests recomputed locally
     vllm:disagg_kv_handshake_failures_total      counter    transfers refused by the handshake
     vllm:disagg_kv_checksum_mismatches_total     counter    verified pushes whose landed KV differed
+    vllm:disagg_kv_slow_push_recomputes_total    counter    pushes given up on a slow link (also fallbacks)
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from vllm.v1.metrics.utils import create_metric_per_engine
 __all__ = ["DisaggKVConnectorStats", "DisaggKVPromMetrics"]
 
 _LIST_KEYS = ("bytes_pushed", "layer_seconds", "request_seconds", "exposed_seconds")
-_COUNT_KEYS = ("num_fallbacks", "num_handshake_failures", "num_checksum_mismatches")
+_COUNT_KEYS = ("num_fallbacks", "num_handshake_failures", "num_checksum_mismatches", "num_slow_push_recomputes")
 _SECONDS_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
 
 
@@ -65,6 +66,9 @@ class DisaggKVConnectorStats(KVConnectorStats):
     def record_checksum_mismatch(self) -> None:
         self.data["num_checksum_mismatches"] += 1
 
+    def record_slow_push_recompute(self) -> None:
+        self.data["num_slow_push_recomputes"] += 1
+
     def clone_and_reset(self) -> DisaggKVConnectorStats:
         old = DisaggKVConnectorStats(data=copy.deepcopy(self.data))
         self.reset()
@@ -94,6 +98,7 @@ class DisaggKVConnectorStats(KVConnectorStats):
             "Num fallbacks": self.data["num_fallbacks"],
             "Num handshake failures": self.data["num_handshake_failures"],
             "Num checksum mismatches": self.data["num_checksum_mismatches"],
+            "Num slow-push recomputes": self.data.get("num_slow_push_recomputes", 0),
         }
 
 StatsSink = tuple[DisaggKVConnectorStats, AbstractContextManager]
@@ -124,6 +129,9 @@ class DisaggKVPromMetrics(KVConnectorPromMetrics):
         self.checksum_mismatches = self._per_engine(
             self._counter_cls, "checksum_mismatches", "Verified KV pushes whose landed blocks differed from P's."
         )
+        self.slow_push_recomputes = self._per_engine(
+            self._counter_cls, "slow_push_recomputes", "KV pushes given up on a slow link and recomputed."
+        )
 
     def _per_engine(self, cls: type, what: str, doc: str, **kw: Any) -> dict[int, Any]:
         metric = cls(name=f"vllm:disagg_kv_{what}", documentation=doc, labelnames=self._labelnames, **kw)
@@ -149,3 +157,5 @@ class DisaggKVPromMetrics(KVConnectorPromMetrics):
             self.handshake_failures[engine_idx].inc(data["num_handshake_failures"])
         if data.get("num_checksum_mismatches"):
             self.checksum_mismatches[engine_idx].inc(data["num_checksum_mismatches"])
+        if data.get("num_slow_push_recomputes"):
+            self.slow_push_recomputes[engine_idx].inc(data["num_slow_push_recomputes"])

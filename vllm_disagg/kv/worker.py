@@ -122,7 +122,8 @@ class DisaggConnectorWorker:
 
             self.receiver = AttnPushReceiver(self._make_transport(self.kv, self.token, "tcp", 0), info, self.token,
                                              stats, self.vllm_config.kv_transfer_config.kv_load_failure_policy,
-                                             self._attention, verify=self.kv.verify_checksums)
+                                             self._attention, verify=self.kv.verify_checksums,
+                                             recompute_slow_pushes=self.kv.recompute_slow_pushes)
         elif self.is_consumer:
             from vllm_disagg.kv.push_receiver import PushReceiver
 
@@ -131,7 +132,8 @@ class DisaggConnectorWorker:
                                          self._make_transport(self.kv, self.token, self.kv.transport, rx_port),
                                          info, self.token, layers, stats,
                                          self.vllm_config.kv_transfer_config.kv_load_failure_policy,
-                                         self._advertised(), verify=self.kv.verify_checksums)
+                                         self._advertised(), verify=self.kv.verify_checksums,
+                                         recompute_slow_pushes=self.kv.recompute_slow_pushes)
 
     def _advertised(self) -> str | None:
         """`kv.advertise_address` for this rank: rank r advertises PORT + r, as it listens on kv_port + r."""

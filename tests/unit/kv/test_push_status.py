@@ -17,10 +17,12 @@ from test_kv_push import INFO, NUM_LAYERS, SHAPE, Pair, _landed, _transport, _un
 
 from vllm_disagg.config import KVTransferSection
 from vllm_disagg.kv.metadata import DisaggConnectorMetadata, RecvSpec, SaveSpec
-from vllm_disagg.kv.push_receiver import _STATUS_AFTER_S, PushReceiver, RecvState
+from vllm_disagg.kv.push_receiver import PushReceiver, RecvState
 from vllm_disagg.kv.push_sender import PushSender
+from vllm_disagg.kv.push_status import STATUS_AFTER_S, slow_link_reason
 from vllm_disagg.kv.stats import DisaggKVConnectorStats
 from vllm_disagg.testing.sender_process import start_sender_process
+from vllm_disagg.testing.throttle import ThrottledProxy
 from vllm_disagg.transport import TransportOptions, get_transport
 
 TIMEOUT_S = 30.0
@@ -104,14 +106,14 @@ class _Unanswered(logging.Handler):
 @pytest.mark.parametrize("stagger_s", [0.0, 0.6], ids=["one_round", "two_rounds"])
 def test_a_frozen_prefill_instance_is_asked_again_every_few_seconds_not_on_every_poll(stagger_s):
     """P SIGSTOPped (alive, its sockets open, nothing answered) after accepting two registrations:
-    each STATUS round waits out its 5 s call, and the next comes _STATUS_AFTER_S after it, not at once
+    each STATUS round waits out its 5 s call, and the next comes STATUS_AFTER_S after it, not at once
     for the round's other receive (b9a98af^: 5 s apart), nor for a second round queued behind it when
     the receives stalled a poll apart (`two_rounds`; stop 41's CI: 0.1 s after). Polls stay instant,
     both receives wait for their push, and once P runs again it answers."""
     proc, address = start_sender_process(INFO, "tok", SHAPE, TIMEOUT_S, timeout_s=5.0)
     receiver = PushReceiver(_transport(), _transport(), INFO, "tok", [torch.zeros(SHAPE) for _ in range(NUM_LAYERS)],
                             (DisaggKVConnectorStats(), threading.Lock()))
-    unanswered, logger = _Unanswered(), logging.getLogger("vllm_disagg.kv.push_receiver")
+    unanswered, logger = _Unanswered(), logging.getLogger("vllm_disagg.kv.push_status")
     logger.addHandler(unanswered)
     level = logger.level
     logger.setLevel(logging.INFO)
@@ -124,10 +126,10 @@ def test_a_frozen_prefill_instance_is_asked_again_every_few_seconds_not_on_every
         slowest = _poll_for(25.0, receiver, until=lambda: len(unanswered.times) >= 2)
         assert len(unanswered.times) == 2, "P frozen for 25 s and fewer than two STATUS calls timed out"
         gap = unanswered.times[1] - unanswered.times[0]
-        assert gap >= _STATUS_AFTER_S + 4.5, f"the next STATUS call went out {gap - 5:.1f}s after one timed out"
+        assert gap >= STATUS_AFTER_S + 4.5, f"the next STATUS call went out {gap - 5:.1f}s after one timed out"
         assert slowest < 0.5, f"a poll took {slowest:.2f}s while P was frozen"
-        os.kill(proc.pid, signal.SIGCONT)  # before the next round (due _STATUS_AFTER_S after the last timeout)
-        _poll_for(_STATUS_AFTER_S + 6.0, receiver)  # that round, which P answers ("waiting")
+        os.kill(proc.pid, signal.SIGCONT)  # before the next round (due STATUS_AFTER_S after the last timeout)
+        _poll_for(STATUS_AFTER_S + 6.0, receiver)  # that round, which P answers ("waiting")
         assert len(unanswered.times) == 2, "P runs again and still does not answer STATUS"
     finally:
         logger.removeHandler(unanswered)
@@ -135,3 +137,64 @@ def test_a_frozen_prefill_instance_is_asked_again_every_few_seconds_not_on_every
         proc.kill()
         proc.wait(timeout=10)
         receiver.close()
+
+
+@pytest.mark.parametrize("recompute", [True, False], ids=["recompute_slow_pushes", "off"])
+def test_a_push_on_a_slow_link_is_recomputed_once_it_outlasts_its_prefill(recompute):
+    """21 KiB over a 4 KiB/s link, the prompt computed at once: P's writes leave at once (into the
+    proxy), and by the first STATUS (about 1 s in) P answers `done` with its timing: the bytes have
+    been on the link alone longer than the prefill took, so D cancels the push, fences it, and the
+    request recomputes instead of waiting the 4 s the link needs. Off, it lands."""
+    pair = Pair(timeout=TIMEOUT_S)
+    pair.receiver.recompute_slow_pushes = recompute
+    proxy = ThrottledProxy(pair.receiver.address, rate_bytes_per_s=4096)
+    pair.receiver.address = proxy.address  # D advertises the slow link, as behind a proxy
+    try:
+        t0 = time.monotonic()
+        pair.register("t1", range(10, 17), timeout=TIMEOUT_S)
+        pair.prefill_step([SaveSpec("p1", tuple(range(1, 8)), 100, 100, "t1", True)], release=["p1"])
+        assert _until(pair.poll, timeout=10.0) == {"d-t1"}
+        took = time.monotonic() - t0
+        if not recompute:
+            assert not pair.failed and _landed(pair, range(1, 8), range(10, 17)) and took > 3.0
+            return
+        assert pair.failed == {"d-t1"} and took < 3.0, f"given up after {took:.2f}s"
+        why = pair.receiver.take_errors()["d-t1"][0]
+        assert "slow link" in why and "after its prefill ended" in why
+        assert pair.d_stats.data["num_slow_push_recomputes"] == 1 and pair.d_stats.data["num_fallbacks"] == 1
+        assert _until(pair.sender.finished_sending) == {"p1"}  # P freed its blocks
+    finally:
+        pair.close()
+        proxy.close()
+
+
+def test_a_push_waiting_on_its_prefill_compute_is_not_taken_for_a_slow_link():
+    """Half the prompt computed, the other half 3 s later: STATUS rounds find P still computing (no
+    timing in its STATE), so the receive waits and the push lands whole."""
+    pair = Pair(timeout=TIMEOUT_S)
+    try:
+        pair.register("t1", range(10, 17), timeout=TIMEOUT_S)
+        pair.prefill_step([SaveSpec("p1", (1, 2, 3), 48, 100, "t1", True)])
+        t_end = time.monotonic() + 3.0
+        while time.monotonic() < t_end:
+            assert not pair.poll()
+            time.sleep(0.01)
+        assert pair.receiver._recvs["d-t1"].t_asked > t_end - 2.5  # asked, and told to wait
+        pair.prefill_step([SaveSpec("p1", (4, 5, 6, 7), 100, 100)], release=["p1"])
+        assert _until(pair.poll) == {"d-t1"} and not pair.failed
+        assert _landed(pair, range(1, 8), range(10, 17))
+        assert pair.d_stats.data["num_slow_push_recomputes"] == 0
+    finally:
+        pair.close()
+
+
+@pytest.mark.parametrize(("body", "gives_up"), [
+    ({}, False),  # P still computing
+    ({"prefill_s": 0.1, "since_prefill_s": 0.3}, False),  # under MIN_LINK_WAIT_S
+    ({"prefill_s": 0.1, "since_prefill_s": 0.6}, True),
+    ({"prefill_s": 4.0, "since_prefill_s": 3.9}, False),  # a long prompt: waiting still costs less
+    ({"prefill_s": 4.0, "since_prefill_s": 4.1}, True),
+    ({"prefill_s": "x", "since_prefill_s": 9}, False),  # malformed: keep waiting (push_timeout_s bounds it)
+])
+def test_the_slow_link_rule_waits_as_long_as_a_recompute_would_take(body, gives_up):
+    assert (slow_link_reason(body) is not None) is gives_up

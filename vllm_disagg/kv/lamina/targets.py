@@ -47,7 +47,8 @@ class AttnPushReceiver(PushReceiver):
     """PushReceiver whose KV lands on the attention servers `remote_attention.servers` (head- or request-wise)."""
 
     def __init__(self, control: Any, handshake: Any, token: str, stats: Any, failure_policy: str, remote_attention: Any,
-                 placer: Any = None, client: Any = None, verify: bool = False):
+                 placer: Any = None, client: Any = None, verify: bool = False,
+                 recompute_slow_pushes: bool = True):
         self.servers, self.partition, self.http_timeout_s = list(remote_attention.servers), remote_attention.partition, min(remote_attention.timeout_s, 5.0)
         self._placer = placer
         self._client_fn = client or backend.current_client
@@ -60,7 +61,8 @@ class AttnPushReceiver(PushReceiver):
         self._fences: set[str] = set()  # failed transfer ids no server lands a byte of any more
         # the attention servers use vLLM's CPU layout; our own tensors are zero-byte `meta` placeholders
         handshake = dataclasses.replace(handshake, kv_layout=handshake.kv_layout.replace("meta:", "cpu:", 1))
-        super().__init__(control, None, handshake, token, [], stats, failure_policy, verify=verify)
+        super().__init__(control, None, handshake, token, [], stats, failure_policy, verify=verify,
+                         recompute_slow_pushes=recompute_slow_pushes)
         self._stop = threading.Event()
         self._poller = threading.Thread(target=self._poll_loop, name="disagg-kv-attn-landed", daemon=True)
         self._poller.start()

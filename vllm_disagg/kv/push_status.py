@@ -1,0 +1,159 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Decode side: asking the prefill side how a waiting push is doing (STATUS/STATE), and acting on it.
+
+Three answers end a receive before `push_timeout_s`:
+- `failed`: P abandoned the push (preempted, cancelled, a write failed);
+- `unknown`, twice in a row: P has no record of it (it restarted), so no byte will come;
+- `pushing` or `done` (every write left P, not every byte landed here) with the prompt computed long
+  ago: a slow link. P reports what computing the prompt took
+  (`prefill_s`, about what D's recompute costs) and how long the bytes have been on the link alone
+  since (`since_prefill_s`). Once that wait exceeds the compute, D cancels the push and recomputes:
+  the ski-rental rule, never more than twice the faster of waiting and recomputing, without guessing
+  the link's rate from landing notifications (they come a whole write at a time, and head-wise one
+  fast server's half lands at once while the other's trickles). While P still computes, the push
+  is compute-bound and D waits.
+
+More: README.md, "push_status.py".
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from typing import Any
+
+from vllm.logger import init_logger
+
+from vllm_disagg.errors import DisaggError
+from vllm_disagg.kv.handshake import MsgType, SideMsg, decode_msg, encode_msg
+
+__all__ = ["RecvState", "StatusRounds", "slow_link_reason"]
+
+logger = init_logger(__name__)
+CANCEL_TIMEOUT_S = 5.0
+STATUS_AFTER_S = 2.0
+"""A registered receive that landed no byte for this long asks its prefill instance how the push is
+doing: a push P abandoned, or one P never heard of (it restarted), fails now, not at push_timeout_s."""
+SLOW_AFTER_S = 1.0
+"""A registered receive still incomplete this long after its registration (or its last STATUS) asks
+too, landing or not: the slow-link rule needs P's timing (`kv.recompute_slow_pushes`)."""
+MIN_LINK_WAIT_S = 0.5
+"""The slow-link rule never gives up on a push that has been on the link alone for less than this:
+a short prompt's last write is still in flight when its prefill ends."""
+UNKNOWN_TIMES = 2
+"""`unknown` answers in a row before the receive fails: the first can race a push that just completed
+and was forgotten while its last notification is still queued here."""
+
+
+class RecvState(enum.IntEnum):
+    REGISTERING = 1
+    REGISTERED = 2
+    CANCELLING = 3
+    DONE = 4
+    FAILED = 5
+    VERIFYING = 6
+    """Every byte landed; waiting for P's checksums (`kv.verify_checksums`)."""
+
+
+def slow_link_reason(body: dict[str, Any]) -> str | None:
+    """Why a `pushing` push should be recomputed instead (P's STATE body), or None to keep waiting."""
+    try:
+        prefill_s, since_s = float(body["prefill_s"]), float(body["since_prefill_s"])
+    except (KeyError, TypeError, ValueError):
+        return None  # P still computes the prompt (or predates the timing fields)
+    if since_s < max(prefill_s, MIN_LINK_WAIT_S):
+        return None
+    return (f"the push is still landing {since_s:.2f}s after its prefill ended, longer than computing "
+            f"the prompt took ({prefill_s:.2f}s): a slow link, so recomputing is faster")
+
+
+class StatusRounds:
+    """PushReceiver's STATUS rounds (a mixin: it shares the receiver's `_lock`, `_recvs` and pools).
+
+    Rounds to one P take turns, and one that comes within STATUS_AFTER_S of an unanswered call waits
+    too: receives that stalled a poll apart made two rounds on two threads, and the second, queued on
+    the connection, asked a frozen P the moment the first gave up (CI, stop 41: 0.1 s after)."""
+
+    recompute_slow_pushes: bool = True
+
+    def _init_status(self, recompute_slow_pushes: bool) -> None:
+        self.recompute_slow_pushes = recompute_slow_pushes
+        self._unanswered: dict[str, float] = {}  # prefill address -> when a STATUS call to it last timed out
+        self._status_locks: dict[str, threading.Lock] = {}  # one STATUS round per prefill instance at a time
+
+    def _due_for_status(self, recv: Any, now: float) -> bool:
+        if recv.state is not RecvState.REGISTERED or recv.probing:
+            return False
+        return now - recv.t_progress > STATUS_AFTER_S or (
+            self.recompute_slow_pushes and now - recv.t_asked > SLOW_AFTER_S)
+
+    def _probe_stalled(self, now: float) -> None:
+        """One STATUS round per prefill instance for its receives that are due (on that instance's pool:
+        a frozen one holds up only its own)."""
+        due: dict[str, list[Any]] = {}
+        with self._lock:
+            for recv in self._recvs.values():
+                if self._due_for_status(recv, now):
+                    recv.probing = True
+                    due.setdefault(recv.spec.remote, []).append(recv)
+        for remote, recvs in due.items():
+            self._submit(remote, self._ask_status, remote, recvs)
+
+    def _ask_status(self, remote: str, recvs: list[Any]) -> None:
+        with self._lock:
+            status_lock = self._status_locks.setdefault(remote, threading.Lock())
+        with status_lock:
+            with self._lock:
+                if time.monotonic() - self._unanswered.get(remote, -STATUS_AFTER_S) < STATUS_AFTER_S:
+                    self._defer(recvs)
+                    return
+            self._status_round(remote, recvs)
+
+    def _status_round(self, remote: str, recvs: list[Any]) -> None:
+        for recv in recvs:
+            try:
+                reply = decode_msg(self._client.call(
+                    remote, encode_msg(SideMsg(MsgType.STATUS, {"transfer_id": recv.spec.transfer_id})),
+                    timeout=CANCEL_TIMEOUT_S), remote)
+            except (DisaggError, OSError) as err:
+                logger.info("KV push: prefill instance %s did not answer STATUS (%s)", remote, err)
+                with self._lock:  # a frozen P: ask again in STATUS_AFTER_S, not on every poll
+                    self._unanswered[remote] = time.monotonic()
+                    self._defer(recvs)
+                return
+            with self._lock:
+                slow = self._on_state(recv, reply)
+            if slow:
+                self._recompute_slow(recv, slow)
+
+    @staticmethod
+    def _defer(recvs: list[Any]) -> None:
+        """Called holding the lock: ask about `recvs` again only after STATUS_AFTER_S."""
+        now = time.monotonic()
+        for recv in recvs:
+            recv.probing, recv.t_progress, recv.t_asked = False, now, now + STATUS_AFTER_S - SLOW_AFTER_S
+
+    def _on_state(self, recv: Any, reply: SideMsg) -> str | None:
+        """Called holding the lock; returns why to give up on a slow push, else None."""
+        recv.probing, recv.t_progress, recv.t_asked = False, time.monotonic(), time.monotonic()
+        if recv.state is not RecvState.REGISTERED or reply.transfer_id != recv.spec.transfer_id:
+            return None
+        state = reply.body.get("state") if reply.type is MsgType.STATE else None
+        recv.num_unknown = recv.num_unknown + 1 if state == "unknown" else 0
+        if state == "failed":
+            self._set_failed(recv, f"the prefill instance abandoned the push: {reply.body.get('message', '')}")
+        elif recv.num_unknown >= UNKNOWN_TIMES:
+            self._set_failed(recv, f"prefill instance {recv.spec.remote} has no record of the push (restarted?)")
+        elif state in ("pushing", "done") and self.recompute_slow_pushes:  # done: every write left P
+            return slow_link_reason(reply.body)
+        return None
+
+    def _recompute_slow(self, recv: Any, reason: str) -> None:
+        """CANCEL the push (P stops writing and frees its blocks) and fail the receive: vLLM recomputes."""
+        with self._lock:
+            if recv.state is not RecvState.REGISTERED:
+                return
+            recv.state = RecvState.CANCELLING
+        self._record(lambda s: s.record_slow_push_recompute())
+        self._cancel(recv, reason)
