@@ -243,6 +243,8 @@ def main() -> int:
     ap.add_argument("--plan", default=None,
                     help="a fixed fault plan, KIND:ROLE,... in order (e.g. slow_link:decode,kill:prefill)")
     ap.add_argument("--push-timeout-s", type=float, default=None, help="up --push-timeout-s (default: the plugin's)")
+    ap.add_argument("--recompute-slow-pushes", choices=("on", "off"), default="on",
+                    help="the instances' --disagg-recompute-slow-pushes (off: a push on a slow link waits to land)")
     ap.add_argument("--fuzz-only", action="store_true")
     ap.add_argument("--record-references", action="store_true")
     ap.add_argument("--out", default=None)
@@ -273,7 +275,8 @@ def main() -> int:
     t_start = time.time()
     result: dict = {"benchmark": "chaos", "quick": quick, "backend": args.backend, "loadavg_start": os.getloadavg(),
                     "topology": {"prefill": args.prefill, "decode": args.decode, "attention": 0 if quick else args.attention},
-                    "router_stall": _router_stall(args, stall_timeout_s)}
+                    "router_stall": _router_stall(args, stall_timeout_s),
+                    "recompute_slow_pushes": args.recompute_slow_pushes == "on"}
     if args.fuzz_frames and not quick:
         result["fuzz_in_process"] = fuzz_in_process(args.fuzz_frames)
     if args.fuzz_only:
@@ -287,7 +290,7 @@ def main() -> int:
                stall_release_s=args.stall_release_s,
                slow_link=not ray_backend,  # slow_link, corrupt_link: P -> D or P -> each attention server
                kv_verify=True,  # corrupt_link's flip must be caught; Lamina's pushes are verified too
-               push_timeout_s=args.push_timeout_s)
+               push_timeout_s=args.push_timeout_s, recompute_slow_pushes=args.recompute_slow_pushes == "on")
     try:
         dep.start()
         result.update(run_campaign(dep, refs, cfg))

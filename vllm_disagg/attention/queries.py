@@ -44,6 +44,16 @@ def kv_address(server: str, timeout_s: float = HTTP_TIMEOUT_S) -> str:
     return str(info["kv_address"])
 
 
+def kv_listen_address(server: str, timeout_s: float = HTTP_TIMEOUT_S) -> str:
+    """Where the server's KV receiver listens (`kv_listen_address` in `GET /health`), which differs from
+    `kv_address` when it advertises a proxy (a throttled link in chaos runs, a NAT)."""
+    info = get_json(server, "/health", timeout_s)
+    address = info.get("kv_listen_address") or info.get("kv_address")
+    if not address:
+        raise DisaggError(f"attention server {server} has no KV receiver (start it with --kv-transport)")
+    return str(address)
+
+
 def fence(server: str, transfer_ids: list[str], token: str, timeout_s: float = HTTP_TIMEOUT_S) -> bool:
     """`POST /kv/fence`: `server` drops every later byte of these pushes; True once none is mid-landing."""
     done = True

@@ -19,6 +19,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from vllm_disagg.attention import queries
+from vllm_disagg.errors import DisaggError
 from vllm_disagg.testing.chaos import leaks
 from vllm_disagg.testing.chaos.faults import signal_group
 from vllm_disagg.testing.chaos.links import KVLinks
@@ -67,6 +69,8 @@ class Deployment:
     """`--disagg-kv-verify on` on every instance: the `corrupt_link` fault needs it (and `slow_link`)."""
     push_timeout_s: float | None = None
     """`up --push-timeout-s` (None: the plugin's default)."""
+    recompute_slow_pushes: bool = True
+    """False: `--disagg-recompute-slow-pushes off` on every instance (a push on a slow link waits to land)."""
 
     @property
     def has_link(self) -> bool:
@@ -111,6 +115,8 @@ class Deployment:
             cmd = [*cmd, "--push-timeout-s", str(self.push_timeout_s)]
         if self.kv_verify:
             cmd = [*cmd, "--disagg-kv-verify", "on"]
+        if not self.recompute_slow_pushes:
+            cmd = [*cmd, "--disagg-recompute-slow-pushes", "off"]
         log = open(self.workdir / "up.log", "wb")  # noqa: SIM115 (the child's)
         self.up = subprocess.Popen([*cmd, *self.engine_args], stdout=log, stderr=subprocess.STDOUT,
                                    env=self._env(), start_new_session=True)
@@ -191,9 +197,8 @@ class Deployment:
                 body = health(inst["url"])
                 if body is None:
                     continue
-                kv = body.get("kv_listen_address") or body.get("kv_address")  # the receiver, not a proxy
-                ports += [(f"{inst['name']}-{k}", v) for k, v in (("address", body.get("address")), ("kv_address", kv))
-                          if v]
+                ports += [(f"{inst['name']}-{k}", v) for k, v in (("address", body.get("address")),
+                                                                  ("kv_address", _receiver(inst["url"]))) if v]
         return ports
 
     def http_urls(self) -> list[str]:
@@ -252,3 +257,11 @@ class Deployment:
         if self.links is not None:
             self.links.close()
         return [str(p) for p in alive]
+
+
+def _receiver(url: str) -> str | None:
+    """An attention server's KV receiver (not the proxy it may advertise), or None when it has none."""
+    try:
+        return queries.kv_listen_address(url.removeprefix("http://"))
+    except DisaggError:
+        return None

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import random
 
-from vllm_disagg.testing.http import health
+from vllm_disagg.attention.queries import kv_listen_address
 from vllm_disagg.testing.throttle import ThrottledProxy
 
 __all__ = ["KVLinks"]
@@ -59,8 +59,5 @@ class KVLinks:
 
 
 def _listen_address(server: dict) -> str:
-    """Where an attention server's KV receiver listens (its /health `kv_listen_address`)."""
-    body = health(server["url"], timeout_s=10.0) or {}
-    if not body.get("kv_listen_address"):
-        raise RuntimeError(f"attention server {server['name']} reports no kv_listen_address: {body or 'no 200'}")
-    return body["kv_listen_address"]
+    """Where an attention server's KV receiver listens (behind the proxy this module puts in front of it)."""
+    return kv_listen_address(server["url"].removeprefix("http://"), timeout_s=10.0)
