@@ -35,13 +35,18 @@ def get_json(server: str, path: str, timeout_s: float = HTTP_TIMEOUT_S, token: s
 
 def kv_address(server: str, timeout_s: float = HTTP_TIMEOUT_S) -> str:
     """The address of the server's KV receiver (prefill pushes land there), from `GET /health`."""
+    return kv_receiver(server, timeout_s)[0]
+
+
+def kv_receiver(server: str, timeout_s: float = HTTP_TIMEOUT_S) -> tuple[str, str]:
+    """(address, transport kind) of the server's KV receiver, from `GET /health`."""
     info = get_json(server, "/health", timeout_s)
     if not info.get("kv_address"):
         raise DisaggError(f"attention server {server} accepts no prefill KV (start it with --kv-transport)")
     if info.get("kernel") != "cpu":
         raise DisaggError(f"attention server {server} runs kernel {info.get('kernel')!r}; prefill "
                           "pushes are written in vLLM's CPU layout")
-    return str(info["kv_address"])
+    return str(info["kv_address"]), str(info.get("kv_transport", ""))
 
 
 def kv_listen_address(server: str, timeout_s: float = HTTP_TIMEOUT_S) -> str:

@@ -159,12 +159,15 @@ def encode_msg(msg: SideMsg) -> bytes:
     return head + body + ids + trace
 
 
-def cancel_msg(transfer_id: str, reason: str, relayed: bool = False) -> bytes:
+def cancel_msg(transfer_id: str, reason: str, relayed: bool = False, fenced: bool = False) -> bytes:
     """CANCEL of push `transfer_id` (sent by D's receiver, and by the router for a decode half it cut);
-    `relayed`: passed on by rank 0 of a TP prefill instance, so not passed on again."""
+    `relayed`: passed on by rank 0 of a TP prefill instance, so not passed on again; `fenced`: D's receiver
+    drops the push's later bytes itself, so P acknowledges at once instead of once its writes are out."""
     body: dict = {"transfer_id": transfer_id, "reason": reason[:200]}
     if relayed:
         body["relayed"] = True
+    if fenced:
+        body["fenced"] = True
     return encode_msg(SideMsg(MsgType.CANCEL, body))
 
 

@@ -184,6 +184,10 @@ class PushReceiver(StatusRounds):
             self._record(lambda s: [s.record_fallback() for _ in failed])
         return done | failed, failed
 
+    def _fence_is_exact(self) -> bool:
+        """Whether a failed receive's blocks are safe once `_fenced`, without P's CANCEL_ACK."""
+        return self._receiver is not None and self._receiver.exact_fence
+
     def _fenced(self, transfer_id: str) -> bool:
         """No byte of `transfer_id` lands here from now on (no own receiver: the KV lands elsewhere)."""
         return self._receiver is None or self._receiver.fence(transfer_id)
@@ -334,10 +338,10 @@ class PushReceiver(StatusRounds):
         with self._lock:
             self._set_failed(recv, reason)
 
-    def _send_cancel(self, remote: str, transfer_id: str, reason: str) -> bool:
+    def _send_cancel(self, remote: str, transfer_id: str, reason: str, fenced: bool = False) -> bool:
         try:
             reply = decode_msg(self._client.call(
-                remote, cancel_msg(transfer_id, reason), timeout=CANCEL_TIMEOUT_S), remote)
+                remote, cancel_msg(transfer_id, reason, fenced=fenced), timeout=CANCEL_TIMEOUT_S), remote)
             if reply.type is MsgType.CANCEL_ACK:
                 return True
             logger.info("KV push %s: prefill answered CANCEL with %s", transfer_id, reply.type.name)

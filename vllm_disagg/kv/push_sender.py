@@ -140,7 +140,7 @@ class PushSender:
             return encode_msg(self._on_register(msg, peer))
         if msg.type is MsgType.CANCEL:
             reason = str(msg.body.get("reason") or "push timeout")
-            self._on_cancel(msg.transfer_id, reason)
+            self._on_cancel(msg.transfer_id, reason, wait=not msg.body.get("fenced"))
             if not msg.body.get("relayed"):
                 self._relay_cancel(msg.transfer_id, reason)
             return encode_msg(SideMsg(MsgType.CANCEL_ACK, {"transfer_id": msg.transfer_id}))
@@ -195,11 +195,11 @@ class PushSender:
                 self._cond.wait(min(left, 0.05))
         return SideMsg(MsgType.CHECKSUMS, {"transfer_id": transfer_id, "crc32": kept[0]})
 
-    def _on_cancel(self, transfer_id: str, reason: str) -> None:
+    def _on_cancel(self, transfer_id: str, reason: str, wait: bool = True) -> None:
         with self._cond:
             push = self.plan.cancel(transfer_id, reason)
             self._cond.notify()
-        if push is not None:
+        if push is not None and wait:
             self._wait_quiet([push.req_id])
 
     def _relay_cancel(self, transfer_id: str, reason: str) -> None:

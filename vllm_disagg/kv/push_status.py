@@ -156,4 +156,9 @@ class StatusRounds:
                 return
             recv.state = RecvState.CANCELLING
         self._record(lambda s: s.record_slow_push_recompute())
-        self._cancel(recv, reason)
+        if not self._fence_is_exact():
+            self._cancel(recv, reason)  # only P's CANCEL_ACK (none of its writes in flight) makes the blocks safe
+            return
+        with self._lock:  # the fence stops what is still on the link, so neither waits for that link
+            self._set_failed(recv, reason)
+        self._send_cancel(recv.spec.remote, recv.spec.transfer_id, reason, fenced=True)

@@ -233,6 +233,10 @@ class KVReceiver(ABC):
         """Names of senders whose connection broke since the last call (drained). Optional."""
         return []
 
+    exact_fence: bool = False
+    """`fence` really stops a transfer's later bytes here (the receiver lands them itself), so the decode
+    side may hand a failed push's blocks back without waiting for the sender's CANCEL_ACK."""
+
     def fence(self, transfer_id: str) -> bool:
         """Drop every write of `transfer_id` that lands from now on (the decode side gave up on it and
         its blocks go back to vLLM); True once none of its writes is mid-landing, else call again.

@@ -54,6 +54,7 @@ class AttnPushReceiver(PushReceiver):
         self._client_fn = client or backend.current_client
         self._unclaimed: set[str] = set()  # transfer ids whose blocks the servers did not confirm (CLAIM)
         self._kv_addrs: list[str] | None = None
+        self._exact_fence = False
         self._kv_addrs_recoveries = 0  # the client's num_recoveries when `_kv_addrs` was asked
         self._where: dict[str, int] = {}  # transfer_id -> server (request-wise)
         self._totals: dict[str, int] = {}  # transfer_id -> bytes landed over all servers
@@ -133,9 +134,15 @@ class AttnPushReceiver(PushReceiver):
         client = self._client_fn()
         recoveries = getattr(client, "num_recoveries", 0) if client is not None else 0
         if self._kv_addrs is None or recoveries != self._kv_addrs_recoveries:
-            self._kv_addrs = [queries.kv_address(server, self.http_timeout_s) for server in self.servers]
+            receivers = [queries.kv_receiver(server, self.http_timeout_s) for server in self.servers]
+            self._kv_addrs = [address for address, _ in receivers]
+            self._exact_fence = all(kind == "tcp" for _, kind in receivers)  # shm: P copies the bytes itself
             self._kv_addrs_recoveries = recoveries
         return self._kv_addrs
+
+    def _fence_is_exact(self) -> bool:
+        """Every server lands the pushes itself (tcp), so its `POST /kv/fence` stops a push's later bytes."""
+        return self._exact_fence
 
     def _drain_notifications(self) -> None:
         with self._totals_lock:

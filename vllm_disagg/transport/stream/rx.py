@@ -184,6 +184,8 @@ class StreamKVReceiver(NotificationInbox, KVReceiver):
             self._landing[id(stream)] = transfer_id
             return True
 
+    exact_fence = True
+
     def fence(self, transfer_id: str) -> bool:
         """Bytes are landed here (recv_into), so a fence is exact: later writes of `transfer_id` are
         read off the socket and dropped. True once none of its writes is mid-landing."""
