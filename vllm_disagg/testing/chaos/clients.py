@@ -67,8 +67,8 @@ class ChaosClients:
             at = t0 + req.arrival_s
             if at >= until or self._stop.is_set():
                 break
-            while self.clock() < at and not self._stop.is_set():
-                time.sleep(min(0.05, at - self.clock()))
+            while (wait_s := at - self.clock()) > 0 and not self._stop.is_set():
+                time.sleep(min(0.05, wait_s))  # one clock read: a second one could pass `at` (negative sleep)
             futures.append(self._pool.submit(self._one, req))
         for fut in futures:
             fut.result()
