@@ -102,8 +102,8 @@ class PushPlan:
         self.orphans: set[str] = set()
         self.failed: dict[str, tuple[str, float]] = {}
         """transfer id -> (why, when): failed pushes already freed, for D's STATUS (`status`)."""
-        self.completed: dict[str, tuple[float, float]] = {}
-        """transfer id -> (prefill seconds, when the prefill ended): pushes whose every write left here,
+        self.completed: dict[str, tuple[tuple[float, float], float]] = {}
+        """transfer id -> ((prefill seconds, when the prefill ended), when completed): pushes whose every write left here,
         for D's STATUS while their bytes may still be on a slow link (`prefill_timing`)."""
         self.checksums: dict[str, tuple[str, float]] = {}
         """transfer id -> (per-layer CRC32s, when): completed pushes whose decode side asked to verify
@@ -230,7 +230,7 @@ class PushPlan:
         if push is not None and push.t_prefill_done is not None and push.error is None:
             prefill_s, t_prefill_done = push.t_prefill_done - push.t_created, push.t_prefill_done
         elif push is None and transfer_id in self.completed:
-            prefill_s, t_prefill_done = self.completed[transfer_id]
+            prefill_s, t_prefill_done = self.completed[transfer_id][0]
         else:
             return {}
         return {"prefill_s": round(prefill_s, 4), "since_prefill_s": round(time.monotonic() - t_prefill_done, 4)}
@@ -337,9 +337,7 @@ class PushPlan:
         push.done = True
         push.t_done = now
         if push.transfer_id and push.t_prefill_done is not None:
-            self.completed[push.transfer_id] = (push.t_prefill_done - push.t_created, push.t_prefill_done)
-            while len(self.completed) > _MAX_CANCELLED:
-                del self.completed[next(iter(self.completed))]
+            _keep(self.completed, push.transfer_id, (push.t_prefill_done - push.t_created, push.t_prefill_done))
         t0 = push.t_first_issue or now
         self.timeline.append({
             "transfer_id": push.transfer_id, "layerwise": push.layerwise, "num_writes": len(push.handles),
@@ -369,10 +367,10 @@ class PushPlan:
                 del kept[transfer_id]
 
 
-def _keep(kept: dict[str, tuple[str, float]], transfer_id: str, text: str) -> None:
-    """Remember `text` for `transfer_id` until _CANCELLED_TTL_S passes (`_gc_registry`), at most
+def _keep(kept: dict[str, tuple[Any, float]], transfer_id: str, value: Any) -> None:
+    """Remember `value` for `transfer_id` until _CANCELLED_TTL_S passes (`_gc_registry`), at most
     _MAX_CANCELLED of them (oldest dropped first)."""
-    kept[transfer_id] = (text, time.monotonic())
+    kept[transfer_id] = (value, time.monotonic())
     while len(kept) > _MAX_CANCELLED:
         del kept[next(iter(kept))]
 

@@ -57,7 +57,7 @@ class RecvState(enum.IntEnum):
 
 
 def slow_link_reason(body: dict[str, Any]) -> str | None:
-    """Why a `pushing` push should be recomputed instead (P's STATE body), or None to keep waiting."""
+    """Why a `pushing` or `done` push should be recomputed instead (P's STATE body), or None to keep waiting."""
     try:
         prefill_s, since_s = float(body["prefill_s"]), float(body["since_prefill_s"])
     except (KeyError, TypeError, ValueError):
@@ -74,8 +74,6 @@ class StatusRounds:
     Rounds to one P take turns, and one that comes within STATUS_AFTER_S of an unanswered call waits
     too: receives that stalled a poll apart made two rounds on two threads, and the second, queued on
     the connection, asked a frozen P the moment the first gave up (CI, stop 41: 0.1 s after)."""
-
-    recompute_slow_pushes: bool = True
 
     def _init_status(self, recompute_slow_pushes: bool) -> None:
         self.recompute_slow_pushes = recompute_slow_pushes
