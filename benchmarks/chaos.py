@@ -312,7 +312,7 @@ def main() -> int:
     result["workdir"] = str(workdir)
     out.write_text(json.dumps(result, indent=1) + "\n")
     plot(result, out.with_suffix(".png"))
-    keys = ("requests_total", "requests_lost", "requests_wrong", "kv_blocks_leaked", "shm_segments_leaked",
+    keys = ("requests_planned", "requests_total", "load_complete", "requests_lost", "requests_wrong", "kv_blocks_leaked", "shm_segments_leaked",
             "max_stall_s", "server_crashes_from_bad_input", "p99_ttft_during_faults / p99_ttft_quiet",
             "p99_ttft_during_faults_with_a_serving_instance / p99_ttft_quiet", "num_faults")
     slow = result.get("slow_requests", [])
@@ -320,6 +320,10 @@ def main() -> int:
                       "router_suspects": len(result.get("router_suspects", [])),
                       "cuts_outside_faults": result.get("cuts_outside_faults"), "num_slow_requests": len(slow),
                       "slow_with_no_serving_instance": sum(s["no_serving_instance"] for s in slow)}, indent=1))
+    if not result.get("load_complete", True):
+        print(f"chaos: the load ended early ({result['requests_total']} of {result['requests_planned']} requests "
+              f"sent; sender errors: {result['sender_errors']}): this run's figures cover part of it", file=sys.stderr)
+        return 1
     return 0
 
 

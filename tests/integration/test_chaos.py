@@ -53,7 +53,7 @@ def test_seven_faults_of_seven_kinds_lose_nothing_answer_right_and_leak_nothing(
         leftover = dep.stop()
         phases["stop_s"] = time.monotonic() - t_stop
     shm_left = left_after_stop(dep.shm_at_start)
-    summary = {k: result[k] for k in ("requests_total", "requests_lost", "requests_wrong", "retried_requests",
+    summary = {k: result[k] for k in ("requests_planned", "requests_total", "load_complete", "requests_lost", "requests_wrong", "retried_requests",
                                       "kv_blocks_leaked", "shm_segments_leaked", "max_stall_s", "leaks", "new_shm",
                                       "fault_kinds", "router_cuts", "cuts_outside_faults")}
     print(json.dumps({**summary, "shm_left_after_stop": shm_left, "phases_s": {k: round(v, 1) for k, v in phases.items()}},
@@ -64,6 +64,7 @@ def test_seven_faults_of_seven_kinds_lose_nothing_answer_right_and_leak_nothing(
     assert flip["flipped"] == 1, flip  # the byte did cross; answers all right below = it was caught
     lost = [o for o in result["outcomes"] if o["outcome"] == "lost"]
     wrong = [o for o in result["outcomes"] if o["outcome"] == "wrong"]
+    assert result["load_complete"], (result["requests_planned"], result["requests_total"], result["sender_errors"])
     assert result["requests_total"] >= 15 and not lost and not wrong, (lost + wrong)[:3]
     assert result["kv_blocks_leaked"] == 0 and result["shm_segments_leaked"] == 0, (result["leaks"], result["new_shm"])
     assert not result["leaks"], result["leaks"]

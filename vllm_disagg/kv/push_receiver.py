@@ -160,7 +160,7 @@ class PushReceiver(StatusRounds):
         self._drain_notifications()
         self._fail_lost_peers()
         self._expire(time.monotonic())
-        self._probe_stalled(time.monotonic())
+        self._probe_waiting(time.monotonic())
         done, failed = set(), set()
         with self._lock:
             for req_id, recv in list(self._recvs.items()):

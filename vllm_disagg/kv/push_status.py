@@ -86,7 +86,7 @@ class StatusRounds:
         return now - recv.t_progress > STATUS_AFTER_S or (
             self.recompute_slow_pushes and now - recv.t_asked > SLOW_AFTER_S)
 
-    def _probe_stalled(self, now: float) -> None:
+    def _probe_waiting(self, now: float) -> None:
         """One STATUS round per prefill instance for its receives that are due (on that instance's pool:
         a frozen one holds up only its own)."""
         due: dict[str, list[Any]] = {}

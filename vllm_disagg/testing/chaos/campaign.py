@@ -140,7 +140,10 @@ def run_campaign(dep: Deployment, refs: References, cfg: CampaignConfig, log=pri
     t0, t0_wall = time.monotonic(), time.time()
     load_avg = [os.getloadavg()]
     until = t0 + cfg.quiet_s + cfg.duration_s
-    sender = threading.Thread(target=clients.run, args=(requests, t0, until), name="chaos-sender", daemon=True)
+    num_planned = sum(1 for req in requests if req.arrival_s < cfg.quiet_s + cfg.duration_s)
+    sender_errors: list[str] = []
+    sender = threading.Thread(target=_send, args=(clients, requests, t0, until, sender_errors), name="chaos-sender",
+                              daemon=True)
     sender.start()
     try:
         time.sleep(cfg.quiet_s)
@@ -159,12 +162,30 @@ def run_campaign(dep: Deployment, refs: References, cfg: CampaignConfig, log=pri
     clients.close()
     result = report(clients.outcomes, faults, base, end, t0, cfg, load_avg, healthy)
     result["settle_s"] = settle_s
+    result.update(load_check(num_planned, len(clients.outcomes), sender.is_alive(), sender_errors))
     result["router_cuts"] = router_cuts([dep.workdir / f"{r['name']}.log" for r in dep.routers], t0_wall)
     result["cuts_outside_faults"] = cuts_outside_faults(result["router_cuts"], result["faults"])
     result["router_suspects"] = router_suspects([dep.workdir / f"{r['name']}.log" for r in dep.routers], t0_wall)
     result["suspects_outside_faults"] = cuts_outside_faults(result["router_suspects"], result["faults"])
     explain_slow(result, [i["name"] for i in dep.instances() if i["role"] in ("prefill", "decode", "mixed")])
     return result
+
+
+def _send(clients: ChaosClients, requests, t0: float, until: float, errors: list[str]) -> None:
+    """The sender thread's body: an exception is kept for the report (a dead sender once ended two soaks
+    early with nothing said; see `load_check`)."""
+    try:
+        clients.run(requests, t0, until)
+    except BaseException as err:  # noqa: BLE001 (reported, and the run is marked incomplete)
+        errors.append(f"{type(err).__name__}: {err}")
+        raise
+
+
+def load_check(num_planned: int, num_sent: int, sender_alive: bool, errors: list[str]) -> dict:
+    """Whether the whole planned load was sent and answered: a soak whose load stopped early must not
+    read as a clean run (its figures cover only part of the faults)."""
+    return {"requests_planned": num_planned, "load_complete": num_sent == num_planned and not sender_alive
+            and not errors, "sender_errors": errors, "sender_still_running": sender_alive}
 
 
 def explain_slow(result: dict, serving: list[str]) -> None:
