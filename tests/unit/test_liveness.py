@@ -388,3 +388,31 @@ def test_a_slowly_uploaded_body_is_not_owed_work_until_it_has_arrived(state, mon
         assert live.inflight == 0 and live.report()["stalled_s"] == 0.0  # answered in full
 
     asyncio.run(scenario())
+
+
+def test_a_worker_recovering_a_lost_attention_server_is_reported_until_it_is_done(state, monkeypatch):
+    """`beacon.recovering()` repeats its datagram while the block runs: `/live` reports `recovering_s`
+    (the router moves new requests elsewhere), and the end datagram clears it at once."""
+    from vllm_disagg.liveness import beacon
+
+    live, _ = state
+    assert live.report()["recovering_s"] is None
+    with beacon.recovering(period_s=0.05):
+        _until(lambda: live.report()["recovering_s"] is not None)
+        time.sleep(0.2)
+        assert live.report()["recovering_s"] >= 0.2
+    _until(lambda: live.report()["recovering_s"] is None)
+
+
+def test_a_recovery_its_worker_stopped_repeating_is_forgotten(state, monkeypatch):
+    """A worker killed inside its recovery sends no end datagram: past `RECOVERY_STALE_S` without a
+    repeat the flag is gone, and the stall watchdog judges the instance as before."""
+    from vllm_disagg.liveness import state as state_module
+
+    live, _ = state
+    now = time.monotonic()
+    live.recovery(True, now - 1.0, now)
+    assert live.report()["recovering_s"] >= 1.0
+    monkeypatch.setattr(state_module, "RECOVERY_STALE_S", 0.1)
+    time.sleep(0.15)
+    assert live.report()["recovering_s"] is None

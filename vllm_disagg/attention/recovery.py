@@ -20,6 +20,7 @@ from vllm.logger import init_logger
 from vllm_disagg.attention import backend
 from vllm_disagg.attention.client import AttentionServerLost, ClientMeta, DisaggAttentionClient, ServerConn
 from vllm_disagg.attention.wire import StepMeta
+from vllm_disagg.liveness import beacon
 
 logger = init_logger(__name__)
 REPLACEMENT_WAIT_S = 5.0
@@ -44,13 +45,16 @@ def reconnect(client: DisaggAttentionClient, required_blocks: int, wait_s: float
     if wait_s is None:  # remote_attention.replacement_wait_s
         wait_s = getattr(client, "replacement_wait_s", REPLACEMENT_WAIT_S)
     addrs = client.configured
-    deadline = time.monotonic() + wait_s
+    t0 = time.monotonic()
+    deadline = t0 + wait_s
     live = [a for a in addrs if healthy(a)]
     while len(live) < len(addrs) and time.monotonic() < deadline:
         time.sleep(0.2)
         live = [a for a in addrs if healthy(a)]
     if not live:
         raise AttentionServerLost(",".join(addrs), RuntimeError("no attention server is reachable"))
+    logger.info("remote attention: %d/%d servers answer /health after %.2f s", len(live), len(addrs),
+                time.monotonic() - t0)
     client.close()
     client.conns = [ServerConn(a, client.transport, client.timeout_s) for a in live]
     if client.placer is not None:
@@ -108,16 +112,23 @@ def recover(runner, err: AttentionServerLost) -> int:
     """Reconnect, then rebuild the KV of the runner's batch; returns the tokens recomputed.
 
     Runs on the step's caller thread, inside the step's forward context (its split metadata, if
-    any, is re-split against the new server set)."""
+    any, is re-split against the new server set). Meanwhile `/live` reports `recovering_s`
+    (`liveness.beacon.recovering`): the router sends new requests elsewhere instead of waiting out
+    its stall limit on a step that waits for a replacement server."""
     from vllm.forward_context import get_forward_context
 
     logger.warning("remote attention: %s; rebuilding the KV by recompute", err)
     ctx = get_forward_context()
-    reconnect(_client_of(runner), runner.kv_cache_config.num_blocks)
-    forget_splits(ctx.attn_metadata)
-    names = [list(g.layer_names) for g in runner.kv_cache_config.kv_cache_groups]
-    tokens = rebuild_kv(runner, names)
-    forget_splits(ctx.attn_metadata)
+    with beacon.recovering():
+        t0 = time.monotonic()
+        reconnect(_client_of(runner), runner.kv_cache_config.num_blocks)
+        t_connected = time.monotonic()
+        forget_splits(ctx.attn_metadata)
+        names = [list(g.layer_names) for g in runner.kv_cache_config.kv_cache_groups]
+        tokens = rebuild_kv(runner, names)
+        forget_splits(ctx.attn_metadata)
+    logger.warning("remote attention: recovered in %.2f s (%.2f s to reconnect, %.2f s to recompute %d tokens)",
+                   time.monotonic() - t0, t_connected - t0, time.monotonic() - t_connected, tokens)
     runner.remote_recovery_log = [*getattr(runner, "remote_recovery_log", []), {
         "server": err.server, "nano_batched": ctx.ubatch_slices is not None, "tokens_rebuilt": tokens}]
     return tokens

@@ -8,7 +8,8 @@ DisaggConnector's scheduler half) and the model says "a layer finished" while a 
 abstract unix socket (`beacon.py`). The API server (`vllm serve --middleware
 vllm_disagg.liveness.LiveMiddleware`, `middleware.py`) answers `GET /live` with how long the instance
 has had work (generate requests in flight, or a scheduled step) without progress (a step, a layer, or
-a response chunk) and the wait it expects for the next sign of progress (`state.py`). `/health` turns
+a response chunk), the wait it expects for the next sign of progress, and `recovering_s` while a
+Lamina model worker rebuilds what a lost attention server held (`beacon.recovering`; `state.py`). `/health` turns
 503 past `VLLM_DISAGG_STALL_TIMEOUT_S` (default 10), raised for a long expected wait
 (`stall_limit_for`); the router cuts an instance whose `stalled_s` passes its limit and replays its
 requests (router/README.md, "Hang detection"). Imported by `kv/` (the beacons) and, through

@@ -6,18 +6,22 @@ the process). Best effort: a send never blocks and never raises, and with nobody
 - a step starts (`StepBeacon.beat`, EngineCore's scheduler, once per schedule);
 - the process runs (`StepBeacon.start_heartbeat`, a thread, once a second);
 - a layer of the step in progress finished (`LayerBeacon`, the model's forward, from DisaggConnector's
-  `save_kv_layer`): what tells a long step from a stuck one.
+  `save_kv_layer`): what tells a long step from a stuck one;
+- the model worker is rebuilding what a lost attention server held (`recovering`, once a second while
+  attention/recovery.py waits for a replacement and recomputes): a step that will not end soon, for a
+  known reason, so the router moves new requests elsewhere at once instead of waiting out a stall limit.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import struct
 import threading
 import time
 
-__all__ = ["ALIVE_PERIOD_S", "ENV_SOCKET", "LayerBeacon", "StepBeacon", "socket_name"]
+__all__ = ["ALIVE_PERIOD_S", "ENV_SOCKET", "LayerBeacon", "StepBeacon", "recovering", "socket_name"]
 
 BEAT = struct.Struct("<iId")  # sender pid, tokens scheduled this step, its start (sender's time.monotonic())
 """The start travels in the datagram: a busy API server reads a few queued beats at once, and their
@@ -25,6 +29,7 @@ arrival times made steps of 0 s (a Ray decode instance reported `expected_step_s
 never applied its adaptive stall limit). CLOCK_MONOTONIC is one clock for every process of the host."""
 ALIVE = struct.Struct("<i")  # sender pid: EngineCore's process runs (heartbeat thread), nothing about steps
 LAYER = struct.Struct("<iII")  # sender pid, index of the layer that finished, number of layers
+RECOVERY = struct.Struct("<iBd")  # sender pid, 1 while recovering (0: over), when it began (time.monotonic())
 ALIVE_PERIOD_S = 1.0
 LAYER_BEAT_GAP_S = 0.2
 """At most one layer datagram per this many seconds: far under any stall limit (the smallest is 2 s),
@@ -136,6 +141,32 @@ class LayerBeacon(_Datagrams):
             return
         self._last = now
         self._send(LAYER.pack(self._pid, max(0, layer_index), max(0, num_layers)))
+
+
+@contextlib.contextmanager
+def recovering(period_s: float = ALIVE_PERIOD_S, name: str | None = None):
+    """Tell the API server, every `period_s` for as long as the block runs, that this worker is
+    recovering (`LiveState` forgets a recovery not repeated within `RECOVERY_STALE_S`, so a worker
+    killed inside the block leaves no flag behind); an end datagram clears it at once."""
+    sender = _Datagrams([name] if name else ([os.environ[ENV_SOCKET]] if os.environ.get(ENV_SOCKET)
+                                             else _ancestor_names()))
+    pid, began, done = os.getpid(), time.monotonic(), threading.Event()
+
+    def run() -> None:
+        while True:
+            sender._send(RECOVERY.pack(pid, 1, began))
+            if done.wait(period_s):
+                return
+
+    thread = threading.Thread(target=run, name="disagg-live-recovering", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join(timeout=1.0)
+        sender._send(RECOVERY.pack(pid, 0, began))
+        sender.close()
 
 
 def _ancestor_names() -> list[str]:

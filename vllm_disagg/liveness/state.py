@@ -12,7 +12,7 @@ import time
 from collections import deque
 
 from vllm_disagg.liveness import beacon
-from vllm_disagg.liveness.beacon import ALIVE, BEAT, LAYER, socket_name
+from vllm_disagg.liveness.beacon import ALIVE, BEAT, LAYER, RECOVERY, socket_name
 
 __all__ = ["LONG_STEP_MARGIN", "LiveState", "live_state", "stall_limit_for", "stall_timeout_s"]
 
@@ -23,6 +23,8 @@ MIN_STEP_SAMPLES = 3
 """Busy steps seen before `expected_step_s` is reported. Each sample over-states its step (beats are at
 most one per 50 ms), so a few are safe; 8 left a restarted engine on the fixed limit for minutes at
 low load (a short request gives 1-3 samples), and the chaos soak's 7.7 s SIGSTOP of it went uncut."""
+RECOVERY_STALE_S = 3.0
+"""A recovery whose worker said nothing for this long is over (the worker repeats it every second)."""
 MIN_STEP_S = 1e-3
 """A sample shorter than this is a clock artefact, not a step (no engine steps in under a millisecond)."""
 
@@ -66,6 +68,9 @@ class LiveState:
         """The last layer-progress datagram (`LayerBeacon`): the step in progress moves."""
         self.num_layers = 0
         """Layers per step, as the last layer datagram said (0: none came yet)."""
+        self.recovering_since: float | None = None
+        """When the model worker began rebuilding what a lost attention server held (None: it is not)."""
+        self.last_recovery = 0.0
         self._steps: deque[tuple[float, int]] = deque(maxlen=_NUM_STEP_SAMPLES)
         """(seconds from one busy beat to the next, tokens of the first): an upper bound on that step's
         time, since beats are at most one per 50 ms."""
@@ -93,6 +98,9 @@ class LiveState:
             elif len(data) == LAYER.size:
                 _, _, num_layers = LAYER.unpack(data)
                 self.layer_done(num_layers, time.monotonic())
+            elif len(data) == RECOVERY.size:
+                _, on, began = RECOVERY.unpack(data)
+                self.recovery(bool(on), min(began, time.monotonic()), time.monotonic())
 
     def beat(self, num_tokens: int, now: float) -> None:
         """EngineCore started a step of `num_tokens` tokens (0: it has nothing to do) at `now`."""
@@ -110,6 +118,16 @@ class LiveState:
         with self._lock:
             self.last_layer = now
             self.num_layers = num_layers
+
+    def recovery(self, on: bool, began: float, now: float) -> None:
+        """The worker is recovering from a lost attention server since `began` (`on`), or is done."""
+        with self._lock:
+            self.recovering_since, self.last_recovery = (began if on else None), now
+
+    def _recovering_s(self, now: float) -> float | None:
+        if self.recovering_since is None or now - self.last_recovery > RECOVERY_STALE_S:
+            return None
+        return round(max(0.0, now - self.recovering_since), 3)
 
     @property
     def step_layer_progress(self) -> bool:
@@ -177,7 +195,8 @@ class LiveState:
         """`stalled_s`: how long the engine has owed progress: with generate requests in flight, since
         the last step, a layer of it, or a response chunk; with none, since a request that came (and was maybe
         aborted) before the engine stepped again, or since a step with tokens last moved; else
-        0. So a stuck engine stays stalled after its requests were cut, until it steps again. None
+        0. `recovering_s`: how long the model worker has been rebuilding what a lost attention server
+        held (None: it is not); the router moves new requests elsewhere meanwhile. So a stuck engine stays stalled after its requests were cut, until it steps again. None
         when this engine never beat (no DisaggConnector), which says nothing either way."""
         with self._lock:
             now = time.monotonic()
@@ -201,7 +220,8 @@ class LiveState:
                     "layer_progress": self.step_layer_progress, "num_layers": self.num_layers,
                     "num_step_samples": len(self._steps),
                     "inflight": self.inflight, "engine_busy": self.engine_busy, "num_beats": self.num_beats,
-                    "since_beat_s": round(now - self.last_beat, 3) if self.num_beats else None}
+                    "since_beat_s": round(now - self.last_beat, 3) if self.num_beats else None,
+                    "recovering_s": self._recovering_s(now)}
 
 
 def stall_timeout_s() -> float:

@@ -99,6 +99,8 @@ class HealthChecker:
             return False
         if not health:
             return False
+        if self._recovering(inst, live):
+            return not self.pools.has_alternative(inst)  # elsewhere: it stays out until it is done
         now = time.monotonic()
         stalled = self._take_report(inst, live, now)
         if stalled is not None:
@@ -248,10 +250,27 @@ class HealthChecker:
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
             self.suspect(inst, f"no /live answer within {_PROBE_TIMEOUT_S:g} s")
             return
+        if self._recovering(inst, live):
+            return
         stalled = self._take_report(inst, live, time.monotonic())
         if stalled is not None and inst.stall_limit_s is not None and inst.release_limit_s is not None \
                 and stalled > inst.release_limit_s:
             self.suspect(inst, f"its engine owes progress for {stalled:.2f} s")
+
+    def _recovering(self, inst: Instance, live: dict | None) -> bool:
+        """A `/live` with `recovering_s`: the instance's model worker rebuilds what a lost attention
+        server held, and no step of it ends before a replacement answers (seconds: the seed-1 Lamina
+        soak kept new requests 8-10 s on it). With another instance that steps, it leaves routing now
+        and its requests replay there; with none, it is suspect and keeps them. True when recovering."""
+        seconds = live.get("recovering_s") if live else None
+        if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or seconds < 0:
+            return False
+        why = f"its model worker has been rebuilding a lost attention server's KV for {seconds:.1f} s"
+        if self.pools.has_alternative(inst):
+            self.drop(inst, why)
+        else:
+            self.suspect(inst, why)
+        return True
 
     def suspect(self, inst: Instance, why: str) -> None:
         """Mark `inst` suspect (new requests avoid it) and move its requests that showed the client

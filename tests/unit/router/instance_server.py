@@ -32,6 +32,8 @@ class InstanceServer:
         """What GET /live reports as `stalled_s` (vllm_disagg/liveness/); None: no /live (404)."""
         self.live_expected_step_s: float | None = None
         """What GET /live reports as `expected_step_s` (the engine's expected step time)."""
+        self.live_recovering_s: float | None = None
+        """What GET /live reports as `recovering_s` (a model worker rebuilding a lost attention server's KV)."""
         self.frozen = False
         self.resume = asyncio.Event()
         """Mode "paused": generation requests wait for this (a SIGCONT)."""
@@ -77,7 +79,8 @@ class InstanceServer:
         if self.live_stalled_s is None:
             return web.Response(status=404)
         return web.json_response({"live": self.live_stalled_s < 10, "stalled_s": self.live_stalled_s,
-                                  "expected_step_s": self.live_expected_step_s})
+                                  "expected_step_s": self.live_expected_step_s,
+                                  "recovering_s": self.live_recovering_s})
 
     async def _echo(self, req: web.Request) -> web.Response:
         """Any other vLLM route: answers who got it (a stored response's id on POST /v1/responses)."""

@@ -155,6 +155,33 @@ def test_a_request_on_a_suspect_instance_moves_before_its_first_token_and_the_in
     run(scenario())
 
 
+def test_an_instance_whose_model_worker_recovers_a_lost_attention_server_leaves_routing_at_once():
+    """m0's /live says its model worker is rebuilding a lost attention server's KV (no step ends until a
+    replacement answers, seconds): at the next poll, long before any stall limit (20 s), it leaves
+    routing, its request replays on m1, and new requests go to m1 until the recovery is over."""
+    async def scenario():
+        async with deployment(p_modes=(), d_modes=(), mixed_modes=("stall", "ok"), health_interval_s=0.1,
+                              stall_timeout_s=20, stall_factor=5, stall_min_s=20, stall_release_s=10) as (
+                url, session, _, _d, ms, router):
+            await asyncio.sleep(0.3)
+            body = {"model": "m", "prompt": [4, 2], "max_tokens": 3, "stream": True, "return_token_ids": True}
+            task = asyncio.create_task(_post(session, url, body))
+            await _until(lambda: len(ms[0].bodies) == 1)
+            ms[0].live_recovering_s = 0.4
+            t0 = asyncio.get_running_loop().time()
+            status, _, raw = await asyncio.wait_for(task, 5)
+            assert status == 200 and _stream_ids(raw) == _expected([4, 2], 3) and len(ms[1].bodies) == 1
+            assert asyncio.get_running_loop().time() - t0 < 1.0
+            assert not router.pools.is_healthy(ms[0].url)
+            await asyncio.sleep(0.3)  # polls see it recovering: it stays out
+            assert not router.pools.is_healthy(ms[0].url)
+            status, _, raw = await asyncio.wait_for(_post(session, url, body), 5)
+            assert status == 200 and len(ms[0].bodies) == 1 and len(ms[1].bodies) == 2
+            ms[0].live_recovering_s = None  # recovered
+            await _until(lambda: router.pools.is_healthy(ms[0].url))
+    run(scenario())
+
+
 def test_an_instance_whose_live_endpoint_stops_answering_is_suspect_within_the_probe_timeout():
     """A SIGSTOPped instance answers nothing, so only the router's extrapolation says it stalled: a
     /live probe that gets no answer in 1 s confirms it, long before the health poll times out."""

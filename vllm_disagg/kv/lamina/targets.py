@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from typing import Any
 
 from vllm.logger import init_logger
@@ -31,6 +32,9 @@ __all__ = ["AttnPushReceiver", "attention_settings"]
 
 logger = init_logger(__name__)
 _POLL_S = 0.002
+_POLL_WARN_EVERY_S = 10.0
+"""A landing poll that keeps failing (a lost server restarting) is logged once per this long, not 10
+times a second (the Lamina chaos run: ~100 identical warnings per lost server)."""
 
 
 def attention_settings(vllm_config: Any):
@@ -201,6 +205,7 @@ class AttnPushReceiver(PushReceiver):
 
     # ------------------------------------------------------------ landing poller
     def _poll_loop(self) -> None:
+        warned_at, num_quiet = float("-inf"), 0
         while not self._stop.wait(_POLL_S):
             with self._lock:
                 pending = [r.spec.transfer_id for r in self._recvs.values() if r.state is RecvState.REGISTERED]
@@ -215,7 +220,12 @@ class AttnPushReceiver(PushReceiver):
             try:
                 totals = self._landed_totals(pending)
             except DisaggError as err:
-                logger.warning("KV push to attention servers: %s", err)
+                if time.monotonic() - warned_at >= _POLL_WARN_EVERY_S:
+                    logger.warning("KV push to attention servers: %s%s", err,
+                                   f" (and {num_quiet} more failed polls)" if num_quiet else "")
+                    warned_at, num_quiet = time.monotonic(), 0
+                else:
+                    num_quiet += 1
                 self._stop.wait(0.1)
                 continue
             with self._totals_lock:
