@@ -182,6 +182,30 @@ def test_an_instance_whose_model_worker_recovers_a_lost_attention_server_leaves_
     run(scenario())
 
 
+def test_the_only_instance_recovering_an_attention_server_keeps_its_request_until_it_is_done():
+    """With no other instance to take them, a recovering instance stays in routing (suspect): its
+    request waits for the recovery and is answered there, not cut and left waiting for a rejoin."""
+    async def scenario():
+        async with deployment(p_modes=(), d_modes=(), mixed_modes=("paused",), health_interval_s=0.1,
+                              stall_timeout_s=20, stall_factor=5, stall_min_s=20, stall_release_s=10) as (
+                url, session, _, _d, ms, router):
+            await asyncio.sleep(0.3)
+            body = {"model": "m", "prompt": [4, 2], "max_tokens": 3, "return_token_ids": True}
+            task = asyncio.create_task(_post(session, url, body))
+            await _until(lambda: len(ms[0].bodies) == 1)
+            ms[0].live_recovering_s = 0.4
+            await _until(lambda: router.pools.is_suspect(ms[0].url))
+            await asyncio.sleep(0.3)
+            assert router.pools.is_healthy(ms[0].url) and not task.done()
+            ms[0].live_recovering_s = None
+            ms[0].resume.set()
+            status, _, raw = await asyncio.wait_for(task, 5)
+            assert status == 200 and json.loads(raw)["choices"][0]["token_ids"] == _expected([4, 2], 3)
+            assert _replay_reasons(router) == "" and len(ms[0].bodies) == 1
+            await _until(lambda: not router.pools.is_suspect(ms[0].url))
+    run(scenario())
+
+
 def test_an_instance_whose_live_endpoint_stops_answering_is_suspect_within_the_probe_timeout():
     """A SIGSTOPped instance answers nothing, so only the router's extrapolation says it stalled: a
     /live probe that gets no answer in 1 s confirms it, long before the health poll times out."""
