@@ -195,9 +195,10 @@ class LiveState:
         """`stalled_s`: how long the engine has owed progress: with generate requests in flight, since
         the last step, a layer of it, or a response chunk; with none, since a request that came (and was maybe
         aborted) before the engine stepped again, or since a step with tokens last moved; else
-        0. `recovering_s`: how long the model worker has been rebuilding what a lost attention server
-        held (None: it is not); the router moves new requests elsewhere meanwhile. So a stuck engine stays stalled after its requests were cut, until it steps again. None
-        when this engine never beat (no DisaggConnector), which says nothing either way."""
+        0. So a stuck engine stays stalled after its requests were cut, until it steps again. None
+        when this engine never beat (no DisaggConnector), which says nothing either way.
+        `recovering_s`: how long the model worker has been rebuilding what a lost attention server
+        held (None: it is not); the router moves the instance's requests elsewhere meanwhile."""
         with self._lock:
             now = time.monotonic()
             if not self.num_beats:
