@@ -129,8 +129,7 @@ class LayerBeacon(_Datagrams):
     which, by trying both names; `VLLM_DISAGG_LIVE_SOCKET` names it outright."""
 
     def __init__(self, name: str | None = None, gap_s: float = LAYER_BEAT_GAP_S) -> None:
-        super().__init__([name] if name else ([os.environ[ENV_SOCKET]] if os.environ.get(ENV_SOCKET)
-                                              else _ancestor_names()))
+        super().__init__(_worker_names(name))
         self._gap_s = gap_s
         self._last = 0.0
 
@@ -148,8 +147,7 @@ def recovering(period_s: float = ALIVE_PERIOD_S, name: str | None = None):
     """Tell the API server, every `period_s` for as long as the block runs, that this worker is
     recovering (`LiveState` forgets a recovery not repeated within `RECOVERY_STALE_S`, so a worker
     killed inside the block leaves no flag behind); an end datagram clears it at once."""
-    sender = _Datagrams([name] if name else ([os.environ[ENV_SOCKET]] if os.environ.get(ENV_SOCKET)
-                                             else _ancestor_names()))
+    sender = _Datagrams(_worker_names(name))
     pid, began, done = os.getpid(), time.monotonic(), threading.Event()
 
     def run() -> None:
@@ -167,6 +165,14 @@ def recovering(period_s: float = ALIVE_PERIOD_S, name: str | None = None):
         thread.join(timeout=1.0)
         sender._send(RECOVERY.pack(pid, 0, began))
         sender.close()
+
+
+def _worker_names(name: str | None) -> list[str]:
+    """Where a worker-side sender looks for its API server: `name`, else `VLLM_DISAGG_LIVE_SOCKET`,
+    else its parent's and grandparent's names (`LayerBeacon`'s docstring)."""
+    if name:
+        return [name]
+    return [os.environ[ENV_SOCKET]] if os.environ.get(ENV_SOCKET) else _ancestor_names()
 
 
 def _ancestor_names() -> list[str]:
