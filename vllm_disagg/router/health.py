@@ -74,6 +74,7 @@ class HealthChecker:
             for inst in list(self.pools.instances.values()):
                 task = self._polls.get(inst.instance_id)
                 if task is None or task.done():
+                    inst.poll_sent_at = time.monotonic()
                     self._polls[inst.instance_id] = asyncio.create_task(self._poll(inst))
             for iid in [i for i, t in self._polls.items() if t.done() and i not in self.pools.instances]:
                 del self._polls[iid]
@@ -83,6 +84,8 @@ class HealthChecker:
             self.record(inst, await self._check(inst))
         except Exception:  # keep polling whatever one round hit
             logger.exception("health poll of %s failed", inst.url)
+        finally:
+            inst.poll_sent_at = None
 
     async def poll_once(self) -> None:
         instances = list(self.pools.instances.values())
@@ -106,6 +109,8 @@ class HealthChecker:
         if stalled is not None:
             return stalled <= self._limit_of(inst)
         inst.last_progress = now  # answering is all we can see of an instance that does not beat
+        if self.pools.set_suspect(inst.instance_id, False):
+            logger.info("instance %s (%s) answers again", inst.url, inst.pool.value)
         return True
 
     def _take_report(self, inst: Instance, live: dict | None, now: float) -> float | None:
@@ -228,9 +233,21 @@ class HealthChecker:
                 for callback in self.on_stall:
                     callback(inst, stalled)
                 cut.append(inst)
+            elif self._unanswered(inst, now, num, stalled):
+                self.suspect(inst, f"its health poll has had no answer for {now - inst.poll_sent_at:.1f} s")
             elif num and inst.release_limit_s is not None and stalled > inst.release_limit_s:
                 self._probe_soon(inst)
         return cut
+
+    def _unanswered(self, inst: Instance, now: float, num_booked: int, stalled: float) -> bool:
+        """A poll in flight past `_PROBE_TIMEOUT_S` from an instance that answered before: a SIGSTOPped
+        one, caught while idle. Only the probe caught it before, once a request had waited out the soft
+        limit on it: the first request to each router after a stop took 1.5 s (Lamina soak, seed 2,
+        8-10 s into a stop). A busy one is suspect only if it also shows no progress past that limit."""
+        release = inst.release_limit_s if inst.release_limit_s is not None else self.release_limit(None)
+        if release is None or inst.poll_sent_at is None or not inst.seen_healthy:
+            return False
+        return now - inst.poll_sent_at > _PROBE_TIMEOUT_S and (not num_booked or stalled > release)
 
     # ------------------------------------------------------------- suspicion
     def _probe_soon(self, inst: Instance) -> None:

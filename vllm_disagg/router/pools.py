@@ -47,6 +47,8 @@ class Instance:
     has_live: bool | None = None
     """Whether it serves `/live` (vllm_disagg/liveness/); None until asked."""
     live_asked_at: float = 0.0
+    poll_sent_at: float | None = None
+    """Monotonic time the health poll in flight was sent (None: none in flight)."""
 
 
 @dataclass(frozen=True)

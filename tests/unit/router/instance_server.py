@@ -34,10 +34,14 @@ class InstanceServer:
         """What GET /live reports as `expected_step_s` (the engine's expected step time)."""
         self.live_recovering_s: float | None = None
         """What GET /live reports as `recovering_s` (a model worker rebuilding a lost attention server's KV)."""
+        self.health_delay_s = 0.0
+        """GET /health answers after this long (a busy API server)."""
+        self.token_gap_s = 0.01
+        """Seconds between streamed tokens."""
         self.frozen = False
+        """/health and /live never answer (a SIGSTOPped API server)."""
         self.resume = asyncio.Event()
         """Mode "paused": generation requests wait for this (a SIGCONT)."""
-        """/health and /live never answer (a SIGSTOPped API server)."""
         self.app = web.Application()
         self.app.add_routes([
             web.post("/v1/completions", self._generate),
@@ -71,6 +75,7 @@ class InstanceServer:
     async def _health(self, _req: web.Request) -> web.Response:
         while self.frozen:
             await asyncio.sleep(0.05)
+        await asyncio.sleep(self.health_delay_s)
         return web.Response(status=200 if self.healthy else 503)
 
     async def _live(self, _req: web.Request) -> web.Response:
@@ -148,7 +153,7 @@ class InstanceServer:
                 elif i == 0:
                     choice["prompt_token_ids"] = context
             await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
-            await asyncio.sleep(0.01)
+            await asyncio.sleep(self.token_gap_s)
             if die_now and i + 1 == self.die_after:
                 self.die_times -= 1
                 req.transport.close()  # the process "dies": connection drops mid-stream

@@ -228,6 +228,48 @@ def test_an_instance_whose_live_endpoint_stops_answering_is_suspect_within_the_p
     run(scenario())
 
 
+def test_an_idle_instance_whose_health_poll_goes_unanswered_is_suspect_and_new_requests_avoid_it():
+    """A SIGSTOPped instance with nothing booked owes no progress, so only its unanswered health poll
+    shows it: past the probe timeout it is suspect, new requests go to the other instance at once, not
+    after a soft limit and a probe each, and its next answer clears it."""
+    async def scenario():
+        async with deployment(p_modes=(), d_modes=(), mixed_modes=("ok", "ok"), health_interval_s=0.1,
+                              health_timeout_s=5, stall_timeout_s=20, stall_factor=5, stall_min_s=20,
+                              stall_release_s=0.3) as (url, session, _, _d, ms, router):
+            await asyncio.sleep(0.3)
+            ms[0].frozen = True
+            t0 = asyncio.get_running_loop().time()
+            await _until(lambda: router.pools.is_suspect(ms[0].url), 3)
+            assert asyncio.get_running_loop().time() - t0 < 1.6 and router.pools.is_healthy(ms[0].url)
+            for prompt in ([4, 2], [5, 1], [6, 3]):
+                body = {"model": "m", "prompt": prompt, "max_tokens": 3, "return_token_ids": True}
+                status, _, raw = await asyncio.wait_for(_post(session, url, body), 1.0)
+                assert status == 200 and json.loads(raw)["choices"][0]["token_ids"] == _expected(prompt, 3)
+            assert not ms[0].bodies and len(ms[1].bodies) == 3 and _replay_reasons(router) == ""
+            ms[0].frozen = False
+            await _until(lambda: not router.pools.is_suspect(ms[0].url), 3)
+    run(scenario())
+
+
+def test_a_busy_instance_whose_health_poll_is_slow_but_that_streams_is_not_suspect():
+    """/health late by more than the probe timeout on an instance whose tokens flow is a busy API
+    server, not a stopped one: its stream is neither moved nor replayed."""
+    async def scenario():
+        async with deployment(p_modes=(), d_modes=(), mixed_modes=("ok", "ok"), health_interval_s=0.1,
+                              health_timeout_s=5, stall_timeout_s=20, stall_factor=5, stall_min_s=20,
+                              stall_release_s=0.3) as (url, session, _, _d, ms, router):
+            ms[0].live_expected_step_s, ms[0].num_tokens, ms[0].token_gap_s = 0.05, 40, 0.05
+            await asyncio.sleep(0.3)
+            ms[0].health_delay_s = 1.5
+            await asyncio.sleep(0.2)
+            body = {"model": "m", "prompt": [4, 2], "max_tokens": 40, "stream": True, "return_token_ids": True}
+            status, _, raw = await asyncio.wait_for(_post(session, url, body), 10)
+            assert status == 200 and _stream_ids(raw) == _expected([4, 2], 40)
+            assert not ms[1].bodies and _replay_reasons(router) == ""
+            assert not router.pools.is_suspect(ms[0].url)
+    run(scenario())
+
+
 def test_a_cold_instance_that_answers_is_left_to_the_fixed_limit_and_one_that_does_not_is_suspect():
     """/live has no `expected_step_s` yet (a cold or just restarted engine): its own report of a stall
     past the floor (a first forward of 2 s on a loaded box) marks nothing, while a /live that does not
