@@ -28,7 +28,7 @@ from vllm_disagg.kv.handshake import (
     handshake_body,
 )
 from vllm_disagg.kv.metadata import CancelSpec, RecvSpec
-from vllm_disagg.kv.push_status import CANCEL_TIMEOUT_S, RecvState, StatusRounds
+from vllm_disagg.kv.push_status import CANCEL_TIMEOUT_S, SLOW_AFTER_S, RecvState, StatusRounds
 from vllm_disagg.kv.side_channel import SideChannelClient
 from vllm_disagg.kv.spans import end_receive_span, start_receive_span
 from vllm_disagg.kv.stats import StatsSink
@@ -60,8 +60,9 @@ class _Recv:
     """`kv.receive` of a traced request (kv/spans.py), ended when the receive is over."""
     t_progress: float = field(default_factory=time.monotonic)
     """When a byte last landed (or the prefill side last said the push goes on)."""
-    t_asked: float = field(default_factory=time.monotonic)
-    """When the prefill side last answered a STATUS about it (at first: when it was created)."""
+    t_created: float = field(default_factory=time.monotonic)
+    ask_at: float = field(default_factory=lambda: time.monotonic() + SLOW_AFTER_S)
+    """When the slow-link rule next asks the prefill side about it (kv/push_status.py)."""
     probing: bool = False
     num_unknown: int = 0
 

@@ -19,6 +19,7 @@ More: README.md, "push_status.py".
 from __future__ import annotations
 
 import enum
+import math
 import threading
 import time
 from typing import Any
@@ -28,17 +29,21 @@ from vllm.logger import init_logger
 from vllm_disagg.errors import DisaggError
 from vllm_disagg.kv.handshake import MsgType, SideMsg, decode_msg, encode_msg
 
-__all__ = ["RecvState", "StatusRounds", "slow_link_reason"]
+__all__ = ["RecvState", "StatusRounds", "slow_link_reason", "slow_link_wait_s"]
 
 logger = init_logger(__name__)
 CANCEL_TIMEOUT_S = 5.0
 STATUS_AFTER_S = 2.0
 """A registered receive that landed no byte for this long asks its prefill instance how the push is
 doing: a push P abandoned, or one P never heard of (it restarted), fails now, not at push_timeout_s."""
-SLOW_AFTER_S = 1.0
-"""A registered receive still incomplete this long after its registration (or its last STATUS) asks
-too, landing or not: the slow-link rule needs P's timing (`kv.recompute_slow_pushes`)."""
-MIN_LINK_WAIT_S = 0.5
+SLOW_AFTER_S = 0.25
+"""A registered receive still incomplete this long after its registration asks too, landing or not:
+the slow-link rule needs P's timing (`kv.recompute_slow_pushes`). At 1 s, every request on a slow link
+took at least 1.03 s where the quiet P99 was 0.26 s (Lamina soak, stop 44)."""
+REASK_FRACTION = 0.25
+"""While P still computes the prompt, ask again after this share of the receive's age (at least
+SLOW_AFTER_S, at most STATUS_AFTER_S): a long prefill is asked about a few times, not 4 times a second."""
+MIN_LINK_WAIT_S = 0.2
 """The slow-link rule never gives up on a push that has been on the link alone for less than this:
 a short prompt's last write is still in flight when its prefill ends."""
 UNKNOWN_TIMES = 2
@@ -56,14 +61,30 @@ class RecvState(enum.IntEnum):
     """Every byte landed; waiting for P's checksums (`kv.verify_checksums`)."""
 
 
-def slow_link_reason(body: dict[str, Any]) -> str | None:
-    """Why a `pushing` or `done` push should be recomputed instead (P's STATE body), or None to keep waiting."""
+def _link_timing(body: dict[str, Any]) -> tuple[float, float] | None:
+    """P's (prefill_s, since_prefill_s) from a `pushing` or `done` STATE; None while P still computes the
+    prompt (or predates the timing fields, or sent something that is not two finite numbers)."""
     try:
         prefill_s, since_s = float(body["prefill_s"]), float(body["since_prefill_s"])
     except (KeyError, TypeError, ValueError):
-        return None  # P still computes the prompt (or predates the timing fields)
-    if since_s < max(prefill_s, MIN_LINK_WAIT_S):
         return None
+    return (prefill_s, since_s) if math.isfinite(prefill_s) and math.isfinite(since_s) else None
+
+
+def slow_link_wait_s(body: dict[str, Any]) -> float | None:
+    """How much longer to wait on a push before recomputing it (<= 0: now), from P's STATE body; None
+    while P still computes. D asks again exactly then, so the rule gives up when the bytes have been on
+    the link alone as long as the prompt took to compute, not at the next fixed round."""
+    timing = _link_timing(body)
+    return None if timing is None else max(timing[0], MIN_LINK_WAIT_S) - timing[1]
+
+
+def slow_link_reason(body: dict[str, Any]) -> str | None:
+    """Why a `pushing` or `done` push should be recomputed instead (P's STATE body), or None to keep waiting."""
+    wait_s = slow_link_wait_s(body)
+    if wait_s is None or wait_s > 0:
+        return None
+    prefill_s, since_s = _link_timing(body)
     return (f"the push is still landing {since_s:.2f}s after its prefill ended, longer than computing "
             f"the prompt took ({prefill_s:.2f}s): a slow link, so recomputing is faster")
 
@@ -83,8 +104,7 @@ class StatusRounds:
     def _due_for_status(self, recv: Any, now: float) -> bool:
         if recv.state is not RecvState.REGISTERED or recv.probing:
             return False
-        return now - recv.t_progress > STATUS_AFTER_S or (
-            self.recompute_slow_pushes and now - recv.t_asked > SLOW_AFTER_S)
+        return now - recv.t_progress > STATUS_AFTER_S or (self.recompute_slow_pushes and now >= recv.ask_at)
 
     def _probe_waiting(self, now: float) -> None:
         """One STATUS round per prefill instance for its receives that are due (on that instance's pool:
@@ -130,11 +150,13 @@ class StatusRounds:
         """Called holding the lock: ask about `recvs` again only after STATUS_AFTER_S."""
         now = time.monotonic()
         for recv in recvs:
-            recv.probing, recv.t_progress, recv.t_asked = False, now, now + STATUS_AFTER_S - SLOW_AFTER_S
+            recv.probing, recv.t_progress, recv.ask_at = False, now, now + STATUS_AFTER_S
 
     def _on_state(self, recv: Any, reply: SideMsg) -> str | None:
         """Called holding the lock; returns why to give up on a slow push, else None."""
-        recv.probing, recv.t_progress, recv.t_asked = False, time.monotonic(), time.monotonic()
+        now = time.monotonic()
+        recv.probing, recv.t_progress = False, now
+        recv.ask_at = now + min(STATUS_AFTER_S, max(SLOW_AFTER_S, REASK_FRACTION * (now - recv.t_created)))
         if recv.state is not RecvState.REGISTERED or reply.transfer_id != recv.spec.transfer_id:
             return None
         state = reply.body.get("state") if reply.type is MsgType.STATE else None
@@ -144,6 +166,9 @@ class StatusRounds:
         elif recv.num_unknown >= UNKNOWN_TIMES:
             self._set_failed(recv, f"prefill instance {recv.spec.remote} has no record of the push (restarted?)")
         elif state in ("pushing", "done") and self.recompute_slow_pushes:  # done: every write left P
+            wait_s = slow_link_wait_s(reply.body)
+            if wait_s is not None:
+                recv.ask_at = now + max(wait_s, 0.0)
             return slow_link_reason(reply.body)
         return None
 
