@@ -206,6 +206,21 @@ class SockStream:
         except OSError as err:
             raise PeerLostError(f"connection to {self.peer} lost during recv: {err}") from None
 
+    def recv_some_into(self, view: memoryview, wait_s: float) -> int:
+        """Fill `view` as far as the bytes that come within `wait_s` go; returns how many (0: none came).
+        One MSG_WAITALL call either way, so a payload already here lands in one call."""
+        n = view.nbytes
+        try:
+            self._settimeout(wait_s)
+            got = self.sock.recv_into(view, n, socket.MSG_WAITALL)
+        except (TimeoutError, BlockingIOError):
+            return 0
+        except OSError as err:
+            raise PeerLostError(f"connection to {self.peer} lost during recv: {err}") from None
+        if got == 0 and n:
+            raise PeerLostError(f"{self.peer} closed the connection (0/{n} bytes of a frame read)")
+        return got
+
     def recv_exact(self, n: int, timeout: float | None = None) -> bytearray:
         buf = bytearray(n)
         self.recv_into(memoryview(buf), timeout)

@@ -35,6 +35,9 @@ logger = logging.getLogger(__name__)
 _IDLE_POLL_S = 0.5
 _FENCE_TTL_S, _MAX_FENCED = 600.0, 4096
 _DRAIN_CHUNK = 1 << 20
+_LANDING_SLICE_S = 0.05
+"""A frame's bytes land in waits of at most this, so a fence waits a slice, not the rest of the frame:
+at 16 KiB/s a frame of tens of KiB takes seconds (a slow-link give-up in the Lamina soak)."""
 
 
 class StreamKVReceiver(NotificationInbox, KVReceiver):
@@ -166,9 +169,7 @@ class StreamKVReceiver(NotificationInbox, KVReceiver):
             _drain(stream, payload_len)  # given up on: its blocks may belong to another request now
         elif payload_len:
             try:
-                blocks = self._regions[m.region_idx].blocks
-                for _, first, length in runs(m.dst_ids):
-                    stream.recv_into(memoryview(blocks[first : first + length]).cast("B"))
+                self._land_payload(stream, m, payload_len)
             finally:
                 with self._fence_lock:
                     self._landing.pop(id(stream), None)
@@ -176,6 +177,39 @@ class StreamKVReceiver(NotificationInbox, KVReceiver):
         for notif in seqr.chunk_done(m, nbytes):
             self.stats.record_received(0, notifications=1)
             self._notifs.put(notif)
+
+    def _land_payload(self, stream: SockStream, m: Any, payload_len: int) -> None:
+        """recv_into the write's blocks; once its transfer is fenced mid-frame, drain the rest."""
+        blocks, num_left = self._regions[m.region_idx].blocks, payload_len
+        for _, first, length in runs(m.dst_ids):
+            view = memoryview(blocks[first : first + length]).cast("B")
+            got = self._land(stream, view, m.transfer_id)
+            num_left -= got
+            if got < view.nbytes:
+                _drain(stream, num_left)
+                return
+
+    def _land(self, stream: SockStream, view: memoryview, transfer_id: str) -> int:
+        """Bytes landed in `view`: all of it, or fewer once `transfer_id` is fenced (no further byte of
+        it touches the blocks). No byte for the stream's timeout is a timeout, as in one recv_into."""
+        got, last = 0, time.monotonic()
+        while got < view.nbytes:
+            num = stream.recv_some_into(view[got:], _LANDING_SLICE_S)
+            now = time.monotonic()
+            if num:
+                got, last = got + num, now
+            elif now - last > stream.timeout:
+                raise TransportTimeout(f"no data from {stream.peer} within {stream.timeout}s")
+            if got < view.nbytes and self._fenced_mid_landing(stream, transfer_id):
+                return got
+        return got
+
+    def _fenced_mid_landing(self, stream: SockStream, transfer_id: str) -> bool:
+        with self._fence_lock:
+            if transfer_id not in self._fenced:
+                return False
+            self._landing.pop(id(stream), None)
+            return True
 
     def _begin_landing(self, stream: SockStream, transfer_id: str) -> bool:
         with self._fence_lock:
@@ -188,7 +222,8 @@ class StreamKVReceiver(NotificationInbox, KVReceiver):
 
     def fence(self, transfer_id: str) -> bool:
         """Bytes are landed here (recv_into), so a fence is exact: later writes of `transfer_id` are
-        read off the socket and dropped. True once none of its writes is mid-landing."""
+        read off the socket and dropped. True once none of its writes is mid-landing: a frame that is
+        stops landing within a slice (`_LANDING_SLICE_S`) and its rest is drained."""
         now = time.monotonic()
         with self._fence_lock:
             self._fenced[transfer_id] = now
