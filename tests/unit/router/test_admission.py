@@ -206,14 +206,16 @@ def test_losing_only_the_prefill_instance_does_not_cut_the_decode_answer():
     run(scenario())
 
 
-async def _by_hand_start(admission_wait_s: float):
-    """P still starting (its /health 503) and D up, as when both are started by hand."""
+async def _by_hand_start(admission_wait_s: float, down: str = "p", step_s: float | None = None):
+    """P still starting (its /health 503) and D up, as when both are started by hand (`down="d"`: the
+    other way round); the instance that is up reports `step_s` as its engine's step time on /live."""
     from instance_server import InstanceServer
 
-    p = InstanceServer("p0")
-    p.healthy = False
+    p, d = InstanceServer("p0"), InstanceServer("d0")
+    (p if down == "p" else d).healthy = False
+    (d if down == "p" else p).live_expected_step_s = step_s
     await p.start()
-    d = await InstanceServer("d0").start()
+    await d.start()
     config = RouterConfig(prefill_urls=[p.url], prefill_kv=["127.0.0.1:9100"], decode_urls=[d.url],
                           health_interval_s=0.1, admission_wait_s=admission_wait_s)
     router = Router(config)
@@ -239,6 +241,25 @@ def test_at_start_up_the_first_request_waits_for_the_prefill_pool_and_takes_the_
                 await _until(lambda: not router.pools.is_healthy(p.url))
                 status, headers, _ = await asyncio.wait_for(_post(session, server.url, body), 2)
                 assert status == 200 and headers["x-disagg-route"] != "pd" and len(p.bodies) == 1
+        finally:
+            await server.stop()
+            await p.stop()
+            await d.stop()
+    run(scenario())
+
+
+def test_a_router_started_while_decode_is_down_serves_at_once_on_a_prefill_instance_that_has_served():
+    """Not a deployment coming up: P's engine has stepped (its /live knows its step time), as when a
+    router restarts while D restarts. A new request goes whole to P at once; it used to wait for D's
+    first health check (9.7 s in the Lamina chaos soak, seed 2)."""
+    async def scenario():
+        p, d, router, server = await _by_hand_start(admission_wait_s=30, down="d", step_s=0.05)
+        try:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+                body = {"model": "m", "prompt": [1, 2, 3], "max_tokens": 2}
+                status, headers, _ = await asyncio.wait_for(_post(session, server.url, body), 2)
+                assert status == 200 and headers["x-disagg-route"] != "pd" and len(p.bodies) == 1
+                assert not router.pools.starting() and d.bodies == [] and _waits(router, "admitted") == 0
         finally:
             await server.stop()
             await p.stop()
