@@ -11,6 +11,7 @@ import os
 import secrets
 import socket
 import sys
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -60,30 +61,34 @@ class InstanceSpec:
         return None if self.kv_port is None else f"{HOST}:{self.kv_port}"
 
 
-def free_ports(num: int) -> list[int]:
+def free_ports(num: int, exclude: Collection[int] = ()) -> list[int]:
     """Ports free right now (held open together so they are distinct), chosen below the kernel's
     ephemeral range: a bind(0) port is the kind a vLLM engine starting beside ours takes for its own
-    sockets before our instance binds it (seen in CI: a prefill's KV port, "Address already in use")."""
-    return free_port_runs([1] * num)
+    sockets before our instance binds it (seen in CI: a prefill's KV port, "Address already in use").
+    `exclude`: ports an earlier draw handed out that may not be bound yet (free now, taken soon)."""
+    return free_port_runs([1] * num, exclude)
 
 
-def free_port_runs(lengths: list[int]) -> list[int]:
+def free_port_runs(lengths: list[int], exclude: Collection[int] = ()) -> list[int]:
     """One base port per entry of `lengths`, each the first of that many consecutive free ports,
     all distinct (TP rank r of a P/D instance serves KV on its kv_port + r). As `free_ports`."""
     low, high = _static_port_range()
+    excluded = set(exclude)
     socks: list[socket.socket] = []
     bases: list[int] = []
     try:
         candidates = iter(secrets.SystemRandom().sample(range(low, high), k=min(high - low, 64 * len(lengths))))
         for length in lengths:
             for base in candidates:
+                if not excluded.isdisjoint(range(base, base + length)):
+                    continue
                 run = _bind_run(base, length)
                 if run:
                     socks += run
                     bases.append(base)
                     break
             else:  # no static range on this host (or it is full): the OS's pick, then its neighbours
-                bases.append(_os_run(length, socks))
+                bases.append(_os_run(length, socks, excluded))
         return bases
     finally:
         for s in socks:
@@ -106,13 +111,14 @@ def _bind_run(base: int, length: int) -> list[socket.socket]:
     return run
 
 
-def _os_run(length: int, socks: list[socket.socket]) -> int:
+def _os_run(length: int, socks: list[socket.socket], excluded: set[int]) -> int:
     for _ in range(100):
         first = socket.socket()
         first.bind((HOST, 0))
         base = first.getsockname()[1]
-        rest = _bind_run(base + 1, length - 1) if length > 1 else []
-        if length == 1 or rest:
+        in_use = not excluded.isdisjoint(range(base, base + length))
+        rest = _bind_run(base + 1, length - 1) if length > 1 and not in_use else []
+        if not in_use and (length == 1 or rest):
             socks += [first, *rest]
             return base
         first.close()
@@ -264,6 +270,7 @@ def attach_attention(specs: list[InstanceSpec], plan: AttentionPlan) -> Instance
     if plan.pipeline > 1:  # n=2 ping-pong = the NanoFlow nano-batch executor (one overlap mechanism)
         users[0].disagg_extra["nanoflow"] = {"num_nano_batches": plan.pipeline}
     advertised = iter(_kv_advertise(plan, specs, len(servers)))
+    kv_ports = iter(_attention_kv_ports(plan, specs))
     for s in specs:
         if s.role == "attention":
             size = [] if plan.kv_cache_gib is None else ["--kv-cache-gib", str(plan.kv_cache_gib)]
@@ -271,10 +278,20 @@ def attach_attention(specs: list[InstanceSpec], plan: AttentionPlan) -> Instance
             if plan.kv_transport and any(p.role == "prefill" for p in specs):
                 s.args += ["--kv-transport", plan.kv_transport]
                 if plan.kv_transport in ("tcp", "nixl"):  # kept across restarts: the model worker advertised it
-                    s.args += ["--kv-port", str(free_ports(1)[0])]
+                    s.args += ["--kv-port", str(next(kv_ports))]
                 if plan.kv_advertise:
                     s.args += ["--kv-advertise", next(advertised)]
     return users[0]
+
+
+def _attention_kv_ports(plan: AttentionPlan, specs: list[InstanceSpec]) -> list[int]:
+    """A KV ingest port per attention server, drawn apart from every port `specs` hold: a server binds
+    it only when its model worker connects, and a draw of its own handed attention1 the HTTP port of
+    attention0 (CI, stop 45: "Address already in use" at the first INIT, the deployment did not start)."""
+    if not (plan.kv_transport in ("tcp", "nixl") and any(p.role == "prefill" for p in specs)):
+        return []
+    taken = {s.http_port for s in specs} | {s.kv_port for s in specs if s.kv_port is not None}
+    return free_ports(sum(s.role == "attention" for s in specs), exclude=taken)
 
 
 def _kv_advertise(plan: AttentionPlan, specs: list[InstanceSpec], num_servers: int) -> list[str]:

@@ -22,3 +22,11 @@ def test_a_taken_port_is_skipped():
         held.bind((HOST, free_ports(1)[0]))
         taken = held.getsockname()[1]
         assert all(taken not in free_ports(4) for _ in range(20))
+
+
+def test_excluded_ports_are_never_handed_out():
+    """An earlier draw's ports are free until their instance binds them: a later draw must skip them
+    (CI, stop 45: attention1's KV port was attention0's HTTP port)."""
+    earlier = set(free_ports(12))
+    for _ in range(30):
+        assert earlier.isdisjoint(free_ports(4, exclude=earlier))

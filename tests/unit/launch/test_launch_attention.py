@@ -71,6 +71,16 @@ def test_attention_with_prefill_points_the_decode_instance_at_the_servers_and_ke
     assert "remote_attention" not in _disagg(serve_command(specs[2], "/m", "tcp", [], vllm_cmd=["vllm", "serve"]))
 
 
+def test_each_attention_servers_kv_port_is_distinct_from_every_other_planned_port():
+    """Drawn apart from the instances' ports: a draw of its own once handed attention1 attention0's
+    HTTP port, and the server failed to bind it at its first INIT."""
+    for _ in range(20):
+        specs = _plan("--prefill", "1", "--decode", "1", "--attention", "2")
+        kv_ports = [int(s.args[s.args.index("--kv-port") + 1]) for s in specs if s.role == "attention"]
+        others = {s.http_port for s in specs} | {s.kv_port for s in specs if s.kv_port is not None}
+        assert len(set(kv_ports)) == 2 and others.isdisjoint(kv_ports)
+
+
 def test_attention_servers_serve_exactly_one_model_worker():
     with pytest.raises(ValueError, match="exactly one model worker"):
         _plan("--prefill", "1", "--decode", "2", "--attention", "2")
