@@ -76,15 +76,24 @@ def slow_link_wait_s(body: dict[str, Any]) -> float | None:
     while P still computes. D asks again exactly then, so the rule gives up when the bytes have been on
     the link alone as long as the prompt took to compute, not at the next fixed round."""
     timing = _link_timing(body)
-    return None if timing is None else max(timing[0], MIN_LINK_WAIT_S) - timing[1]
+    return None if timing is None else _wait_s(timing)
 
 
 def slow_link_reason(body: dict[str, Any]) -> str | None:
     """Why a `pushing` or `done` push should be recomputed instead (P's STATE body), or None to keep waiting."""
-    wait_s = slow_link_wait_s(body)
-    if wait_s is None or wait_s > 0:
+    timing = _link_timing(body)
+    return None if timing is None else _reason(timing)
+
+
+def _wait_s(timing: tuple[float, float]) -> float:
+    prefill_s, since_s = timing
+    return max(prefill_s, MIN_LINK_WAIT_S) - since_s
+
+
+def _reason(timing: tuple[float, float]) -> str | None:
+    if _wait_s(timing) > 0:
         return None
-    prefill_s, since_s = _link_timing(body)
+    prefill_s, since_s = timing
     return (f"the push is still landing {since_s:.2f}s after its prefill ended, longer than computing "
             f"the prompt took ({prefill_s:.2f}s): a slow link, so recomputing is faster")
 
@@ -166,10 +175,10 @@ class StatusRounds:
         elif recv.num_unknown >= UNKNOWN_TIMES:
             self._set_failed(recv, f"prefill instance {recv.spec.remote} has no record of the push (restarted?)")
         elif state in ("pushing", "done") and self.recompute_slow_pushes:  # done: every write left P
-            wait_s = slow_link_wait_s(reply.body)
-            if wait_s is not None:
-                recv.ask_at = now + max(wait_s, 0.0)
-            return slow_link_reason(reply.body)
+            timing = _link_timing(reply.body)
+            if timing is not None:
+                recv.ask_at = now + max(_wait_s(timing), 0.0)
+                return _reason(timing)
         return None
 
     def _recompute_slow(self, recv: Any, reason: str) -> None:
