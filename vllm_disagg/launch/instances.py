@@ -270,7 +270,7 @@ def attach_attention(specs: list[InstanceSpec], plan: AttentionPlan) -> Instance
     if plan.pipeline > 1:  # n=2 ping-pong = the NanoFlow nano-batch executor (one overlap mechanism)
         users[0].disagg_extra["nanoflow"] = {"num_nano_batches": plan.pipeline}
     advertised = iter(_kv_advertise(plan, specs, len(servers)))
-    kv_ports = iter(_attention_kv_ports(plan, specs))
+    kv_ports = iter(_attention_kv_ports(specs))
     for s in specs:
         if s.role == "attention":
             size = [] if plan.kv_cache_gib is None else ["--kv-cache-gib", str(plan.kv_cache_gib)]
@@ -284,12 +284,11 @@ def attach_attention(specs: list[InstanceSpec], plan: AttentionPlan) -> Instance
     return users[0]
 
 
-def _attention_kv_ports(plan: AttentionPlan, specs: list[InstanceSpec]) -> list[int]:
-    """A KV ingest port per attention server, drawn apart from every port `specs` hold: a server binds
-    it only when its model worker connects, and a draw of its own handed attention1 the HTTP port of
-    attention0 (CI, stop 45: "Address already in use" at the first INIT, the deployment did not start)."""
-    if not (plan.kv_transport in ("tcp", "nixl") and any(p.role == "prefill" for p in specs)):
-        return []
+def _attention_kv_ports(specs: list[InstanceSpec]) -> list[int]:
+    """A KV ingest port per attention server (used where its KV transport listens on one), drawn apart
+    from every port `specs` hold: a server binds it only when its model worker connects, and a draw of
+    its own handed attention1 the HTTP port of attention0 (CI, stop 45: "Address already in use" at the
+    first INIT, the deployment did not start)."""
     taken = {s.http_port for s in specs} | {s.kv_port for s in specs if s.kv_port is not None}
     return free_ports(sum(s.role == "attention" for s in specs), exclude=taken)
 
