@@ -21,6 +21,7 @@ import torch
 from vllm_disagg.errors import ProtocolError, TransportTimeout
 from vllm_disagg.testing.peers import crc32_of
 from vllm_disagg.transport import BlockWrite, TransportOptions, get_transport
+from vllm_disagg.transport.base import XferState
 from vllm_disagg.transport.kv_common import SESSION_ID_BYTES, pack_hello, pack_write_meta
 from vllm_disagg.transport.shm import _REGION_MAP
 from vllm_disagg.transport.wire import (
@@ -64,6 +65,27 @@ def test_blocks_land_bit_exact_in_the_receivers_own_tensors_with_one_copy():
     for c, v in zip(caches, views, strict=True):
         assert torch.equal(c[ids[::-1]], src[ids])
         assert v.data_ptr() == c.data_ptr() + c.stride(0) * 4  # earlier views see the same memory
+    tx.close()
+    rx.close()
+
+
+def test_the_copy_is_done_when_write_blocks_returns_in_the_callers_thread():
+    """The caller copies (no hand-off to the stream thread per write); the stream thread only sends
+    the small frame, so blocks land even while that thread cannot run."""
+    rx, caches, _ = _receiver([(16, BLOCK_ELEMS)])
+    tx = get_transport("shm", _opts()).kv_sender(name="prefill")
+    peer = tx.connect(rx.address, timeout=10)
+    src = torch.randn(16, BLOCK_ELEMS)
+    ids = list(range(16))
+    held = threading.Lock()
+    with held:  # the stream thread blocks on its first frame
+        original = peer._streams[0].send_parts
+        peer._streams[0].send_parts = lambda parts, **kw: (held.acquire(), held.release(), original(parts, **kw))
+        handle = peer.write_blocks([BlockWrite("layer.0", src, ids, ids)], "t", 0)
+        assert torch.equal(caches[0], src)
+        assert handle.state() is XferState.PENDING
+    handle.wait(10)
+    assert rx.wait_notification(timeout=10).transfer_id == "t"
     tx.close()
     rx.close()
 

@@ -4,8 +4,9 @@
 KV push, one copy: the receiver moves each registered tensor's storage into shared memory *in
 place* (torch's `share_memory_` machinery swaps the storage's data pointer, so every existing view,
 vLLM's included, stays valid) and passes the fds over its unix socket (SCM_RIGHTS). The sender maps
-them and copies blocks straight into the receiver's KV cache; the small KV_WRITE frame that follows
-carries ids and the notification, on the same socket, in order. Where the kernel refuses (no room in
+them and copies blocks straight into the receiver's KV cache, in the thread that calls
+`write_blocks`; the small KV_WRITE frame that follows carries ids and the notification, on the same
+socket, in order. Where the kernel refuses (no room in
 /dev/shm, fds dropped, mmap fails) that region's bytes travel inline on the socket instead (two
 copies, as tcp), with a warning; nothing fails.
 Messages: a ring pair in a memfd with eventfd wake-ups (`ring.py`); the unix socket stays open as
@@ -100,15 +101,24 @@ class ShmKVPeer(StreamKVPeer):
         self.inline_regions = [info.name for info, dst in zip(infos, dst_blocks, strict=True) if dst is None]
         super().__init__(address, streams, infos, options, stats)
 
+    def _before_queue(self, plans: list[PlannedWrite]) -> None:
+        """Copy the blocks into the receiver's mapped KV cache here, in the caller's thread (numpy
+        drops the GIL while it copies). Handing each copy to the stream thread cost a GIL hand-off
+        per write: 0.56-0.60 of memcpy against 0.69-0.72 (64 MiB as 32 writes, stop 46). The
+        receiver cannot stall a copy, so the caller cannot hang here; only the small frame is
+        queued, and a CANCEL's fence (no write in flight) still holds once `write_blocks` returned."""
+        for c in plans:
+            dst = self._dst[c.region_idx]
+            if dst is not None:
+                for s, d, n in joint_runs(c.src_ids, c.dst_ids):
+                    np.copyto(dst[d : d + n], c.src[s : s + n])
+
     def _send_chunk(
         self, stream: SockStream, seq, chunk_idx, num_chunks, layer, transfer_id_bytes, c: PlannedWrite
     ) -> None:
-        dst = self._dst[c.region_idx]
-        if dst is None:  # the receiver's region is not mapped here: bytes inline, as tcp
+        if self._dst[c.region_idx] is None:  # the receiver's region is not mapped here: bytes inline, as tcp
             super()._send_chunk(stream, seq, chunk_idx, num_chunks, layer, transfer_id_bytes, c)
             return
-        for s, d, n in joint_runs(c.src_ids, c.dst_ids):
-            np.copyto(dst[d : d + n], c.src[s : s + n])
         meta = pack_write_meta(seq, chunk_idx, num_chunks, layer, c.region_idx, transfer_id_bytes, c.dst_ids)
         stream.send_parts([pack_frame(T_KV_WRITE, meta, 0)])
 

@@ -3,7 +3,8 @@
 
 `write_blocks` validates, cuts the copy into chunks, stamps them with the next seq and queues them
 round-robin on the peer's streams; one thread per stream sends (tcp: sendmsg of the frame plus the
-source blocks' own memory; shm: memcpy into the receiver's mapped region, then a small frame).
+source blocks' own memory; shm: the caller has already copied the blocks into the receiver's mapped
+region, `_before_queue`, and the thread sends only a small frame).
 The handle is DONE once every chunk is out, FAILED with the first error: after a failure the
 peer is dead and every later write fails at once (no silent retry).
 """
@@ -102,12 +103,16 @@ class StreamKVPeer(KVPeer):
             if self._error is not None:
                 handle._finish(self._error)
                 return handle
+            self._before_queue(plans)
             seq, self._seq = self._seq, self._seq + 1
             op = _Op(handle, len(chunks))
             for i, chunk in enumerate(chunks):
                 self._queues[self._rr % len(self._queues)].put((op, seq, i, len(chunks), layer, transfer_id_bytes, chunk))
                 self._rr += 1
         return handle
+
+    def _before_queue(self, plans: list[PlannedWrite]) -> None:
+        """Work done in the caller's thread before the chunks are queued: none for tcp."""
 
     def _run(self, idx: int) -> None:
         stream, jobs = self._streams[idx], self._queues[idx]
