@@ -260,6 +260,30 @@ def test_a_router_started_while_decode_is_down_serves_at_once_on_a_prefill_insta
                 status, headers, _ = await asyncio.wait_for(_post(session, server.url, body), 2)
                 assert status == 200 and headers["x-disagg-route"] != "pd" and len(p.bodies) == 1
                 assert not router.pools.starting() and d.bodies == [] and _waits(router, "admitted") == 0
+                async with session.get(f"{server.url}/health") as resp:  # serving, so not taken out
+                    body = await resp.json()
+                    assert resp.status == 200 and body["status"] == "degraded: no healthy decode instance", body
+        finally:
+            await server.stop()
+            await p.stop()
+            await d.stop()
+    run(scenario())
+
+
+def test_health_is_503_while_a_pool_never_came_up():
+    """By hand, D up first and P still starting: the deployment is coming up, /health says so (and
+    names the pool) until P passes its first health check."""
+    async def scenario():
+        p, d, router, server = await _by_hand_start(admission_wait_s=30)
+        try:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+                await asyncio.sleep(0.3)
+                async with session.get(f"{server.url}/health") as resp:
+                    assert resp.status == 503 and "prefill" in (await resp.json())["status"]
+                p.healthy = True
+                await _until(lambda: router.pools.is_healthy(p.url))
+                async with session.get(f"{server.url}/health") as resp:
+                    assert resp.status == 200 and (await resp.json())["status"] == "ok"
         finally:
             await server.stop()
             await p.stop()

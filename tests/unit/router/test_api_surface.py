@@ -96,19 +96,29 @@ def test_api_key_request_id_and_authorization_reach_every_instance():
     run(scenario())
 
 
-def test_health_is_503_until_every_pool_has_a_healthy_member_then_degrades_not_fails():
+def test_health_degrades_while_either_pool_is_lost_and_fails_only_with_no_healthy_instance():
+    """A lost prefill pool leaves D serving whole requests, a lost decode pool P: the router still
+    serves, so a load balancer in front of it must not take it out. (503 while coming up:
+    test_admission.py, test_health_is_503_while_a_pool_never_came_up.)"""
     async def scenario():
         async with deployment(health_interval_s=0.05) as (url, session, ps, ds, _m, router):
-            ps[0].healthy = False
-            await asyncio.sleep(0.3)
-            async with session.get(f"{url}/health") as resp:
-                assert resp.status == 503 and "prefill" in (await resp.json())["status"]
-            ps[0].healthy = True
-            await asyncio.sleep(0.3)
             async with session.get(f"{url}/ping") as resp:
                 assert resp.status == 200
             ps[0].healthy = False
             await asyncio.sleep(0.3)
-            async with session.get(f"{url}/health") as resp:  # P lost later: D serves whole requests
-                assert resp.status == 200 and (await resp.json())["status"].startswith("degraded")
+            async with session.get(f"{url}/health") as resp:
+                body = await resp.json()
+                assert resp.status == 200 and body["status"] == "degraded: no healthy prefill instance", body
+            ps[0].healthy, ds[0].healthy = True, False
+            await asyncio.sleep(0.3)
+            async with session.get(f"{url}/health") as resp:
+                body = await resp.json()
+                assert resp.status == 200 and body["status"] == "degraded: no healthy decode instance", body
+            async with session.post(f"{url}/v1/completions", json={"model": "m", "prompt": "hi"}) as resp:
+                assert resp.status == 200 and resp.headers["x-disagg-route"] != "pd"
+            assert len(ps[0].bodies) == 1 and ds[0].bodies == []
+            ps[0].healthy = False
+            await asyncio.sleep(0.3)
+            async with session.get(f"{url}/health") as resp:
+                assert resp.status == 503
     run(scenario())
