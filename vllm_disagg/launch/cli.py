@@ -122,8 +122,9 @@ def plan_from_args(args: argparse.Namespace, model_dir: str | None = None) -> li
     num_decode, num_mixed = args.decode, args.mixed
     if num_attention and not args.prefill:
         num_decode, num_mixed = 0, num_mixed + num_decode
+    reserved = {args.port}  # the router binds it only after the instances are up: never hand it out
     specs = plan_instances(args.prefill, num_decode, num_mixed, args.cores_per_instance, num_attention=num_attention,
-                           tp_size=tensor_parallel_size(list(getattr(args, "vllm_args", []))))
+                           tp_size=tensor_parallel_size(list(getattr(args, "vllm_args", []))), exclude=reserved)
     if args.layerwise_threshold is not None:
         for spec in specs:
             spec.kv_extra["layerwise_threshold_tokens"] = args.layerwise_threshold
@@ -134,7 +135,7 @@ def plan_from_args(args: argparse.Namespace, model_dir: str | None = None) -> li
     advertise = getattr(args, "attention_kv_advertise", None)
     worker = attach_attention(specs, AttentionPlan(num_attention, partition, args.pipeline, args.attention_transport,
                                                    kv_gib, args.send_q_early, args.transport,
-                                                   advertise.split(",") if advertise else None))
+                                                   advertise.split(",") if advertise else None), reserved)
     if worker is not None and getattr(args, "restart_attention", False):
         worker.disagg_extra["remote_attention"]["replacement_wait_s"] = args.attention_replacement_wait_s
     return specs

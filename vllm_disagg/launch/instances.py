@@ -161,8 +161,10 @@ def rank_core_slices(num_instances: int, cores_per_instance: int, tp_size: int =
 
 
 def plan_instances(num_prefill: int, num_decode: int, num_mixed: int, cores_per_instance: int = 1,
-                   ports: list[int] | None = None, num_attention: int = 0, tp_size: int = 1) -> list[InstanceSpec]:
+                   ports: list[int] | None = None, num_attention: int = 0, tp_size: int = 1,
+                   exclude: Collection[int] = ()) -> list[InstanceSpec]:
     """Ports and cores for every instance; with no P/D and no mixed, one plain (mixed) instance.
+    `exclude`: ports the caller holds or will bind (the router's `--port`), never drawn.
 
     Attention servers come first (they must be up before their model worker starts). With
     `tp_size` > 1 each P/D instance's kv_port is the first of `tp_size` free ports (rank r serves on
@@ -176,7 +178,7 @@ def plan_instances(num_prefill: int, num_decode: int, num_mixed: int, cores_per_
     roles = (["attention"] * num_attention + ["prefill"] * num_prefill + ["decode"] * num_decode
              + ["mixed"] * num_mixed)
     num_kv = num_prefill + num_decode
-    ports = ports or free_port_runs([1] * len(roles) + [tp_size] * num_kv)
+    ports = ports or free_port_runs([1] * len(roles) + [tp_size] * num_kv, exclude)
     cores = rank_core_slices(len(roles), cores_per_instance, tp_size)
     counts = dict.fromkeys(("attention", "prefill", "decode", "mixed"), 0)
     specs, kv_ports = [], iter(ports[len(roles):])
@@ -251,7 +253,8 @@ class AttentionPlan:
     """One HOST:PORT per server that prefill instances connect to for its KV (`--attention-kv-advertise`)."""
 
 
-def attach_attention(specs: list[InstanceSpec], plan: AttentionPlan) -> InstanceSpec | None:
+def attach_attention(specs: list[InstanceSpec], plan: AttentionPlan,
+                     exclude: Collection[int] = ()) -> InstanceSpec | None:
     """Point the model worker (the decode instance, or the only mixed one without P/D) at the servers.
 
     A server holds the KV of exactly one model worker (attention/README "Limits"), so K servers serve
@@ -270,7 +273,7 @@ def attach_attention(specs: list[InstanceSpec], plan: AttentionPlan) -> Instance
     if plan.pipeline > 1:  # n=2 ping-pong = the NanoFlow nano-batch executor (one overlap mechanism)
         users[0].disagg_extra["nanoflow"] = {"num_nano_batches": plan.pipeline}
     advertised = iter(_kv_advertise(plan, specs, len(servers)))
-    kv_ports = iter(_attention_kv_ports(specs))
+    kv_ports = iter(_attention_kv_ports(specs, exclude))
     for s in specs:
         if s.role == "attention":
             size = [] if plan.kv_cache_gib is None else ["--kv-cache-gib", str(plan.kv_cache_gib)]
@@ -284,12 +287,12 @@ def attach_attention(specs: list[InstanceSpec], plan: AttentionPlan) -> Instance
     return users[0]
 
 
-def _attention_kv_ports(specs: list[InstanceSpec]) -> list[int]:
+def _attention_kv_ports(specs: list[InstanceSpec], exclude: Collection[int] = ()) -> list[int]:
     """A KV ingest port per attention server (used where its KV transport listens on one), drawn apart
     from every port `specs` hold: a server binds it only when its model worker connects, and a draw of
     its own handed attention1 the HTTP port of attention0 (CI, stop 45: "Address already in use" at the
     first INIT, the deployment did not start)."""
-    taken = {s.http_port for s in specs} | {s.kv_port for s in specs if s.kv_port is not None}
+    taken = {s.http_port for s in specs} | {s.kv_port for s in specs if s.kv_port is not None} | set(exclude)
     return free_ports(sum(s.role == "attention" for s in specs), exclude=taken)
 
 

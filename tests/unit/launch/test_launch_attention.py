@@ -81,6 +81,19 @@ def test_each_attention_servers_kv_port_is_distinct_from_every_other_planned_por
         assert len(set(kv_ports)) == 2 and others.isdisjoint(kv_ports)
 
 
+def test_the_router_port_is_never_handed_to_an_instance():
+    """`up --port X` binds X only once the instances are up, so the plan's draws must skip it (the chaos
+    harness draws X itself, from the same ephemeral range)."""
+    from vllm_disagg.launch.instances import free_ports
+
+    for _ in range(20):
+        router_port = free_ports(1)[0]  # a port the next draw could well return
+        specs = _plan("--prefill", "1", "--decode", "1", "--attention", "2", "--port", str(router_port))
+        planned = {s.http_port for s in specs} | {s.kv_port for s in specs if s.kv_port is not None}
+        planned |= {int(s.args[s.args.index("--kv-port") + 1]) for s in specs if "--kv-port" in s.args}
+        assert router_port not in planned
+
+
 def test_attention_servers_serve_exactly_one_model_worker():
     with pytest.raises(ValueError, match="exactly one model worker"):
         _plan("--prefill", "1", "--decode", "2", "--attention", "2")
