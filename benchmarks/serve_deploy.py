@@ -176,6 +176,7 @@ def _start_nixl(run: Running, model: str, max_model_len: int) -> None:
 
 def _start_ours(run: Running, model: str, max_model_len: int) -> None:
     dep, state = run.deployment, run.log_dir / "state.json"
+    state.unlink(missing_ok=True)  # a stale one names a dead router, and `_wait_ready` reads it only once
     cmd = ["taskset", "-c", "0,1", sys.executable, "-m", "vllm_disagg.cli.main", "up", "--prefill", "1",
            "--decode", "1", "--transport", dep.transport, "--port", "0", "--state-file", str(state),
            "--log-dir", str(run.log_dir / "instances"), "--kv-cache-gib", str(KV_GIB_PER_INSTANCE),
