@@ -25,7 +25,7 @@ from vllm_disagg.router.config import RouterConfig
 from vllm_disagg.router.forward import Forwarder, not_found
 from vllm_disagg.router.health import HealthChecker
 from vllm_disagg.router.metrics import CONTENT_TYPE_LATEST, RouterMetrics
-from vllm_disagg.router.policy import SchedulerConfig
+from vllm_disagg.router.policy import Pool, SchedulerConfig
 from vllm_disagg.router.pools import InstancePools
 from vllm_disagg.router.proxy import Proxy
 
@@ -129,14 +129,17 @@ class Router:
         return await self.forward.handle(request, cls)
 
     async def _health(self, _request: web.Request) -> web.Response:
-        """503 while the deployment comes up (`pools.starting`: some pool never had a healthy member);
-        then 200 while any instance is healthy, "degraded" when a pool has none: a lost decode pool
-        leaves P serving whole requests, a lost prefill pool D, and a load balancer in front of several
-        routers must not take this one out for it. 503 again only with no healthy instance at all."""
+        """503 while the deployment comes up (a static pool that never had a healthy member,
+        `pools.starting`; under discovery, until P and D were each seen healthy); then 200 while any
+        instance is healthy, "degraded" when a pool has none: a lost decode pool leaves P serving whole
+        requests, a lost prefill pool D, and a load balancer in front of several routers must not take
+        this one out for it. 503 again only with no healthy instance at all."""
         healthy = self.pools.healthy_instances()
         pools = {i.pool for i in self.pools.instances.values()}
-        missing = sorted(p.value for p in pools - {i.pool for i in healthy})
-        up = bool(pools) and (not missing or (bool(healthy) and not self.pools.starting()))
+        expected = pools | ({Pool.DECODE} if Pool.PREFILL in pools else set())  # discovery may not have D yet
+        missing = sorted(p.value for p in expected - {i.pool for i in healthy})
+        restarted = self.pools.static and not self.pools.starting()  # discovery: every pool seen once first
+        up = bool(pools) and (not missing or (bool(healthy) and restarted))
         self._ready = self._ready or up
         ok = self._ready and bool(healthy)
         if ok:

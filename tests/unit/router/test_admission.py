@@ -131,6 +131,38 @@ def test_an_instance_added_by_discovery_wakes_a_waiting_request_at_once():
     run(scenario())
 
 
+def test_health_under_discovery_waits_for_both_pools_then_degrades_when_decode_goes():
+    """Kubernetes/Ray add members once ready: P alone is not a deployment that came up (503, naming the
+    decode pool); once P and D were both seen, losing D leaves P serving whole requests (200 degraded)."""
+    from instance_server import InstanceServer
+
+    async def scenario():
+        p, d = await InstanceServer("p0").start(), await InstanceServer("d0").start()
+        router = Router(RouterConfig(dynamic_membership=True, health_interval_s=0.1))
+        server = RouterServer(router, "127.0.0.1", 0)
+        await server.start()
+        try:
+            async with aiohttp.ClientSession() as session:
+                async def health():
+                    async with session.get(f"{server.url}/health") as resp:
+                        return resp.status, (await resp.json())["status"]
+
+                apply_members(router.pools, [Member("prefill", p.url, "127.0.0.1:9100")], router.health)
+                await _until(lambda: router.pools.is_healthy(p.url))
+                assert await health() == (503, "waiting for a healthy decode instance")
+                apply_members(router.pools, [Member("prefill", p.url, "127.0.0.1:9100"), Member("decode", d.url)],
+                              router.health)
+                await _until(lambda: router.pools.is_healthy(d.url))
+                assert await health() == (200, "ok")
+                apply_members(router.pools, [Member("prefill", p.url, "127.0.0.1:9100")], router.health)
+                assert await health() == (200, "degraded: no healthy decode instance")
+        finally:
+            await server.stop()
+            await p.stop()
+            await d.stop()
+    run(scenario())
+
+
 def _replay_reasons(router) -> str:
     return "\n".join(line for line in router.metrics.render().decode().splitlines()
                      if line.startswith("vllm:disagg_router_replays_total{"))
