@@ -54,7 +54,7 @@ def gap_rows(requests: list[tuple[int, list[float]]], perf) -> list[dict]:
             context = sum(n + int(np.searchsorted(t, mid)) for n, t in live)
             model_s = perf.decode_ms(max(1, len(live)), context) / 1e3
             rows.append({"batch": len(live), "gap_s": hi - lo, "ratio": (hi - lo) / model_s,
-                         "joins": sum(lo < f <= hi for f in firsts) > (lo < times[0] <= hi)})
+                         "joins": any(lo < f <= hi for f in firsts)})  # own first token is before lo
     return rows
 
 
@@ -89,14 +89,14 @@ def diagnose(result: dict, work: Path) -> list[dict]:
         rate, num = float(Path(path).stem.rsplit("_", 1)[1]), len(res["ttfts"])
         trace = _find_trace(work, rate, num)
         arrivals = [t["timestamp"] - trace[0]["timestamp"] for t in trace]
-        measured = [(res["input_lens"][i], token_times(arrivals[i], res["ttfts"][i], res["itls"][i]))
-                    for i in range(num) if res["ttfts"][i]]
+        served = [i for i in range(num) if res["ttfts"][i]]  # a failed request has no token times
+        measured = [(res["input_lens"][i], token_times(arrivals[i], res["ttfts"][i], res["itls"][i])) for i in served]
         window = [TraceRequest(f"r{i}", arrivals[i], res["input_lens"][i], res["output_lens"][i]) for i in range(num)]
         groups = [MachineGroup(hw, Pool.PREFILL, 1), MachineGroup(hw, Pool.DECODE, 1)]
         sim = simulate(model, groups, window, sim_options(machine), prof)
         simulated = [(r.trace.num_prompt_tokens, r.token_times_s) for r in sim.requests if r.token_times_s]
         rows = gap_rows(measured, perf)
-        in_p = [any(a <= 0.5 * (r0 + r1) < t[0] for a, (_, t) in zip(arrivals, measured, strict=False))
+        in_p = [any(arrivals[i] <= 0.5 * (r0 + r1) < t[0] for i, (_, t) in zip(served, measured, strict=True))
                 for _, times in measured for r0, r1 in zip(times, times[1:], strict=False)]
         split = {"joins_d": [r for r in rows if r["joins"]],
                  "request_in_p": [r for r, p in zip(rows, in_p, strict=True) if p and not r["joins"]],

@@ -104,7 +104,8 @@ class ShmKVPeer(StreamKVPeer):
     def _before_queue(self, plans: list[PlannedWrite]) -> None:
         """Copy the blocks into the receiver's mapped KV cache here, in the caller's thread (numpy
         drops the GIL while it copies). Handing each copy to the stream thread cost a GIL hand-off
-        per write: 0.56-0.60 of memcpy against 0.69-0.72 (64 MiB as 32 writes, stop 46). The
+        per write: 64 MiB as 32 writes, stop 46, shm/memcpy 0.62 against 0.66 in paired full
+        transport_bench runs (0.56 against 0.71, medians, with only memcpy beside it). The
         receiver cannot stall a copy, so the caller cannot hang here; only the small frame is
         queued, and a CANCEL's fence (no write in flight) still holds once `write_blocks` returned."""
         for c in plans:
