@@ -4,7 +4,7 @@
 Used by test_pd_connector.py to run prefill, decode and plain engines in separate processes:
 
     python pd_engine_child.py ROLE MODEL_DIR JSON_OPTIONS
-    -> {"ready": true, "free_blocks": N, "kv_address": ...}
+    -> {"ready": true, "free_blocks": N, "kv_address": ..., "kv_cache_groups": G, "handshake": {...}}
     <- {"cmd": "generate", "prompts": [[ids]], "params": [kv_transfer_params|null], "max_tokens": n}
     -> {"outputs": [[ids]], "finish_reasons": [...], "free_blocks": N, "timeline": [...], "elapsed_s": t}
     <- {"cmd": "exit"}
@@ -19,6 +19,7 @@ affinity (CPU ids for this engine's processes: workers inherit them before their
 
 from __future__ import annotations
 
+import dataclasses
 import faulthandler
 import json
 import os
@@ -142,8 +143,11 @@ def main() -> None:
     ranks = _probe_ranks(llm)
     worker = None if ranks is not None else _worker_connector()
     side = getattr(worker, "sender", None) or getattr(worker, "receiver", None)
-    _emit({"ready": True, "free_blocks": _scheduler(llm).kv_cache_manager.block_pool.get_num_free_blocks(),
-           "kv_address": getattr(side, "address", None), "ranks": ranks})
+    scheduler = _scheduler(llm)
+    _emit({"ready": True, "free_blocks": scheduler.kv_cache_manager.block_pool.get_num_free_blocks(),
+           "kv_address": getattr(side, "address", None), "ranks": ranks,
+           "kv_cache_groups": len(scheduler.kv_cache_config.kv_cache_groups),
+           "handshake": dataclasses.asdict(side.handshake) if hasattr(side, "handshake") else None})
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd["cmd"] == "exit":

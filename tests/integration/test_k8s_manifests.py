@@ -265,6 +265,8 @@ def test_every_vllm_serve_command_parses_with_the_plugin_into_its_role_and_kv_po
             sts = one(rendered[overlay], "StatefulSet", "vllm-disagg-attention")
             assert sts["spec"]["replicas"] == len(ra["servers"])
             assert all(s.endswith(f".{sts['spec']['serviceName']}:8300") for s in ra["servers"])
+        # P allocates as the model worker it pushes into (one KV cache group, handshake kv_groups)
+        assert bool(args.disable_hybrid_kv_cache_manager) == (overlay == "lamina-cpu" and role == "prefill")
 
 
 def attention_server_args(docs: list[dict]) -> tuple[argparse.Namespace, dict]:

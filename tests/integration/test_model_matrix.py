@@ -97,6 +97,13 @@ def test_prefill_decode_push_gives_plain_vllms_tokens(model_root, tmp_path, fami
     got, evidence = run_pd(_model(model_root, family), tmp_path, free_ports(1)[0])
     assert got == _baseline(model_root, family), evidence
     assert evidence["layerwise"] == len(PROMPTS) and not evidence["recomputed"], evidence
+    # vLLM's hybrid allocator stays on under the push (SupportsHMA): one KV cache group per attention type
+    windowed = FAMILIES[family].sliding_window is not None
+    hybrid = windowed and family != "mistral"
+    assert evidence["kv_cache_groups"] == ([2, 2] if hybrid else [1, 1]), evidence
+    info = evidence["handshake"]  # a windowed group's layers push only the blocks their window still needs
+    every_block = sum(-(-len(p) // info["block_size"]) for p in PROMPTS) * info["num_layers"] * info["block_nbytes"]
+    assert (evidence["bytes_pushed"] < every_block) if windowed else (evidence["bytes_pushed"] == every_block)
 
 
 @pytest.mark.skipif(not (torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()),

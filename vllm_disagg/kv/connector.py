@@ -18,6 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 
 from vllm_disagg.kv.layer_specs import check_push_specs
@@ -41,7 +42,11 @@ CONSUMER_PATCHES = ("scheduler_fatal_kv_failure",)
 """Without P4 a handshake mismatch would be recomputed quietly instead of failing its request."""
 
 
-class DisaggConnector(KVConnectorBase_V1):
+class DisaggConnector(KVConnectorBase_V1, SupportsHMA):
+    """`SupportsHMA`: vLLM keeps its hybrid KV cache allocator on under this connector, so a model's
+    sliding-window layers hold only their window's blocks on P and D; the push ships each layer's
+    blocks by its own group's block table (README.md, "KV cache groups")."""
+
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
         super().__init__(vllm_config, role, kv_cache_config)
         check_push_specs(kv_cache_config)  # refuses KV groups, specs and fields the push does not know
@@ -61,7 +66,7 @@ class DisaggConnector(KVConnectorBase_V1):
         else:
             from vllm_disagg.kv.worker import DisaggConnectorWorker
 
-            self.connector_worker = DisaggConnectorWorker(vllm_config)
+            self.connector_worker = DisaggConnectorWorker(vllm_config, kv_cache_config=kv_cache_config)
 
     # ==============================
     # Scheduler Side Methods
@@ -77,6 +82,12 @@ class DisaggConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.connector_scheduler.request_finished(request, block_ids)
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """The push holds every group's blocks until it is over (delay-free covers them all)."""
+        return self.connector_scheduler.request_finished(request, block_ids[0] if block_ids else [])
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         self.connector_scheduler.update_connector_output(connector_output)

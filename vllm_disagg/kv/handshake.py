@@ -11,8 +11,9 @@ that arrives before the prefill request is remembered, so that push never starts
 every byte landed, when REGISTER asked for `verify`) is answered with CHECKSUMS, one CRC32 per layer
 of the blocks P pushed (transport/checksum.py), or REJECT when P has none for that transfer.
 
-Versions: 1 the first; 2 added the trace context to the header; 3 added VERIFY and CHECKSUMS. A
-peer of an older version gets a REJECT it can read (`legacy_reject`), naming both versions.
+Versions: 1 the first; 2 added the trace context to the header; 3 added VERIFY and CHECKSUMS; 4 added
+STATUS and STATE; 5 added KV cache groups (`kv_groups`, REGISTER's `more_groups`). A peer of an older
+version gets a REJECT it can read (`legacy_reject`), naming both versions.
 
 More: README.md, "handshake.py".
 """
@@ -49,7 +50,7 @@ __all__ = [
     "local_handshake_info",
 ]
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 _MAGIC = b"DGKV"
 _PREFIX = struct.Struct("!4sH")  # magic, version: the same in every version
 _HEADER = struct.Struct("!4sHHIIB")
@@ -88,6 +89,9 @@ class HandshakeInfo:
     tp_size: int = 1
     tp_rank: int = 0
     """Tensor-parallel rank r holds KV-head slice r: it may only exchange blocks with rank r."""
+    kv_groups: str = ""
+    """The KV cache group of each layer, "1,0,1,0" (vLLM's hybrid allocator), or "" for one group: a
+    block id means one group's block, so both sides must group the layers alike."""
 
 
 # Compared in this order; the first difference names the error.
@@ -205,9 +209,9 @@ def legacy_reject(data: bytes | memoryview, err: VersionMismatch) -> bytes | Non
     """A REJECT an older peer can read (its own version's layout), naming both versions; None when
     that version's layout is unknown here (the peer then times out, and this side logged why)."""
     version = err.peer_version
-    if version not in (1, 2, 3):
+    if version not in (1, 2, 3, 4):
         return None
-    header = _HEADER_V1 if version == 1 else _HEADER  # 2's header is 3's and 4's: they added message types
+    header = _HEADER_V1 if version == 1 else _HEADER  # 2's header is 3's to 5's: they added message types
     data = bytes(data)
     transfer_id = ""
     try:
@@ -234,8 +238,9 @@ def _parse_body(raw: bytes, peer: str) -> dict[str, Any]:
     return body
 
 
-def local_handshake_info(vllm_config: Any, layer_tensors: list[Any]) -> HandshakeInfo:
-    """This worker's `HandshakeInfo`, from the engine config and its registered KV tensors."""
+def local_handshake_info(vllm_config: Any, layer_tensors: list[Any], layer_groups: tuple[int, ...] = ()) -> HandshakeInfo:
+    """This worker's `HandshakeInfo`, from the engine config, its registered KV tensors and the KV
+    cache group of each (`layer_specs.layer_groups`)."""
     model_config, parallel = vllm_config.model_config, vllm_config.parallel_config
     tp_size = int(getattr(parallel, "tensor_parallel_size", 1) or 1)
     first = layer_tensors[0]
@@ -250,7 +255,18 @@ def local_handshake_info(vllm_config: Any, layer_tensors: list[Any]) -> Handshak
         block_nbytes=int(first[0].numel() * first.element_size()),
         tp_size=tp_size,
         tp_rank=int(getattr(parallel, "rank", 0) or 0) % tp_size,
+        kv_groups=encode_groups(layer_groups),
     )
+
+
+def encode_groups(layer_groups: tuple[int, ...]) -> str:
+    """`HandshakeInfo.kv_groups`: "" when every layer is in group 0."""
+    return ",".join(map(str, layer_groups)) if any(layer_groups) else ""
+
+
+def parse_groups(kv_groups: str, num_layers: int) -> tuple[int, ...]:
+    """The group of each layer from `HandshakeInfo.kv_groups` (all 0 for "")."""
+    return tuple(int(g) for g in kv_groups.split(",")) if kv_groups else (0,) * num_layers
 
 
 def _kv_dtype(vllm_config: Any) -> str:

@@ -1,15 +1,15 @@
 # SPDX-License-Identifier: Apache-2.0
 """What the KV push can ship: per-layer KV cache specs it knows, refused by name otherwise.
 
-The push copies each layer's whole blocks byte for byte, one block table per request. That holds for
-vLLM's full-attention and sliding-window layers in one KV cache group: vLLM turns its hybrid allocator
-off for a connector without `SupportsHMA` (this one), so a hybrid model's windowed layers are allocated
-like full ones (every block kept; the window still applies in the kernel), and a model whose every layer
-is windowed (Mistral) keeps one sliding-window group whose blocks both sides address with the same ids
-(D registers from its first block inside the window: vLLM gives it the null block for the ones before,
-`scheduler.num_leading_null_blocks`). Every layer must have the same block shape (the handshake compares
-one). Anything else (several groups, Mamba/MLA/cross-attention specs, a spec field a newer vLLM added)
-refuses to start, naming it: the push never ships bytes it does not understand.
+The push copies each layer's whole blocks byte for byte, addressed by the block table of that layer's
+KV cache group. `DisaggConnector` supports vLLM's hybrid allocator (`SupportsHMA`): a hybrid model
+(Gemma 2, GPT-OSS) gets one group per attention type, and its sliding-window group holds only the
+blocks inside the window (vLLM gives the others its null block), so D registers, per group, from its
+first block inside the window (`scheduler.recv_groups`) and P pushes each layer's blocks from its own
+group. A model whose every layer is windowed (Mistral) has one sliding-window group. Both sides must
+group the layers alike (`HandshakeInfo.kv_groups`), and every layer must have the same block shape
+(the handshake compares one). Anything else (Mamba/MLA/cross-attention specs, a spec field a newer
+vLLM added) refuses to start, naming it: the push never ships bytes it does not understand.
 """
 
 from __future__ import annotations
@@ -35,11 +35,6 @@ _DEFAULTS = {"non_causal": False, "attention_chunk_size": None, "num_head_slots"
 def check_push_specs(kv_cache_config: Any) -> None:
     """Raise `DisaggConfigError` naming the first KV group, spec or field the push cannot ship."""
     groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
-    if len(groups) > 1:
-        names = [type(g.kv_cache_spec).__name__ for g in groups]
-        raise DisaggConfigError(f"the KV push ships one block table per request; this engine has {len(groups)} "
-                                f"KV cache groups ({', '.join(names)}): run it with the hybrid KV cache manager off "
-                                "(disable_hybrid_kv_cache_manager=True)")
     for group in groups:
         spec = group.kv_cache_spec
         kind = type(spec).__name__
@@ -68,3 +63,10 @@ def check_uniform_layers(names: list[str], tensors: list[Any]) -> None:
         if t.shape[1:] != first.shape[1:] or t.dtype != first.dtype:
             raise DisaggConfigError(f"the KV push needs one block layout for every layer: {name} is "
                                     f"{t.dtype}{tuple(t.shape[1:])}, {names[0]} {first.dtype}{tuple(first.shape[1:])}")
+
+
+def layer_groups(names: list[str], kv_cache_config: Any) -> tuple[int, ...]:
+    """The KV cache group of each layer in `names` (the push's layer order); all 0 without groups."""
+    group_of = {name: g for g, group in enumerate(getattr(kv_cache_config, "kv_cache_groups", None) or [])
+                for name in group.layer_names}
+    return tuple(group_of.get(name, 0) for name in names)

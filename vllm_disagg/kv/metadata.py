@@ -37,6 +37,12 @@ class RecvSpec:
     """Digest of the prompt token ids; the prefill side refuses to push a different prompt."""
     trace: TraceContext | None = None
     """The request's W3C trace context (from its `traceparent`), sent on REGISTER."""
+    more_groups: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    """(start_block, block_ids) of KV cache groups 1.. under vLLM's hybrid allocator (a model's
+    sliding-window layers hold blocks of their own); `block_ids`/`start_block` are group 0's."""
+
+    def groups(self) -> tuple[tuple[int, tuple[int, ...]], ...]:
+        return ((self.start_block, self.block_ids), *self.more_groups)
 
 
 @dataclass(frozen=True)
@@ -66,6 +72,11 @@ class SaveSpec:
     prompt_digest: str = ""
     trace: TraceContext | None = None
     """With `transfer_id`: the prefill.compute span, parent of the push span unless D's registration names one."""
+    more_new_block_ids: tuple[tuple[int, ...], ...] = ()
+    """`new_block_ids` of KV cache groups 1.. (vLLM's hybrid allocator); `new_block_ids` is group 0's."""
+
+    def groups(self) -> tuple[tuple[int, ...], ...]:
+        return (self.new_block_ids, *self.more_new_block_ids)
 
 
 @dataclass

@@ -38,6 +38,7 @@ class Registration:
     """Decode side's name for logs (its receiver, or its first attention server)."""
     block_ids: tuple[int, ...]
     start_block: int
+    """`block_ids` and `start_block` are KV cache group 0's; `more_groups` the others' (RecvSpec's)."""
     timeout_s: float
     num_prompt_tokens: int
     prompt_digest: str
@@ -48,6 +49,10 @@ class Registration:
     """The decode request's W3C trace context (REGISTER), for the tracer."""
     verify: bool = False
     """D asked for the pushed blocks' checksums (`kv.verify_checksums`): kept for its VERIFY."""
+    more_groups: tuple[tuple[int, tuple[int, ...]], ...] = ()
+
+    def groups(self) -> tuple[tuple[int, tuple[int, ...]], ...]:
+        return ((self.start_block, self.block_ids), *self.more_groups)
 
 
 @dataclass
@@ -56,7 +61,8 @@ class Push:
     transfer_id: str
     num_prompt_tokens: int
     layerwise: bool
-    block_ids: list[int]
+    block_ids: list[list[int]]
+    """This side's block table of the prompt, one per KV cache group."""
     ready_tokens: list[int]
     sent_blocks: list[int]
     deadline: float
@@ -86,8 +92,12 @@ class Push:
 class PushPlan:
     """Every push of one prefill worker, keyed by req_id (the decode side knows it by transfer_id)."""
 
-    def __init__(self, layers: list[Any], block_size: int, cfg: KVTransferSection):
+    def __init__(self, layers: list[Any], block_size: int, cfg: KVTransferSection,
+                 layer_groups: tuple[int, ...] = ()):
         self.layers, self.block_size, self.cfg = layers, block_size, cfg
+        self.layer_groups = layer_groups or (0,) * len(layers)
+        """The KV cache group of each layer: its blocks are addressed by that group's block table."""
+        self.num_groups = max(self.layer_groups, default=0) + 1
         self.pushes: dict[str, Push] = {}
         self.by_tid: dict[str, str] = {}
         self.registry: dict[str, Registration] = {}
@@ -133,7 +143,8 @@ class PushPlan:
         if push is None:
             transfer_id = spec.transfer_id or ""
             layerwise = spec.num_prompt_tokens >= self.cfg.layerwise_threshold_tokens
-            push = Push(spec.req_id, transfer_id, spec.num_prompt_tokens, layerwise, [], [0] * len(self.layers),
+            push = Push(spec.req_id, transfer_id, spec.num_prompt_tokens, layerwise,
+                        [[] for _ in range(self.num_groups)], [0] * len(self.layers),
                         [0] * len(self.layers), time.monotonic() + self.cfg.push_timeout_s, spec.prompt_digest,
                         trace=spec.trace)
             self.pushes[spec.req_id] = push
@@ -144,10 +155,11 @@ class PushPlan:
                 self.fail(push, self.rejected.pop(transfer_id))
             elif transfer_id in self.cancelled:
                 self.fail(push, f"cancelled by the decode instance ({self.cancelled.pop(transfer_id)[0]})")
-        if spec.replace_blocks:
-            push.block_ids = list(spec.new_block_ids)
-        else:
-            push.block_ids.extend(spec.new_block_ids)
+        for group, ids in zip(push.block_ids, spec.groups()):  # a step without new blocks lists group 0 alone
+            if spec.replace_blocks:
+                group[:] = ids
+            else:
+                group.extend(ids)
 
     def layer_saved(self, layer_idx: int, event: LayerEvent) -> None:
         """Layer `layer_idx` (ALL_LAYERS: every layer) of this step's requests is written once `event`
@@ -259,19 +271,26 @@ class PushPlan:
         return work
 
     def _plan_push(self, push: Push) -> list[WorkItem]:
-        reg, num_blocks = push.reg, math.ceil(push.num_prompt_tokens / self.block_size)
-        first, end = reg.start_block, min(num_blocks, reg.start_block + len(reg.block_ids))
-        spans = []
+        num_blocks = math.ceil(push.num_prompt_tokens / self.block_size)
+        spans, waiting = [], False
         for layer, ready in enumerate(push.ready_tokens):
+            first, end = self._layer_range(push, layer)
             ready_blocks = num_blocks if ready >= push.num_prompt_tokens else ready // self.block_size
-            lo, hi = max(push.sent_blocks[layer], first), min(ready_blocks, end, len(push.block_ids))
+            lo = max(push.sent_blocks[layer], first)
+            hi = min(ready_blocks, end, len(push.block_ids[self.layer_groups[layer]]))
             spans.append((layer, lo, hi))
+            waiting |= hi < end
         if not push.layerwise:
-            if any(hi < end for _, _, hi in spans):
+            if waiting:
                 return []
             spans = [(layer, lo, hi) for layer, lo, hi in spans if hi > lo]
             return [(push, [self._write(push, *s) for s in spans], -1)] if spans else []
         return [(push, [self._write(push, *s)], s[0]) for s in spans if s[2] > s[1]]
+
+    def _layer_range(self, push: Push, layer: int) -> tuple[int, int]:
+        """[first, end) of the prompt blocks D registered for `layer`'s KV cache group."""
+        first, block_ids = push.reg.groups()[self.layer_groups[layer]]
+        return first, min(math.ceil(push.num_prompt_tokens / self.block_size), first + len(block_ids))
 
     def _same_prompt(self, push: Push) -> bool:
         reg = push.reg
@@ -284,19 +303,19 @@ class PushPlan:
         return push.error is None
 
     def _write(self, push: Push, layer: int, lo: int, hi: int) -> BlockWrite:
-        first = push.reg.start_block
+        group = self.layer_groups[layer]
+        first, dst_ids = push.reg.groups()[group]
         push.sent_blocks[layer] = hi
-        return BlockWrite(str(layer), self.layers[layer], push.block_ids[lo:hi],
-                          push.reg.block_ids[lo - first : hi - first])
+        return BlockWrite(str(layer), self.layers[layer], push.block_ids[group][lo:hi], dst_ids[lo - first : hi - first])
 
     def issued(self, push: Push, handle: Any, layer: int, num_bytes: int) -> None:
         push.t_first_issue = push.t_first_issue or time.monotonic()
         push.handles.append((handle, layer, time.monotonic(), num_bytes))
 
-    def reap(self) -> tuple[list[Push], set[str], list[tuple[Push, int]]]:
+    def reap(self) -> tuple[list[Push], set[str], list[Push]]:
         """(pushes completed now, target addresses of failed writes: their connections are suspect,
-        verified pushes whose last byte is out: (push, end block), to checksum outside the lock and
-        then `complete_verified`; before completing, for then their blocks may be freed and reused)."""
+        verified pushes whose last byte is out, to checksum outside the lock and then
+        `complete_verified`; before completing, for then their blocks may be freed and reused)."""
         now, completed, suspect, to_checksum = time.monotonic(), [], set(), []
         for push in self.pushes.values():
             for handle, layer, *_ in push.handles:
@@ -307,22 +326,23 @@ class PushPlan:
                 if push.pending and now > push.deadline and push.error is None:
                     self.fail(push, "push still in flight at its deadline")
                 continue
-            end = min(push.reg.start_block + len(push.reg.block_ids), math.ceil(push.num_prompt_tokens / self.block_size))
-            if all(s >= end for s in push.sent_blocks):
+            ranges = (self._layer_range(push, layer) for layer in range(len(self.layers)))
+            if all(max(sent, first) >= end for sent, (first, end) in zip(push.sent_blocks, ranges)):
                 if push.reg.verify:
-                    to_checksum.append((push, end))
+                    to_checksum.append(push)
                 else:
                     self._complete(push, now)
                     completed.append(push)
         return completed, suspect, to_checksum
 
-    def block_checksums(self, push: Push, end: int) -> str:
+    def block_checksums(self, push: Push) -> str:
         """The checksums D's VERIFY asks for: every layer's CRC over the pushed blocks, per KV-head shard
         when the push is split over head-wise attention servers. Reads the blocks only (the caller holds
         no lock: a push cancelled meanwhile is dropped by `complete_verified`)."""
-        block_ids = push.block_ids[push.reg.start_block:end]
+        per_layer = [push.block_ids[self.layer_groups[layer]][slice(*self._layer_range(push, layer))]
+                     for layer in range(len(self.layers))]
         num_shards = max((n for _, n, _ in push.reg.targets), default=1)  # one list when unsharded
-        return encode_shards([layer_checksums(self.layers, block_ids, num_shards, shard) for shard in range(num_shards)])
+        return encode_shards([layer_checksums(self.layers, per_layer, num_shards, shard) for shard in range(num_shards)])
 
     def complete_verified(self, push: Push, checksums: str) -> bool:
         """Keep a verified push's checksums and complete it, unless it failed or was cancelled meanwhile."""
@@ -341,6 +361,7 @@ class PushPlan:
         t0 = push.t_first_issue or now
         self.timeline.append({
             "transfer_id": push.transfer_id, "layerwise": push.layerwise, "num_writes": len(push.handles),
+            "num_bytes": sum(nbytes for *_, nbytes in push.handles),
             "t_prefill_start": push.t_created, "t_first_issue": t0, "t_prefill_done": push.t_prefill_done,
             "t_done": now,
         })
@@ -394,6 +415,30 @@ def parse_targets(body: dict, num_kv_heads: int) -> tuple[tuple[str, int, int], 
                              f"{num_kv_heads} KV heads")
         out.append((address, num_shards, shard))
     return tuple(out)
+
+
+def parse_registered_blocks(body: dict, block_ids: tuple[int, ...], num_groups: int) -> tuple:
+    """(group 0's block ids, its start block, more_groups) of a REGISTER: its ids are every KV cache
+    group's, in group order; `more_groups` ("START:COUNT;...") sizes groups 1.. . ValueError when they
+    do not add up to the frame's ids or to this side's number of groups."""
+    raw = body.get("more_groups") or ""
+    sizes = [item.split(":") for item in raw.split(";")] if raw else []
+    if len(sizes) != num_groups - 1:
+        raise ValueError(f"REGISTER has {len(sizes) + 1} KV cache group(s), this side {num_groups}")
+    more = [(int(start), int(count)) for start, count in sizes]
+    num_first = len(block_ids) - sum(count for _, count in more)
+    if num_first < 0 or any(start < 0 or count < 0 for start, count in more):
+        raise ValueError(f"more_groups {raw!r} does not fit the {len(block_ids)} registered block ids"[:200])
+    out, offset = [], num_first
+    for start, count in more:
+        out.append((start, tuple(block_ids[offset:offset + count])))
+        offset += count
+    return tuple(block_ids[:num_first]), int(body["start_block"]), tuple(out)
+
+
+def encode_more_groups(more_groups: tuple[tuple[int, tuple[int, ...]], ...]) -> str:
+    """`more_groups` for a REGISTER body (the decode side of `parse_registered_blocks`)."""
+    return ";".join(f"{start}:{len(ids)}" for start, ids in more_groups)
 
 
 def encode_targets(targets: list[tuple[str, int, int]]) -> str:

@@ -26,8 +26,10 @@ from vllm_disagg.kv.handshake import (
     decode_msg,
     encode_msg,
     handshake_body,
+    parse_groups,
 )
 from vllm_disagg.kv.metadata import CancelSpec, RecvSpec
+from vllm_disagg.kv.push_plan import encode_more_groups
 from vllm_disagg.kv.push_status import CANCEL_TIMEOUT_S, SLOW_AFTER_S, RecvState, StatusRounds
 from vllm_disagg.kv.side_channel import SideChannelClient
 from vllm_disagg.kv.spans import end_receive_span, start_receive_span
@@ -74,6 +76,8 @@ class PushReceiver(StatusRounds):
                  layers: list[Any], stats: StatsSink, failure_policy: str = "recompute",
                  advertise_address: str | None = None, verify: bool = False, recompute_slow_pushes: bool = True):
         self.handshake, self.token, self.layers = handshake, token, layers
+        self.layer_groups = parse_groups(handshake.kv_groups, handshake.num_layers)
+        """The KV cache group of each layer: which of a RecvSpec's block tables its blocks land in."""
         self.verify = verify
         """Check every push end to end before its request runs (checksum.py)."""
         self._on_failure = ("the decode instance recomputes the prompt" if failure_policy == "recompute"
@@ -110,7 +114,7 @@ class PushReceiver(StatusRounds):
     # ------------------------------------------------------------ engine thread
     def start(self, specs: list[RecvSpec]) -> None:
         for spec in specs:
-            expected = len(spec.block_ids) * self.handshake.num_layers * self.handshake.block_nbytes
+            expected = sum(map(len, self._layer_block_ids(spec))) * self.handshake.block_nbytes
             recv = _Recv(spec, expected, time.monotonic() + spec.push_timeout_s,
                          span=start_receive_span(spec, expected) if spec.trace is not None else None)
             with self._lock:
@@ -120,6 +124,11 @@ class PushReceiver(StatusRounds):
                     continue
                 self._by_tid[spec.transfer_id] = recv
             self._submit(spec.remote, self._register, recv)
+
+    def _layer_block_ids(self, spec: RecvSpec) -> list[tuple[int, ...]]:
+        """Each layer's registered blocks: its KV cache group's."""
+        groups = spec.groups()
+        return [groups[g][1] for g in self.layer_groups]
 
     def cancel(self, specs: list[CancelSpec]) -> None:
         """CANCEL pushes the scheduler gave up on (aborted while waiting, or taken over from the
@@ -257,13 +266,16 @@ class PushReceiver(StatusRounds):
         body = handshake_body(self.handshake, self.token, spec.transfer_id)
         body.update(address=self.address, start_block=spec.start_block, push_timeout_s=spec.push_timeout_s,
                     num_prompt_tokens=spec.num_prompt_tokens, prompt_digest=spec.prompt_digest)
+        if spec.more_groups:
+            body["more_groups"] = encode_more_groups(spec.more_groups)
         if self.verify:
             body["verify"] = True
         try:
             body.update(self._register_fields(spec))
             reply = decode_msg(
                 self._client.call(spec.remote,
-                                  encode_msg(SideMsg(MsgType.REGISTER, body, spec.block_ids,
+                                  encode_msg(SideMsg(MsgType.REGISTER, body,
+                                                     sum((ids for _, ids in spec.groups()), ()),
                                                      tracing.to_wire(recv.span) or spec.trace)),
                                   timeout=min(spec.push_timeout_s, 10.0)),
                 spec.remote,
@@ -306,7 +318,7 @@ class PushReceiver(StatusRounds):
         """The first layer whose landed blocks differ from P's checksums (`CHECKSUMS`' crc32), or None;
         ValueError when the text is not this push's checksums."""
         remote = checksum.decode(remote_text, self.handshake.num_layers)
-        return checksum.first_difference(checksum.layer_checksums(self.layers, spec.block_ids), remote)
+        return checksum.first_difference(checksum.layer_checksums(self.layers, self._layer_block_ids(spec)), remote)
 
     def _on_reply(self, recv: _Recv, reply: SideMsg) -> None:
         if reply.transfer_id != recv.spec.transfer_id:

@@ -28,6 +28,7 @@ from vllm_disagg.kv.handshake import (
     encode_msg,
     handshake_body,
     legacy_reject,
+    parse_groups,
 )
 from vllm_disagg.kv.layer_events import DONE, LayerEvent
 from vllm_disagg.kv.metadata import DisaggConnectorMetadata
@@ -37,6 +38,7 @@ from vllm_disagg.kv.push_plan import (
     PushPlan,
     Registration,
     WorkItem,
+    parse_registered_blocks,
     parse_targets,
     shard_writes,
 )
@@ -50,6 +52,9 @@ __all__ = ["PushSender"]
 logger = init_logger(__name__)
 _EVENT_WAIT_S = 0.002
 _VERIFY_WAIT_S = 5.0
+_HINTS = {"kv_groups": (" (KV cache groups of each layer: vLLM's hybrid allocator is on one side only; a decode "
+                        "model worker with remote attention runs one group, so start its prefill instances with "
+                        "--disable-hybrid-kv-cache-manager)")}
 
 
 class PushSender:
@@ -61,7 +66,7 @@ class PushSender:
         self.block_size = handshake.block_size
         self._stats, self._stats_lock = stats
         self._cond = threading.Condition()
-        self.plan = PushPlan(layers, self.block_size, cfg)
+        self.plan = PushPlan(layers, self.block_size, cfg, parse_groups(handshake.kv_groups, len(layers)))
         self._stop = threading.Event()
         self._control = control
         self.server = SideChannelServer(control.listen_msg(), self._on_message)
@@ -159,14 +164,15 @@ class PushSender:
         transfer_id = msg.transfer_id
         try:
             check_compatible(self.handshake, msg.body, self.token, transfer_id, peer)
-            reg = Registration(str(msg.body["address"]), msg.block_ids, int(msg.body["start_block"]),
+            block_ids, start_block, more_groups = parse_registered_blocks(msg.body, msg.block_ids, self.plan.num_groups)
+            reg = Registration(str(msg.body["address"]), block_ids, start_block,
                                float(msg.body.get("push_timeout_s") or self.cfg.push_timeout_s),
                                int(msg.body["num_prompt_tokens"]), str(msg.body.get("prompt_digest") or ""),
                                targets=parse_targets(msg.body, self.handshake.num_kv_heads), trace=msg.trace,
-                               verify=msg.body.get("verify") is True)
+                               verify=msg.body.get("verify") is True, more_groups=more_groups)
         except HandshakeMismatch as err:
             why = (f"KV handshake mismatch on {err.field!r}: prefill {self.address} has {err.local!r}, "
-                   f"decode {msg.body.get('address', peer)} has {err.remote!r}")
+                   f"decode {msg.body.get('address', peer)} has {err.remote!r}{_HINTS.get(err.field, '')}")
             logger.error("KV push %s refused: %s", transfer_id, why)
             self._record(lambda s: s.record_handshake_failure())
             with self._cond:
@@ -177,7 +183,7 @@ class PushSender:
         with self._cond:
             self.plan.register(transfer_id, reg)
             self._cond.notify()
-        logger.debug("KV push %s: decode registered %d blocks from %s", transfer_id, len(reg.block_ids), peer)
+        logger.debug("KV push %s: decode registered %d blocks from %s", transfer_id, len(msg.block_ids), peer)
         return SideMsg(MsgType.ACCEPT, handshake_body(self.handshake, self.token, transfer_id))
 
     def _on_verify(self, transfer_id: str) -> SideMsg:
@@ -296,7 +302,7 @@ class PushSender:
         if to_checksum:
             self._cond.release()
             try:
-                sums = [(push, self.plan.block_checksums(push, end)) for push, end in to_checksum]
+                sums = [(push, self.plan.block_checksums(push)) for push in to_checksum]
             finally:
                 self._cond.acquire()
             completed += [push for push, crc in sums if self.plan.complete_verified(push, crc)]

@@ -80,12 +80,25 @@ def prompt_digest(request: Request) -> str:
     return hashlib.blake2b(np.asarray(ids, dtype="<i8").tobytes(), digest_size=16).hexdigest()
 
 
-def num_leading_null_blocks(blocks: Any) -> int:
+def num_leading_null_blocks(group: Any) -> int:
     """Blocks a sliding-window group left out (vLLM gives a windowed request its pool's null block
     for every block wholly before the window): D registers from the first real one, so P pushes
     nothing the window hides, and nothing lands in the null block all requests share."""
-    (group,) = blocks.blocks
     return next((i for i, block in enumerate(group) if not getattr(block, "is_null", False)), len(group))
+
+
+def recv_groups(request: Request, blocks: KVCacheBlocks, num_external_tokens: int,
+                block_size: int) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """(start_block, block_ids) per KV cache group of the prompt blocks D registers: from the first
+    block not cached here (nor left out by the group's window) to the prompt's end. Under vLLM's
+    hybrid allocator a sliding-window group registers only the blocks its window still needs."""
+    local_start = (request.num_prompt_tokens - num_external_tokens) // block_size
+    end = math.ceil(request.num_prompt_tokens / block_size)
+    out = []
+    for group, ids in zip(blocks.blocks, blocks.get_block_ids(), strict=True):
+        start = max(local_start, num_leading_null_blocks(group))
+        out.append((start, tuple(ids[start:end])))
+    return tuple(out)
 
 
 class DisaggConnectorScheduler:
@@ -167,20 +180,18 @@ class DisaggConnectorScheduler:
         if remote is None or num_external_tokens <= 0 or request.request_id in self._recv_seen:
             return
         self._recv_seen.add(request.request_id)
-        (block_ids,) = blocks.get_block_ids()
-        start_block = max((request.num_prompt_tokens - num_external_tokens) // self.block_size,
-                          num_leading_null_blocks(blocks))
-        end_block = math.ceil(request.num_prompt_tokens / self.block_size)
+        (start_block, block_ids), *more_groups = recv_groups(request, blocks, num_external_tokens, self.block_size)
         spec = RecvSpec(
             req_id=request.request_id,
             transfer_id=remote.transfer_id,
             remote=remote.remote,
-            block_ids=tuple(block_ids[start_block:end_block]),
+            block_ids=block_ids,
             start_block=start_block,
             num_prompt_tokens=request.num_prompt_tokens,
             push_timeout_s=remote.push_timeout_s,
             prompt_digest=prompt_digest(request),
             trace=self.spans.decode_allocated(request, remote.transfer_id) or request_trace(request),
+            more_groups=tuple(more_groups),
         )
         self._recv_inflight[request.request_id] = spec
         self._pending_recv.append(spec)
@@ -227,6 +238,7 @@ class DisaggConnectorScheduler:
         return SaveSpec(
             req_id=req_id,
             new_block_ids=tuple(block_ids[0]),
+            more_new_block_ids=tuple(tuple(ids) for ids in block_ids[1:]),
             num_computed_tokens=done,
             num_prompt_tokens=num_prompt,
             transfer_id=transfer_id if announce else None,

@@ -29,7 +29,7 @@ from vllm_disagg.attention.spans import set_step_trace
 from vllm_disagg.config import DisaggConfigError, KVTransferSection, disagg_config_from_vllm
 from vllm_disagg.kv.handshake import local_handshake_info
 from vllm_disagg.kv.layer_events import device_events
-from vllm_disagg.kv.layer_specs import check_uniform_layers
+from vllm_disagg.kv.layer_specs import check_uniform_layers, layer_groups
 from vllm_disagg.kv.metadata import CancelSpec, DisaggConnectorMetadata, DisaggWorkerMetadata, RecvSpec
 from vllm_disagg.kv.stats import DisaggKVConnectorStats
 from vllm_disagg.liveness import LayerBeacon
@@ -61,8 +61,11 @@ def _layer_index(name: str) -> int:
 
 
 class DisaggConnectorWorker:
-    def __init__(self, vllm_config: Any, make_transport: Callable[..., Transport] | None = None):
+    def __init__(self, vllm_config: Any, make_transport: Callable[..., Transport] | None = None,
+                 kv_cache_config: Any = None):
         self.vllm_config = vllm_config
+        self.kv_cache_config = kv_cache_config
+        """vLLM's KV cache groups: which block table addresses each layer (`layer_specs.layer_groups`)."""
         self.kv, self.token = kv_settings(vllm_config)
         kv_transfer = vllm_config.kv_transfer_config
         self.is_producer = kv_transfer.kv_role in ("kv_producer", "kv_both")
@@ -106,7 +109,11 @@ class DisaggConnectorWorker:
                 raise ValueError(f"DisaggConnector ships whole blocks and needs contiguous KV; {name} is not")
         check_uniform_layers(names, layers)
         self.events = device_events(layers[0].device) if layers else self.events
-        info = local_handshake_info(self.vllm_config, layers)
+        groups = layer_groups(names, self.kv_cache_config)
+        if self._attention is not None and any(groups):
+            raise DisaggConfigError("a remote-attention model worker needs one KV cache group; run it with "
+                                    "--disable-hybrid-kv-cache-manager")
+        info = local_handshake_info(self.vllm_config, layers, groups)
         stats = (self._stats, self._stats_lock)
         port = self._port()
         # The side channel is always tcp on kv_port (a HOST:PORT the router can hand out);

@@ -253,6 +253,11 @@ class AttentionPlan:
     """One HOST:PORT per server that prefill instances connect to for its KV (`--attention-kv-advertise`)."""
 
 
+ONE_KV_GROUP_FLAG = "--disable-hybrid-kv-cache-manager"
+"""A prefill instance pushing into attention servers allocates like its decode model worker: one KV cache
+group (vLLM's hybrid allocator keeps a sliding-window group's out-of-window blocks from it)."""
+
+
 def attach_attention(specs: list[InstanceSpec], plan: AttentionPlan,
                      exclude: Collection[int] = ()) -> InstanceSpec | None:
     """Point the model worker (the decode instance, or the only mixed one without P/D) at the servers.
@@ -275,6 +280,8 @@ def attach_attention(specs: list[InstanceSpec], plan: AttentionPlan,
     advertised = iter(_kv_advertise(plan, specs, len(servers)))
     kv_ports = iter(_attention_kv_ports(specs, exclude))
     for s in specs:
+        if s.role == "prefill":  # the servers hold one block table per request (handshake kv_groups)
+            s.args = [*s.args, ONE_KV_GROUP_FLAG]
         if s.role == "attention":
             size = [] if plan.kv_cache_gib is None else ["--kv-cache-gib", str(plan.kv_cache_gib)]
             s.args = ["--transport", plan.transport, *size, *s.args]

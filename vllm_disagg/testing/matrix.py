@@ -209,7 +209,9 @@ def run_pd(model_dir, log_dir: Path, kv_port: int, prompts=PROMPTS) -> tuple[lis
         d_out, p_out = decode.read(), prefill.read()
         pushes = p_out["timeline"]
         evidence = {"pushes": len(pushes), "layerwise": sum(bool(p.get("layerwise")) for p in pushes),
-                    "recomputed": "recomputes the prompt" in decode.log_text()}
+                    "recomputed": "recomputes the prompt" in decode.log_text(),
+                    "kv_cache_groups": [prefill.ready.get("kv_cache_groups"), decode.ready.get("kv_cache_groups")],
+                    "bytes_pushed": sum(p.get("num_bytes", 0) for p in pushes), "handshake": prefill.ready.get("handshake")}
         return d_out["outputs"], evidence
     except RuntimeError as err:
         raise CellRefused(refusal_line(err)) from err

@@ -27,15 +27,18 @@ MAX_LAYERS = 512
 message's 8 KiB)."""
 
 
-def layer_checksums(layers: Sequence[Any], block_ids: Sequence[int], num_shards: int = 1,
+def layer_checksums(layers: Sequence[Any], block_ids: Sequence[int] | Sequence[Sequence[int]], num_shards: int = 1,
                     shard: int = 0) -> list[int]:
-    """One CRC32 per layer over `block_ids` of that layer's KV tensor, in that order. With
-    `num_shards` > 1, over KV-head slice `shard` of each block (the contiguous sub-block a head-wise
-    attention server holds as its whole block: kv/push_plan.py's `shard_writes`)."""
-    ids = [b * num_shards + shard for b in block_ids] if num_shards > 1 else block_ids
+    """One CRC32 per layer over `block_ids` of that layer's KV tensor, in that order; a list of lists
+    gives each layer its own ids (KV cache groups). With `num_shards` > 1, over KV-head slice `shard`
+    of each block (the contiguous sub-block a head-wise attention server holds as its whole block:
+    kv/push_plan.py's `shard_writes`)."""
+    per_layer = len(block_ids) > 0 and isinstance(block_ids[0], (list, tuple))
     out = []
-    for tensor in layers:
+    for i, tensor in enumerate(layers):
+        ids = block_ids[i] if per_layer else block_ids
         if num_shards > 1:
+            ids = [b * num_shards + shard for b in ids]
             tensor = tensor.view(tensor.shape[0] * num_shards, -1)
         per_block = b"".join(struct.pack("<I", zlib.crc32(_bytes(tensor[b]))) for b in ids)
         out.append(zlib.crc32(per_block))

@@ -195,7 +195,7 @@ def test_what_no_server_computes_is_refused_when_the_model_is_built(args, match)
         check_impl_args(*args)
 
 
-def test_the_push_refuses_kv_groups_specs_and_fields_it_does_not_know():
+def test_the_push_ships_kv_groups_and_refuses_specs_and_fields_it_does_not_know():
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
         KVCacheConfig,
@@ -203,7 +203,7 @@ def test_the_push_refuses_kv_groups_specs_and_fields_it_does_not_know():
         SlidingWindowSpec,
     )
 
-    from vllm_disagg.kv.layer_specs import check_push_specs
+    from vllm_disagg.kv.layer_specs import check_push_specs, layer_groups
 
     full = FullAttentionSpec(block_size=BS, num_kv_heads=HKV, head_size=D, dtype=torch.float32)
     window = SlidingWindowSpec(block_size=BS, num_kv_heads=HKV, head_size=D, dtype=torch.float32, sliding_window=48)
@@ -214,8 +214,8 @@ def test_the_push_refuses_kv_groups_specs_and_fields_it_does_not_know():
 
     check_push_specs(config(full))
     check_push_specs(config(window))
-    with pytest.raises(DisaggConfigError, match="2 KV cache groups"):
-        check_push_specs(config(window, full))
+    check_push_specs(config(window, full))  # vLLM's hybrid allocator: one block table per group
+    assert layer_groups(["model.layers.1.attn", "model.layers.0.attn"], config(window, full)) == (1, 0)
     with pytest.raises(DisaggConfigError, match="non_causal=True"):
         check_push_specs(config(FullAttentionSpec(block_size=BS, num_kv_heads=HKV, head_size=D,
                                                   dtype=torch.float32, non_causal=True)))

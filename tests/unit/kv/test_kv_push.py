@@ -46,13 +46,13 @@ def _transport(kind="tcp"):
 
 
 class Pair:
-    def __init__(self, threshold=0, timeout=5.0, d_info=INFO, data="tcp", verify=False):
+    def __init__(self, threshold=0, timeout=5.0, d_info=INFO, data="tcp", verify=False, p_info=INFO):
         self.p_layers = [torch.randn(SHAPE) for _ in range(NUM_LAYERS)]
         self.d_layers = [torch.zeros(SHAPE) for _ in range(NUM_LAYERS)]
         cfg = KVTransferSection(layerwise_threshold_tokens=threshold, push_timeout_s=timeout)
         self.p_stats = DisaggKVConnectorStats()
         self.d_stats = DisaggKVConnectorStats()
-        self.sender = PushSender(_transport(), _transport(data), INFO, "tok", self.p_layers, cfg,
+        self.sender = PushSender(_transport(), _transport(data), p_info, "tok", self.p_layers, cfg,
                                  (self.p_stats, threading.Lock()))
         self.receiver = PushReceiver(_transport(), _transport(data), d_info, "tok", self.d_layers,
                                      (self.d_stats, threading.Lock()), verify=verify)

@@ -68,7 +68,12 @@ def test_attention_with_prefill_points_the_decode_instance_at_the_servers_and_ke
     disagg = _disagg(d)
     assert disagg["role"] == "decode" and disagg["kv"]["kv_port"] == specs[3].kv_port
     assert len(disagg["remote_attention"]["servers"]) == 2
-    assert "remote_attention" not in _disagg(serve_command(specs[2], "/m", "tcp", [], vllm_cmd=["vllm", "serve"]))
+    p = serve_command(specs[2], "/m", "tcp", [], vllm_cmd=["vllm", "serve"])
+    assert "remote_attention" not in _disagg(p)
+    # P allocates as the model worker it pushes into: one KV cache group (handshake kv_groups)
+    assert "--disable-hybrid-kv-cache-manager" in p and "--disable-hybrid-kv-cache-manager" not in d
+    plain = _plan("--prefill", "1", "--decode", "1")
+    assert "--disable-hybrid-kv-cache-manager" not in serve_command(plain[0], "/m", "tcp", [], vllm_cmd=["vllm", "serve"])
 
 
 def test_each_attention_servers_kv_port_is_distinct_from_every_other_planned_port():

@@ -48,6 +48,8 @@ def test_specs_start_attention_first_and_share_one_token(monkeypatch):
                                        "vllm-disagg:prefill1", "vllm-disagg:decode0"]
     assert [s.http_port for s in specs[:2]] == [8300, 8301] and specs[2].http_port == 0
     assert len({s.env["VLLM_DISAGG_AUTH_TOKEN"] for s in specs}) == 1
+    # the prefill actors allocate as the model worker they push into: one KV cache group
+    assert ["--disable-hybrid-kv-cache-manager" in s.vllm_args for s in specs] == [False, False, True, True, False]
     assert plan_actor_specs(up_args("--prefill", "0", "--decode", "0"), "/m")[0].role == "mixed"
     with pytest.raises(ValueError, match="--decode"):
         plan_actor_specs(up_args("--prefill", "1", "--decode", "0"), "/m")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from vllm_disagg.envs import VLLM_DISAGG_AUTH_TOKEN
 from vllm_disagg.launch.attention_sizing import size_for_args
-from vllm_disagg.launch.instances import CONNECTOR, LIVE_MIDDLEWARE, tensor_parallel_size
+from vllm_disagg.launch.instances import CONNECTOR, LIVE_MIDDLEWARE, ONE_KV_GROUP_FLAG, tensor_parallel_size
 from vllm_disagg.router.ray_registry import ACTOR_PREFIX, NAMESPACE
 
 POOLS = ("prefill", "decode", "mixed", "attention")
@@ -102,6 +102,8 @@ def plan_actor_specs(args: argparse.Namespace, model: str) -> list[ActorSpec]:
         for s in specs:
             if s.role in ("decode", "mixed"):
                 s.remote_attention = remote_attention_settings(args)
+            elif s.role == "prefill":  # one KV cache group, as its decode model worker
+                s.vllm_args = [*s.vllm_args, ONE_KV_GROUP_FLAG]
     return specs
 
 
