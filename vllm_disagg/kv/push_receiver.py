@@ -29,8 +29,8 @@ from vllm_disagg.kv.handshake import (
     parse_groups,
 )
 from vllm_disagg.kv.metadata import CancelSpec, RecvSpec
-from vllm_disagg.kv.push_plan import encode_more_groups
 from vllm_disagg.kv.push_status import CANCEL_TIMEOUT_S, SLOW_AFTER_S, RecvState, StatusRounds
+from vllm_disagg.kv.register_body import encode_more_groups
 from vllm_disagg.kv.side_channel import SideChannelClient
 from vllm_disagg.kv.spans import end_receive_span, start_receive_span
 from vllm_disagg.kv.stats import StatsSink

@@ -38,10 +38,9 @@ from vllm_disagg.kv.push_plan import (
     PushPlan,
     Registration,
     WorkItem,
-    parse_registered_blocks,
-    parse_targets,
     shard_writes,
 )
+from vllm_disagg.kv.register_body import parse_registered_blocks, parse_targets
 from vllm_disagg.kv.side_channel import SideChannelServer, call_once
 from vllm_disagg.kv.spans import is_traced, record_push_span
 from vllm_disagg.kv.stats import StatsSink

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from vllm_disagg.attention.kv_ingest import KVIngest
-from vllm_disagg.kv.push_plan import encode_targets
-from vllm_disagg.kv.push_plan import parse_targets as _targets
 from vllm_disagg.kv.push_plan import shard_writes as _shard_writes
+from vllm_disagg.kv.register_body import encode_targets
+from vllm_disagg.kv.register_body import parse_targets as _targets
 from vllm_disagg.transport import BlockWrite, TransportOptions, get_transport
 
 TOKEN = "ingest-token"

@@ -16,7 +16,7 @@ from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
 from vllm_disagg.kv.handshake import decode_msg, encode_msg
 from vllm_disagg.kv.metadata import RecvSpec, SaveSpec
-from vllm_disagg.kv.push_plan import encode_more_groups, parse_registered_blocks
+from vllm_disagg.kv.register_body import encode_more_groups, parse_registered_blocks
 from vllm_disagg.kv.scheduler import DisaggConnectorScheduler
 
 HYBRID = dataclasses.replace(INFO, kv_groups="1,0,1")  # layers 0 and 2 windowed (group 1), layer 1 full

@@ -24,8 +24,8 @@ from vllm_disagg.attention.partition import resolved_section
 from vllm_disagg.config import disagg_config_from_vllm
 from vllm_disagg.errors import DisaggError
 from vllm_disagg.kv.metadata import RecvSpec
-from vllm_disagg.kv.push_plan import encode_targets
 from vllm_disagg.kv.push_receiver import PushReceiver, RecvState
+from vllm_disagg.kv.register_body import encode_targets
 from vllm_disagg.transport import checksum
 
 __all__ = ["AttnPushReceiver", "attention_settings"]
