@@ -49,7 +49,7 @@ class DisaggConnector(KVConnectorBase_V1, SupportsHMA):
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
         super().__init__(vllm_config, role, kv_cache_config)
-        check_push_specs(kv_cache_config)  # refuses KV groups, specs and fields the push does not know
+        check_push_specs(kv_cache_config)  # refuses KV cache specs and fields the push does not know
         self.connector_scheduler = None
         self.connector_worker = None
         if role == KVConnectorRole.SCHEDULER:

@@ -27,6 +27,9 @@ logger = init_logger(__name__)
 _CANCELLED_TTL_S = 600.0
 _MAX_CANCELLED = 4096
 ALL_LAYERS = -1
+NULL_BLOCK_ID = 0
+"""vLLM's BlockPool keeps block 0 as the null block a sliding-window group gets for blocks outside its
+window: never a source of the push (its bytes belong to no request)."""
 
 WorkItem = tuple["Push", list[BlockWrite], int]
 """(push, writes, layer): one write_blocks call; layer -1 for a serialized push's single write."""
@@ -278,6 +281,10 @@ class PushPlan:
             ready_blocks = num_blocks if ready >= push.num_prompt_tokens else ready // self.block_size
             lo = max(push.sent_blocks[layer], first)
             hi = min(ready_blocks, end, len(push.block_ids[self.layer_groups[layer]]))
+            if NULL_BLOCK_ID in push.block_ids[self.layer_groups[layer]][lo:hi]:
+                self.fail(push, f"decode registered a block of layer {layer} that this side's window left out "
+                                "(vLLM's null block): the two sides' windows differ")
+                return []
             spans.append((layer, lo, hi))
             waiting |= hi < end
         if not push.layerwise:

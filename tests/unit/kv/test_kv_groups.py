@@ -44,10 +44,10 @@ def test_each_layer_lands_in_its_own_groups_blocks_and_nothing_outside_the_windo
                        for s, d in zip(P_WINDOW[WINDOW_START:], D_WINDOW))
             assert not pair.d_layers[layer][list(D_FULL)].any()  # the full group's blocks: not this layer's
         assert not pair.d_layers[full][list(D_WINDOW)].any()
-        assert sum(pair.p_stats.data["bytes_pushed"]) == (7 + 2 * 3) * INFO.block_nbytes
         assert pair.receiver.num_landed == 1
         pair.prefill_step([], release=["p1"])
-        assert _until(pair.sender.finished_sending) == {"p1"}
+        assert _until(pair.sender.finished_sending) == {"p1"}  # completed, so its bytes are counted
+        assert sum(pair.p_stats.data["bytes_pushed"]) == (7 + 2 * 3) * INFO.block_nbytes
     finally:
         pair.close()
 
@@ -116,3 +116,22 @@ def test_prefill_save_specs_carry_every_groups_new_blocks():
     (spec,) = s.build_connector_meta(out).save_specs
     assert spec.groups() == ((1, 2), (3, 4)) and spec.num_computed_tokens == 64
     assert NUM_LAYERS == len(HYBRID.kv_groups.split(","))
+
+
+def test_a_block_this_sides_window_left_out_is_never_pushed():
+    """P holds vLLM's null block where its window dropped a block; a registration that wants it (the two
+    sides' windows differ) fails the push instead of shipping bytes that belong to no request."""
+    pair = Pair(p_info=HYBRID, d_info=HYBRID)
+    try:
+        pair.receiver.start([RecvSpec("d-t1", "t1", pair.sender.address, D_FULL, 0, 100, 5.0,
+                                      more_groups=((3, (27, 28, 29, 30)),))])
+        p_window = (0, 0, 0, 0, 15, 16, 17)
+        pair.prefill_step([SaveSpec("p1", P_FULL, 100, 100, "t1", True, more_new_block_ids=(p_window,))])
+        pair.sender.step_done()
+        assert _until(pair.poll) == {"d-t1"} and pair.failed == {"d-t1"}
+        assert "window left out" in pair.receiver.take_errors()["d-t1"][0]
+        assert not pair.d_layers[0][[27, 28, 29, 30]].any()
+        pair.prefill_step([], release=["p1"])
+        assert _until(pair.sender.finished_sending) == {"p1"}
+    finally:
+        pair.close()
