@@ -29,6 +29,7 @@ CI_CELLS = (("gemma2", "remote_head"), ("gemma2", "nano2"), ("bloom", "remote_he
             ("gpt_oss", "remote_request"), ("mistral", "remote_request"))
 CELLS = [(f, m) for f in sorted(FAMILIES) for m in IN_PROCESS] if FULL else list(CI_CELLS)
 PD_FAMILIES = sorted(FAMILIES) if FULL else ["gemma2"]  # hybrid windows + soft-cap through the push
+HYBRID_FAMILIES = ["gemma2", "gpt_oss"] if FULL else ["gemma2"]  # full and sliding-window KV cache groups
 WINDOW_FAMILIES = sorted(f for f, fam in FAMILIES.items() if fam.sliding_window) if FULL else ["gemma2"]
 # cells that refuse at start, and the reason they must give
 REFUSED = {
@@ -104,6 +105,26 @@ def test_prefill_decode_push_gives_plain_vllms_tokens(model_root, tmp_path, fami
     info = evidence["handshake"]  # a windowed group's layers push only the blocks their window still needs
     every_block = sum(-(-len(p) // info["block_size"]) for p in PROMPTS) * info["num_layers"] * info["block_nbytes"]
     assert (evidence["bytes_pushed"] < every_block) if windowed else (evidence["bytes_pushed"] == every_block)
+
+
+@pytest.mark.parametrize("family", HYBRID_FAMILIES)
+def test_a_chunked_prefill_pushes_each_windowed_layer_only_its_window_and_d_verifies_every_block(
+        model_root, tmp_path, family):
+    """P prefills 300-token prompts in 32-token chunks, so vLLM frees its windowed layers' early blocks
+    while the push runs; D registers only its window's blocks for those layers and checks every pushed
+    block's CRC against P's (kv.verify_checksums) before decoding."""
+    from vllm_disagg.launch.instances import free_ports
+    from vllm_disagg.testing.models import token_prompts
+
+    prompts = [p["prompt_token_ids"] for p in token_prompts(2, 300, seed=5) + token_prompts(1, 170, seed=6)]
+    model = _model(model_root, family)
+    got, evidence = run_pd(model, tmp_path, free_ports(1)[0], prompts, prefill_opts={"mnbt": 32},
+                           decode_opts={"verify": True})
+    assert got == generate(model, prompts=prompts), evidence
+    assert not evidence["recomputed"] and not evidence["checksum_mismatch"], evidence
+    info = evidence["handshake"]
+    blocks = [-(-len(p) // info["block_size"]) for p in prompts]
+    assert evidence["kv_cache_groups"] == [2, 2] and evidence["bytes_pushed"] < sum(blocks) * info["num_layers"] * info["block_nbytes"]
 
 
 @pytest.mark.skipif(not (torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()),

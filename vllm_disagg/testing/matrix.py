@@ -196,12 +196,14 @@ class EngineChild:
         self._log.close()
 
 
-def run_pd(model_dir, log_dir: Path, kv_port: int, prompts=PROMPTS) -> tuple[list[list[int]], dict]:
-    """1P+1D over tcp, layer-wise pushes for every prompt: (D's tokens, evidence the pushes ran)."""
+def run_pd(model_dir, log_dir: Path, kv_port: int, prompts=PROMPTS, prefill_opts: dict | None = None,
+           decode_opts: dict | None = None) -> tuple[list[list[int]], dict]:
+    """1P+1D over tcp, layer-wise pushes for every prompt: (D's tokens, evidence the pushes ran).
+    `*_opts`: more engine-child options (pd_engine_child.py), e.g. P's `mnbt` (prefill chunk tokens)."""
     prefill = decode = None
     try:
-        decode = EngineChild("decode", model_dir, log_dir, "1", kv_port=0, policy="recompute")
-        prefill = EngineChild("prefill", model_dir, log_dir, "0", kv_port=kv_port, threshold=16)
+        decode = EngineChild("decode", model_dir, log_dir, "1", kv_port=0, policy="recompute", **(decode_opts or {}))
+        prefill = EngineChild("prefill", model_dir, log_dir, "0", kv_port=kv_port, threshold=16, **(prefill_opts or {}))
         transfer_ids = [uuid.uuid4().hex for _ in prompts]
         decode.generate(prompts, [{"do_remote_prefill": True, "transfer_id": t, "remote_host": "127.0.0.1",
                                    "remote_port": kv_port, "push_timeout_s": 60.0} for t in transfer_ids], MAX_TOKENS)
@@ -210,6 +212,7 @@ def run_pd(model_dir, log_dir: Path, kv_port: int, prompts=PROMPTS) -> tuple[lis
         pushes = p_out["timeline"]
         evidence = {"pushes": len(pushes), "layerwise": sum(bool(p.get("layerwise")) for p in pushes),
                     "recomputed": "recomputes the prompt" in decode.log_text(),
+                    "checksum_mismatch": "checksum mismatch" in decode.log_text(),
                     "kv_cache_groups": [prefill.ready.get("kv_cache_groups"), decode.ready.get("kv_cache_groups")],
                     "bytes_pushed": sum(p.get("num_bytes", 0) for p in pushes), "handshake": prefill.ready.get("handshake")}
         return d_out["outputs"], evidence
