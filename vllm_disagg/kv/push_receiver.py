@@ -41,6 +41,9 @@ __all__ = ["PushReceiver", "RecvState"]
 
 logger = init_logger(__name__)
 _THREADS_PER_PREFILL = 2
+POOL_IDLE_S = 300.0
+"""A prefill instance nothing was sent to for this long loses its threads and side channel here (an
+autoscaled prefill pool leaves a new address behind with every pod it replaces)."""
 """Calls to one prefill instance share one channel and its lock, so more threads would only queue there."""
 
 
@@ -88,6 +91,7 @@ class PushReceiver(StatusRounds):
         """What REGISTER tells the prefill side to connect to (`kv.advertise_address`, else where we listen)."""
         self._client = SideChannelClient(lambda addr, timeout: control.connect_msg(addr, timeout=timeout))
         self._pools: dict[str, ThreadPoolExecutor] = {}  # per prefill address: see _submit
+        self._pool_used: dict[str, float] = {}  # per prefill address: when a call was last submitted
         self._pools_lock = threading.Lock()  # its own: _submit is called holding self._lock too
         self._lock = threading.Lock()
         self._recvs: dict[str, _Recv] = {}  # req_id -> receive
@@ -149,16 +153,28 @@ class PushReceiver(StatusRounds):
         """Calls to one prefill instance run on threads of its own: calls to a frozen one wait out their
         timeouts (10 s a REGISTER), and on one shared pool they held up every other prefill instance's
         registrations behind them (the 2P+2D chaos soak: requests via a live P waited 15 s)."""
+        now = time.monotonic()
         with self._pools_lock:
+            idle = [a for a, t in self._pool_used.items() if now - t > POOL_IDLE_S and a != remote]
+            retired = [self._retire(address) for address in idle]
             pool = self._pools.get(remote)
             if pool is None:
                 pool = self._pools[remote] = ThreadPoolExecutor(max_workers=_THREADS_PER_PREFILL,
                                                                 thread_name_prefix="disagg-kv-register")
+            self._pool_used[remote] = now
         pool.submit(fn, *args)
+        for address, old in zip(idle, retired, strict=True):
+            old.shutdown(wait=False)  # its threads end once idle (a call still queued runs first)
+            self._client.drop(address)
+
+    def _retire(self, address: str) -> ThreadPoolExecutor:
+        """Forget an idle prefill instance's pool (holding `_pools_lock`); the caller shuts it down."""
+        del self._pool_used[address]
+        return self._pools.pop(address)
 
     def _shutdown_pools(self) -> None:
         with self._pools_lock:
-            pools, self._pools = list(self._pools.values()), {}
+            pools, self._pools, self._pool_used = list(self._pools.values()), {}, {}
         for pool in pools:
             pool.shutdown(wait=False, cancel_futures=True)
 

@@ -476,3 +476,29 @@ def test_a_push_from_a_live_prefill_instance_does_not_wait_behind_registrations_
         assert _landed(pair, range(1, 8), range(10, 17))
     finally:
         frozen.close()
+
+
+def test_an_idle_prefill_instances_threads_and_channel_are_let_go(monkeypatch):
+    """An autoscaled prefill pool leaves a new address behind with every pod it replaces: the decode
+    side keeps threads and a side channel per prefill instance only while it talks to it."""
+    from vllm_disagg.kv import push_receiver
+
+    monkeypatch.setattr(push_receiver, "POOL_IDLE_S", 0.3)
+    pair = Pair()
+    try:
+        gone = [f"127.0.0.1:{port}" for port in (1, 2, 3)]  # nothing listens: each CANCEL fails at once
+        pair.receiver.cancel([CancelSpec(f"d{i}", f"x{i}", address, "test") for i, address in enumerate(gone)])
+        assert set(gone) <= set(pair.receiver._pools)
+        time.sleep(0.5)
+        pair.register("t1", [10, 11, 12, 13, 14, 15, 16])  # a call to a live prefill instance retires them
+        assert set(pair.receiver._pools) == {pair.sender.address}
+
+        def register_threads():
+            return [t for t in threading.enumerate() if t.name.startswith("disagg-kv-register")]
+
+        _until(lambda: len(register_threads()) <= 2)  # the live instance's pool alone
+        pair.prefill_step([SaveSpec("p1", tuple(range(1, 8)), 100, 100, "t1", True)])
+        pair.sender.step_done()
+        assert _until(pair.poll) == {"d-t1"} and not pair.failed
+    finally:
+        pair.close()
