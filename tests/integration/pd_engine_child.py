@@ -14,7 +14,8 @@ ROLE is prefill, decode or plain. JSON_OPTIONS: kv_port, threshold, transport, p
 `kv.verify_checksums`),
 write_delay_s (prefill only: sleep before each KV write, to make "kill P mid-transfer" reliable),
 tp (tensor-parallel size; > 1 reports each rank's connector as "ranks" through `testing.kv_probe`),
-affinity (CPU ids for this engine's processes: workers inherit them before their OpenMP binding).
+affinity (CPU ids for this engine's processes: workers inherit them before their OpenMP binding),
+mnbt (max_num_batched_tokens: P's prefill chunk), prefix_caching (vLLM's, off by default).
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ def _build_llm(role: str, model_dir: str, opts: dict):
 
     from vllm_disagg.testing import tiny_llm_kwargs
 
-    over: dict = {"dtype": opts.get("dtype", "float32"), "max_num_batched_tokens": opts.get("mnbt", 2048)}
+    over: dict = {"dtype": opts.get("dtype", "float32"), "max_num_batched_tokens": opts.get("mnbt", 2048),
+                  "enable_prefix_caching": bool(opts.get("prefix_caching", False))}
     if opts.get("tp", 1) > 1:
         from vllm_disagg.testing.kv_probe import KV_PROBE
 

@@ -112,18 +112,22 @@ def test_a_chunked_prefill_pushes_each_windowed_layer_only_its_window_and_d_veri
         model_root, tmp_path, family):
     """P prefills 300-token prompts in 32-token chunks, so vLLM frees its windowed layers' early blocks
     while the push runs; D registers only its window's blocks for those layers and checks every pushed
-    block's CRC against P's (kv.verify_checksums) before decoding."""
+    block's CRC against P's (kv.verify_checksums) before decoding. A second round shares prefixes with
+    the first, so D (prefix caching on) registers each group from past its own cache hit."""
     from vllm_disagg.launch.instances import free_ports
+    from vllm_disagg.testing.matrix import run_pd_rounds
     from vllm_disagg.testing.models import token_prompts
 
-    prompts = [p["prompt_token_ids"] for p in token_prompts(2, 300, seed=5) + token_prompts(1, 170, seed=6)]
+    first = [p["prompt_token_ids"] for p in token_prompts(2, 300, seed=5) + token_prompts(1, 170, seed=6)]
+    tails = [p["prompt_token_ids"] for p in token_prompts(2, 60, seed=7)]
+    second = [first[0][:256] + tails[0], first[1][:200] + tails[1]]
     model = _model(model_root, family)
-    got, evidence = run_pd(model, tmp_path, free_ports(1)[0], prompts, prefill_opts={"mnbt": 32},
-                           decode_opts={"verify": True})
-    assert got == generate(model, prompts=prompts), evidence
+    got, evidence = run_pd_rounds(model, tmp_path, free_ports(1)[0], [first, second], prefill_opts={"mnbt": 32},
+                                  decode_opts={"verify": True, "prefix_caching": True})
+    assert got == [generate(model, prompts=first), generate(model, prompts=second)], evidence
     assert not evidence["recomputed"] and not evidence["checksum_mismatch"], evidence
     info = evidence["handshake"]
-    blocks = [-(-len(p) // info["block_size"]) for p in prompts]
+    blocks = [-(-len(p) // info["block_size"]) for p in first + second]
     assert evidence["kv_cache_groups"] == [2, 2] and evidence["bytes_pushed"] < sum(blocks) * info["num_layers"] * info["block_nbytes"]
 
 

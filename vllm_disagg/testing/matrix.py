@@ -200,22 +200,34 @@ def run_pd(model_dir, log_dir: Path, kv_port: int, prompts=PROMPTS, prefill_opts
            decode_opts: dict | None = None) -> tuple[list[list[int]], dict]:
     """1P+1D over tcp, layer-wise pushes for every prompt: (D's tokens, evidence the pushes ran).
     `*_opts`: more engine-child options (pd_engine_child.py), e.g. P's `mnbt` (prefill chunk tokens)."""
+    (outputs,), evidence = run_pd_rounds(model_dir, log_dir, kv_port, [prompts], prefill_opts, decode_opts)
+    return outputs, evidence
+
+
+def run_pd_rounds(model_dir, log_dir: Path, kv_port: int, rounds: list[list], prefill_opts: dict | None = None,
+                  decode_opts: dict | None = None) -> tuple[list[list[list[int]]], dict]:
+    """`run_pd` over the same two engines, one batch of prompts after another (a later round can hit
+    what an earlier one left in D's prefix cache): (D's tokens per round, evidence over all rounds)."""
     prefill = decode = None
     try:
         decode = EngineChild("decode", model_dir, log_dir, "1", kv_port=0, policy="recompute", **(decode_opts or {}))
         prefill = EngineChild("prefill", model_dir, log_dir, "0", kv_port=kv_port, threshold=16, **(prefill_opts or {}))
-        transfer_ids = [uuid.uuid4().hex for _ in prompts]
-        decode.generate(prompts, [{"do_remote_prefill": True, "transfer_id": t, "remote_host": "127.0.0.1",
-                                   "remote_port": kv_port, "push_timeout_s": 60.0} for t in transfer_ids], MAX_TOKENS)
-        prefill.generate(prompts, [{"do_remote_decode": True, "transfer_id": t} for t in transfer_ids], 1)
-        d_out, p_out = decode.read(), prefill.read()
-        pushes = p_out["timeline"]
+        outputs, pushes = [], []
+        for prompts in rounds:
+            transfer_ids = [uuid.uuid4().hex for _ in prompts]
+            decode.generate(prompts, [{"do_remote_prefill": True, "transfer_id": t, "remote_host": "127.0.0.1",
+                                       "remote_port": kv_port, "push_timeout_s": 60.0} for t in transfer_ids],
+                            MAX_TOKENS)
+            prefill.generate(prompts, [{"do_remote_decode": True, "transfer_id": t} for t in transfer_ids], 1)
+            d_out, p_out = decode.read(), prefill.read()
+            outputs.append(d_out["outputs"])
+            pushes = p_out["timeline"]  # every push so far
+        log = decode.log_text()
         evidence = {"pushes": len(pushes), "layerwise": sum(bool(p.get("layerwise")) for p in pushes),
-                    "recomputed": "recomputes the prompt" in decode.log_text(),
-                    "checksum_mismatch": "checksum mismatch" in decode.log_text(),
+                    "recomputed": "recomputes the prompt" in log, "checksum_mismatch": "checksum mismatch" in log,
                     "kv_cache_groups": [prefill.ready.get("kv_cache_groups"), decode.ready.get("kv_cache_groups")],
                     "bytes_pushed": sum(p.get("num_bytes", 0) for p in pushes), "handshake": prefill.ready.get("handshake")}
-        return d_out["outputs"], evidence
+        return outputs, evidence
     except RuntimeError as err:
         raise CellRefused(refusal_line(err)) from err
     finally:
