@@ -71,6 +71,9 @@ class Push:
     deadline: float
     prompt_digest: str = ""
     reg: Registration | None = None
+    ranges: list[tuple[int, int]] = field(default_factory=list)
+    """Per layer, [first, end) of the prompt blocks `reg` registered for that layer's KV cache group
+    (set with `reg`: read on every sender tick)."""
     handles: list = field(default_factory=list)  # (XferHandle, layer, t_issue, nbytes)
     error: str | None = None
     done: bool = False
@@ -267,6 +270,7 @@ class PushPlan:
                         self.fail(push, f"no decode registration within {self.cfg.push_timeout_s}s")
                     continue
                 push.deadline = now + max(push.reg.timeout_s, self.cfg.push_timeout_s)
+                push.ranges = self._layer_ranges(push)
                 if not self._same_prompt(push):
                     continue
             work.extend(self._plan_push(push))
@@ -277,11 +281,12 @@ class PushPlan:
         num_blocks = math.ceil(push.num_prompt_tokens / self.block_size)
         spans, waiting = [], False
         for layer, ready in enumerate(push.ready_tokens):
-            first, end = self._layer_range(push, layer)
+            first, end = push.ranges[layer]
+            src_ids = push.block_ids[self.layer_groups[layer]]
             ready_blocks = num_blocks if ready >= push.num_prompt_tokens else ready // self.block_size
             lo = max(push.sent_blocks[layer], first)
-            hi = min(ready_blocks, end, len(push.block_ids[self.layer_groups[layer]]))
-            if NULL_BLOCK_ID in push.block_ids[self.layer_groups[layer]][lo:hi]:
+            hi = min(ready_blocks, end, len(src_ids))
+            if NULL_BLOCK_ID in src_ids[lo:hi]:
                 self.fail(push, f"decode registered a block of layer {layer} that this side's window left out "
                                 "(vLLM's null block): the two sides' windows differ")
                 return []
@@ -294,10 +299,11 @@ class PushPlan:
             return [(push, [self._write(push, *s) for s in spans], -1)] if spans else []
         return [(push, [self._write(push, *s)], s[0]) for s in spans if s[2] > s[1]]
 
-    def _layer_range(self, push: Push, layer: int) -> tuple[int, int]:
-        """[first, end) of the prompt blocks D registered for `layer`'s KV cache group."""
-        first, block_ids = push.reg.groups()[self.layer_groups[layer]]
-        return first, min(math.ceil(push.num_prompt_tokens / self.block_size), first + len(block_ids))
+    def _layer_ranges(self, push: Push) -> list[tuple[int, int]]:
+        """`Push.ranges`: per layer, [first, end) of the prompt blocks D registered for its KV cache group."""
+        num_blocks = math.ceil(push.num_prompt_tokens / self.block_size)
+        groups = [(first, min(num_blocks, first + len(ids))) for first, ids in push.reg.groups()]
+        return [groups[g] for g in self.layer_groups]
 
     def _same_prompt(self, push: Push) -> bool:
         reg = push.reg
@@ -333,8 +339,7 @@ class PushPlan:
                 if push.pending and now > push.deadline and push.error is None:
                     self.fail(push, "push still in flight at its deadline")
                 continue
-            ranges = (self._layer_range(push, layer) for layer in range(len(self.layers)))
-            if all(max(sent, first) >= end for sent, (first, end) in zip(push.sent_blocks, ranges)):
+            if all(max(sent, first) >= end for sent, (first, end) in zip(push.sent_blocks, push.ranges)):
                 if push.reg.verify:
                     to_checksum.append(push)
                 else:
@@ -346,8 +351,7 @@ class PushPlan:
         """The checksums D's VERIFY asks for: every layer's CRC over the pushed blocks, per KV-head shard
         when the push is split over head-wise attention servers. Reads the blocks only (the caller holds
         no lock: a push cancelled meanwhile is dropped by `complete_verified`)."""
-        per_layer = [push.block_ids[self.layer_groups[layer]][slice(*self._layer_range(push, layer))]
-                     for layer in range(len(self.layers))]
+        per_layer = [push.block_ids[g][first:end] for g, (first, end) in zip(self.layer_groups, push.ranges)]
         num_shards = max((n for _, n, _ in push.reg.targets), default=1)  # one list when unsharded
         return encode_shards([layer_checksums(self.layers, per_layer, num_shards, shard) for shard in range(num_shards)])
 

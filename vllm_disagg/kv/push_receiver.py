@@ -41,10 +41,10 @@ __all__ = ["PushReceiver", "RecvState"]
 
 logger = init_logger(__name__)
 _THREADS_PER_PREFILL = 2
+"""Calls to one prefill instance share one channel and its lock, so more threads would only queue there."""
 POOL_IDLE_S = 300.0
 """A prefill instance nothing was sent to for this long loses its threads and side channel here (an
 autoscaled prefill pool leaves a new address behind with every pod it replaces)."""
-"""Calls to one prefill instance share one channel and its lock, so more threads would only queue there."""
 
 
 _OVER = (RecvState.DONE, RecvState.FAILED)
