@@ -74,8 +74,8 @@ def prompt(n: int, rng: random.Random) -> list[int]:
     return [rng.randrange(3, 49152) for _ in range(n)]
 
 
-async def stream(session, url: str, body: dict, path: str = "/v1/completions") -> dict:
-    """Send one streaming completion; token arrival times relative to the send."""
+async def stream(session, url: str, body: dict, path: str = "/v1/completions", on_token=None) -> dict:
+    """Send one streaming completion; token arrival times relative to the send (`on_token()` at each)."""
     t0 = time.perf_counter()
     times: list[float] = []
     body = {"temperature": 0, "ignore_eos": True, "stream": True, **body}
@@ -89,6 +89,8 @@ async def stream(session, url: str, body: dict, path: str = "/v1/completions") -
                     raise RuntimeError(f"{url}: {event['error']}")
                 if event["choices"] and event["choices"][0].get("text") is not None:
                     times.append(time.perf_counter() - t0)
+                    if on_token is not None:
+                        on_token()
     return {"t0": t0, "times": times}
 
 

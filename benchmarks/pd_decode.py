@@ -12,6 +12,7 @@ import asyncio
 import math
 import random
 import statistics
+import time
 
 from pd_common import log, prompt, stream
 
@@ -96,3 +97,59 @@ def step_jitter(decode_rows: list[dict]) -> dict:
     return {"quantiles": list(JITTER_QUANTILES),
             "ratios": [round(float(x), 4) for x in np.quantile(ratios, JITTER_QUANTILES)],
             "num_gaps": len(ratios)}
+
+
+def join_extra_ms(background: list[list[float]], t_send: float, t_first: float) -> float | None:
+    """What the step that took in one new request cost over a steady step, from the running requests'
+    absolute token times: the new request's first token comes out of the step in which its pushed KV
+    joined D's batch, so each running request's gap ending nearest that token is the join step; the
+    gaps after every first token and before the new request was sent are the steady ones."""
+    lo = max(ts[0] for ts in background)
+    steady = [b - a for ts in background for a, b in zip(ts, ts[1:]) if lo <= a and b <= t_send]
+    joined = [min(zip(ts, ts[1:]), key=lambda g: abs(g[1] - t_first)) for ts in background if len(ts) > 1]
+    joined = [b - a for a, b in joined if a < t_first < b + 0.5 * (b - a)]
+    if len(steady) < 3 * len(background) or not joined:
+        return None
+    return 1e3 * (statistics.median(joined) - statistics.median(steady))
+
+
+async def join_point(session, url: str, batch: int, context: int, new_tokens: int, seed: int,
+                     max_tokens: int = 200) -> float | None:
+    """B requests decoding through `url`, then one more of `new_tokens` prompt tokens sent through the
+    same front: the extra ms of the step it joined in (`join_extra_ms`), None when the running
+    requests ended before it joined."""
+    rng = random.Random(seed)
+    loop = asyncio.get_running_loop()
+    started = [loop.create_future() for _ in range(batch)]
+
+    async def running(first: asyncio.Future) -> list[float]:
+        out = await stream(session, url, {"prompt": prompt(context, rng), "max_tokens": max_tokens},
+                           on_token=lambda: first.done() or first.set_result(None))
+        return [out["t0"] + t for t in out["times"]]
+
+    tasks = [asyncio.create_task(running(f)) for f in started]
+    await asyncio.wait_for(asyncio.gather(*started), timeout=600)
+    await asyncio.sleep(0.5)  # steady gaps before the new request
+    t_send = time.perf_counter()
+    new = await stream(session, url, {"prompt": prompt(new_tokens, rng), "max_tokens": 2})
+    background = await asyncio.gather(*tasks)
+    return join_extra_ms(background, t_send, new["t0"] + new["times"][0])
+
+
+async def join_cost(session, url: str, batch: int, context: int, prompt_sizes: list[int], reps: int) -> dict:
+    """The profile's `decode_join`: the median extra ms of D's step in which a pushed request joins its
+    running batch (vLLM computes the prompt's last token there, over the whole context, beside the
+    batch's decode tokens). The decode points never see it: their requests join before the steady
+    window. Per join of one request; every try is kept."""
+    tries = []
+    for r in range(reps):
+        for n in prompt_sizes:
+            extra = await join_point(session, url, batch, context, n, seed=77_000 + 100 * r + n)
+            if extra is None:
+                log(f"decode join B={batch} ctx={context} +{n}: the batch ended before the request joined, skipped")
+                continue
+            tries.append({"prompt_tokens": n, "ms": round(extra, 3)})
+    if not tries:
+        return {}
+    return {"ms": max(0.0, statistics.median(t["ms"] for t in tries)), "batch_size": batch,
+            "context_tokens": context, "tries": tries}

@@ -3,8 +3,10 @@
 
 Calibration, as pd_calibrate.py does it, on the very deployment serve_bench then measures (round 0,
 right after warm-up): single prompts at several lengths and queued batches (the engine's prefill time
-from its own histogram), and decode iterations at several batch sizes and contexts (token gaps of B
-concurrent requests). Decode gaps are taken through the front (the router for P/D), the path the
+from its own histogram), decode iterations at several batch sizes and contexts (token gaps of B
+concurrent requests), and for P/D what D's step costs more when a pushed request joins its running
+batch (`pd_decode.join_cost`: the decode points' requests all join before their steady window, and
+without it the planner's TBT P99 was 10-12 % low at every rate P/D kept up with). Decode gaps are taken through the front (the router for P/D), the path the
 trace's tokens take: under vLLM's own binding only the Worker's threads are pinned, and the router,
 the API servers and the client share D's core (pd_calibrate_quick_nopin.json: TBT through the router
 1.13x straight to D), which left the planner's TBT P99 7-12 % low when D was calibrated directly. Plain vLLM gets the same points on its two cores. The planner's simulator (the
@@ -31,7 +33,7 @@ from pathlib import Path
 import aiohttp
 from pd_calibrate import batched_prefill_points, prefill_points
 from pd_common import DTYPE
-from pd_decode import decode_points, step_jitter
+from pd_decode import decode_points, join_cost, step_jitter
 
 from vllm_disagg.planner.calibrate import measured_machine, sim_options
 from vllm_disagg.planner.catalog import ModelSpec
@@ -43,7 +45,8 @@ from vllm_disagg.router.policy import Pool
 
 CALIBRATION = {"prefill_sizes": [128, 512, 1024, 2048], "prefill_reps": 3, "batched_prompts": [2, 4],
                "batched_reps": 2, "decode_batches": [1, 4, 8, 16], "decode_contexts": [512, 1024],
-               "decode_tokens": 24, "decode_reps": 1}
+               "decode_tokens": 24, "decode_reps": 1, "join_batch": 8, "join_context": 512,
+               "join_prompts": [512, 1024], "join_reps": 2}
 COMPARED = ("ttft_p50_ms", "ttft_p90_ms", "tbt_p50_ms", "tbt_p99_ms", "goodput")
 KEPT_UP = 0.9
 """A run counts as below saturation when its output tok/s is at least this share of what it would be
@@ -64,7 +67,9 @@ def capped_plan(plan: dict, max_model_len: int) -> dict:
     the room it is cut to it). A `--max-model-len 1024` run sent 1024-token decode prompts before."""
     sizes = sorted({min(n, max_model_len - 128) for n in plan["prefill_sizes"]})
     contexts = sorted({min(n, max_model_len - 256) for n in plan["decode_contexts"]})
-    return plan | {"prefill_sizes": sizes, "decode_contexts": contexts, "max_model_len": max_model_len}
+    joins = sorted({min(n, max_model_len - 128) for n in plan["join_prompts"]})
+    return plan | {"prefill_sizes": sizes, "decode_contexts": contexts, "join_prompts": joins,
+                   "join_context": min(plan["join_context"], max_model_len - 256), "max_model_len": max_model_len}
 
 
 async def _calibrate(running, plan: dict) -> dict:
@@ -77,6 +82,8 @@ async def _calibrate(running, plan: dict) -> dict:
                                            single)
         dec = await decode_points(session, front, plan["decode_batches"], plan["decode_contexts"],
                                   plan["decode_tokens"], plan["decode_reps"], plan.get("max_model_len"))
+        join = (await join_cost(session, front, plan["join_batch"], plan["join_context"], plan["join_prompts"],
+                                plan["join_reps"]) if running.deployment.is_pd else {})
     facts = _engine_facts(running)
     exposed = [r["exposed_ms"] for r in pre if r.get("exposed_ms") is not None]
     machine = {"kv_capacity_tokens": facts.get("kv_capacity_tokens", 40_000),
@@ -91,6 +98,8 @@ async def _calibrate(running, plan: dict) -> dict:
     jitter = step_jitter(dec)  # takes the raw gap ratios out of `dec`
     if jitter:
         profile["step_jitter"] = jitter
+    if join:
+        profile["decode_join"] = join
     transfer = [{"num_tokens": r["num_tokens"], "ms": r["transfer_ms"]} for r in pre if r.get("transfer_ms")]
     if running.deployment.is_pd and transfer:
         profile["kv_transfer"] = transfer

@@ -1,14 +1,15 @@
 # SPDX-License-Identifier: Apache-2.0
 """The planner calibration's decode points: only gaps while every request decodes count, and a point
 whose first tokens came further apart than its decode lasted (P prefilling the prompts one after
-another behind the router) asks for enough tokens to overlap."""
+another behind the router) asks for enough tokens to overlap. The join cost reads the one step a new
+request joined in."""
 
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-from pd_decode import steady_gaps, tokens_to_overlap  # noqa: E402
+from pd_decode import join_extra_ms, steady_gaps, tokens_to_overlap  # noqa: E402
 
 
 def _times(num: int, spread_s: float, tokens: int, gap_s: float = 0.1) -> list[list[float]]:
@@ -40,3 +41,16 @@ def test_calibration_prompts_leave_room_for_their_output_under_max_model_len():
     plan = capped_plan(CALIBRATION, 1024)
     assert max(plan["prefill_sizes"]) == 896 and max(plan["decode_contexts"]) == 768
     assert capped_plan(CALIBRATION, 2048)["decode_contexts"] == CALIBRATION["decode_contexts"]
+
+
+def _with_join_step(num: int, tokens: int, join_at: int, extra_s: float) -> list[list[float]]:
+    """`num` requests decoding in lockstep at 0.1 s a step; step `join_at` takes `extra_s` longer."""
+    return [[0.01 * i + 0.1 * k + (extra_s if k >= join_at else 0.0) for k in range(tokens)] for i in range(num)]
+
+
+def test_the_join_cost_is_the_step_ending_at_the_new_requests_first_token_over_the_steady_steps():
+    times = _with_join_step(4, 40, join_at=25, extra_s=0.012)
+    t_first = 2.5 + 0.012 + 0.002  # the new request's first token comes out of step 25, a little after
+    assert abs(join_extra_ms(times, t_send=2.0, t_first=t_first) - 12.0) < 1e-6
+    assert join_extra_ms(times, t_send=0.1, t_first=t_first) is None  # no steady window before the send
+    assert join_extra_ms(times, t_send=2.0, t_first=9.0) is None  # the batch ended before it joined

@@ -27,6 +27,8 @@ class SimRequest:
     kv_on_decode: bool = False
     num_prefilled: int = 0
     """Prompt tokens already computed (chunked prefill)."""
+    joined: bool = False
+    """Its pushed KV has joined a decode batch (the step it joined in pays `decode_join_ms`)."""
     token_times_s: list[float] = field(default_factory=list)
     """When each output token came out (every gap, for goodput.py)."""
 
@@ -86,7 +88,7 @@ class SimMachine:
     # ------------------------------------------------------------ batching
     def next_batch(self) -> Batch | None:
         """Pick the next iteration's batch (None if idle)."""
-        self._admit_decodes()
+        num_joined = self._admit_decodes()
         chunks = self._take_chunks() if self.chunked_prefill else [
             (r, r.trace.num_prompt_tokens) for r in self._take_prompts()]
         decodes = list(self.running)
@@ -96,6 +98,7 @@ class SimMachine:
         num_prompt_tokens = sum(m for _, m in chunks)
         ms = self.perf.mixed_ms(num_prompt_tokens, len(decodes), ctx, [m for _, m in chunks],
                                 [r.num_prefilled for r, _ in chunks])
+        ms += self.perf.decode_join_ms * num_joined
         done = []
         for req, m in chunks:
             req.num_prefilled += m
@@ -106,16 +109,21 @@ class SimMachine:
         self.num_iterations += 1
         return Batch(done, decodes, ms / 1e3, num_prompt_tokens)
 
-    def _admit_decodes(self) -> None:
+    def _admit_decodes(self) -> int:
+        """Move waiting decodes into the batch while KV fits; how many joined for the first time."""
+        num_joined = 0
         while self.decode_waiting:
             req = self.decode_waiting[0]
             need = 0 if req.kv_on_decode else req.num_kv_tokens
             if self.running and self.num_kv_tokens + need > self.kv_capacity_tokens:
-                return  # queue tokens while memory is short (§IV-B)
+                break  # queue tokens while memory is short (§IV-B)
             self.decode_waiting.popleft()
             self.num_kv_tokens += need
             req.kv_on_decode = True
+            num_joined += not req.joined
+            req.joined = True
             self.running.append(req)
+        return num_joined
 
     def _take_prompts(self) -> list[SimRequest]:
         taken: list[SimRequest] = []

@@ -45,6 +45,8 @@ class PerfModel:
     prefill_quadratic: tuple[float, float, float, float] | None = None
     """Measured a + b*T + c*sum(n^2) + d*T^2 (see Profile.prefill_quadratic); None = the curve of
     batch tokens."""
+    decode_join_ms: float = 0.0
+    """Extra ms per pushed request joining a decode batch (Profile.decode_join_ms)."""
 
     def prefill_ms(self, num_tokens: int) -> float:
         return self.prefill_curve(max(1, num_tokens))
@@ -114,7 +116,8 @@ def build_perf_model(model: ModelSpec, machine: HardwareSpec,
     # context variation); the built-in curves add the roofline KV-read cost.
     slope = prof.decode_context_ms_per_token if source == "profile" else kv_slope
     return PerfModel(machine, model, prof.curve("prefill"), prof.curve("decode"), ref, slope,
-                     prof.curve("kv_transfer"), source, prof.prefill_quadratic)
+                     prof.curve("kv_transfer"), source, prof.prefill_quadratic,
+                     prof.decode_join_ms if source == "profile" else 0.0)
 
 
 def _roofline_kv_ms(model: ModelSpec, machine: HardwareSpec) -> float:

@@ -80,6 +80,10 @@ class Profile:
     (token gaps over their point's median, pooled over the decode points). The curves are medians;
     a served trace's tail gaps are not, so the simulator draws each decode step's factor from this."""
 
+    decode_join_ms: float = 0.0
+    """Extra ms of a decode step for each pushed request that joins the batch in it (vLLM computes its
+    prompt's last token there, over the whole context); measured as `decode_join`, 0 when absent."""
+
     def curve(self, name: str) -> Curve | None:
         return self.curves.get(name)
 
@@ -115,7 +119,19 @@ def parse_profile(data: dict) -> Profile:
         prof.prefill_quadratic = _quadratic_fit(data["prefill"], data.get("prefill_batched") or [])
     if data.get("step_jitter"):
         prof.step_jitter = _jitter(data["step_jitter"])
+    if data.get("decode_join"):
+        prof.decode_join_ms = _join_ms(data["decode_join"])
     return prof
+
+
+def _join_ms(section: dict) -> float:
+    try:
+        ms = float(section["ms"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"profile section 'decode_join': {exc!r}") from exc
+    if not 0.0 <= ms < 1e6:
+        raise ValueError(f"profile section 'decode_join': ms {ms} is not a step's extra time (>= 0)")
+    return ms
 
 
 def _jitter(section: dict) -> tuple[tuple[float, ...], tuple[float, ...]]:

@@ -1,6 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """Simulator routing, batching, KV transfer and preemption on hand-made traces."""
 
+from collections import Counter
+
 import pytest
 from planner_fixtures import TINY, machine
 
@@ -169,3 +171,37 @@ def test_a_step_jitter_section_that_is_not_an_ascending_quantile_table_is_refuse
 
     with pytest.raises(ValueError, match="step_jitter"):
         parse_profile({**SIMPLE_PROFILE, "step_jitter": bad})
+
+
+def _joining(ms):
+    from planner_fixtures import SIMPLE_PROFILE
+
+    from vllm_disagg.planner.profile import parse_profile
+
+    return parse_profile({**SIMPLE_PROFILE, "decode_join": {"ms": ms}})
+
+
+def test_the_decode_step_a_pushed_request_joins_in_costs_the_measured_join_time(simple_profile):
+    """vLLM computes a pushed prompt's last token in the step it joins D's batch: a running request's
+    gap over that step (and its own first step on D) is `decode_join` longer, every other gap not."""
+    trace = [_req(0, 0.0, 100, 40), _req(1, 0.2, 100, 5)]
+    def gaps_ms(profile):
+        times = _by_id(simulate(TINY, _pd(), trace, profile=profile))["r0"].token_times_s
+        return Counter(round(1e3 * (b - a), 6) for a, b in zip(times, times[1:]))
+
+    base, joined = gaps_ms(simple_profile), gaps_ms(_joining(5.0))
+    # r0's own join (KV transfer 5 ms + a 20 ms step), then r1's into a batch of two (21 ms)
+    assert base - joined == Counter({25.0: 1, 21.0: 1}) and joined - base == Counter({30.0: 1, 26.0: 1})
+    mixed = [MachineGroup(machine(100_000), Pool.MIXED, 1)]  # plain: a new request's prompt step is costed already
+    assert (_by_id(simulate(TINY, mixed, trace, profile=_joining(5.0)))["r0"].token_times_s
+            == _by_id(simulate(TINY, mixed, trace, profile=simple_profile))["r0"].token_times_s)
+
+
+@pytest.mark.parametrize("bad", [{"ms": -1.0}, {"ms": "x"}, {"tries": []}])
+def test_a_decode_join_section_without_a_non_negative_ms_is_refused(bad):
+    from planner_fixtures import SIMPLE_PROFILE
+
+    from vllm_disagg.planner.profile import parse_profile
+
+    with pytest.raises(ValueError, match="decode_join"):
+        parse_profile({**SIMPLE_PROFILE, "decode_join": bad})
