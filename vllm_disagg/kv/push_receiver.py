@@ -29,7 +29,7 @@ from vllm_disagg.kv.handshake import (
     parse_groups,
 )
 from vllm_disagg.kv.metadata import CancelSpec, RecvSpec
-from vllm_disagg.kv.push_status import CANCEL_TIMEOUT_S, SLOW_AFTER_S, RecvState, StatusRounds
+from vllm_disagg.kv.push_status import SLOW_AFTER_S, RecvState, StatusRounds
 from vllm_disagg.kv.register_body import encode_more_groups
 from vllm_disagg.kv.side_channel import SideChannelClient
 from vllm_disagg.kv.spans import end_receive_span, start_receive_span
@@ -370,7 +370,7 @@ class PushReceiver(StatusRounds):
     def _send_cancel(self, remote: str, transfer_id: str, reason: str, fenced: bool = False) -> bool:
         try:
             reply = decode_msg(self._client.call(
-                remote, cancel_msg(transfer_id, reason, fenced=fenced), timeout=CANCEL_TIMEOUT_S), remote)
+                remote, cancel_msg(transfer_id, reason, fenced=fenced), timeout=self.call_timeout_s), remote)
             if reply.type is MsgType.CANCEL_ACK:
                 return True
             logger.info("KV push %s: prefill answered CANCEL with %s", transfer_id, reply.type.name)

@@ -33,6 +33,7 @@ __all__ = ["RecvState", "StatusRounds", "slow_link_reason", "slow_link_wait_s"]
 
 logger = init_logger(__name__)
 CANCEL_TIMEOUT_S = 5.0
+"""How long a STATUS or CANCEL call waits for P's answer (`StatusRounds.call_timeout_s`'s default)."""
 STATUS_AFTER_S = 2.0
 """A registered receive that landed no byte for this long asks its prefill instance how the push is
 doing: a push P abandoned, or one P never heard of (it restarted), fails now, not at push_timeout_s."""
@@ -107,6 +108,8 @@ class StatusRounds:
 
     def _init_status(self, recompute_slow_pushes: bool) -> None:
         self.recompute_slow_pushes = recompute_slow_pushes
+        self.call_timeout_s = CANCEL_TIMEOUT_S
+        """How long one STATUS or CANCEL call to a prefill instance waits (a frozen P answers none)."""
         self._unanswered: dict[str, float] = {}  # prefill address -> when a STATUS call to it last timed out
         self._status_locks: dict[str, threading.Lock] = {}  # one STATUS round per prefill instance at a time
 
@@ -142,7 +145,7 @@ class StatusRounds:
             try:
                 reply = decode_msg(self._client.call(
                     remote, encode_msg(SideMsg(MsgType.STATUS, {"transfer_id": recv.spec.transfer_id})),
-                    timeout=CANCEL_TIMEOUT_S), remote)
+                    timeout=self.call_timeout_s), remote)
             except (DisaggError, OSError) as err:
                 logger.info("KV push: prefill instance %s did not answer STATUS (%s)", remote, err)
                 with self._lock:  # a frozen P: ask again in STATUS_AFTER_S, not on every poll

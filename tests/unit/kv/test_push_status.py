@@ -103,16 +103,21 @@ class _Unanswered(logging.Handler):
             self.times.append(record.created)
 
 
+CALL_S = 1.0
+"""The receiver's STATUS/CANCEL call timeout in the frozen-P test (`call_timeout_s`, 5 s by default)."""
+
+
 @pytest.mark.parametrize("stagger_s", [0.0, 0.6], ids=["one_round", "two_rounds"])
 def test_a_frozen_prefill_instance_is_asked_again_every_few_seconds_not_on_every_poll(stagger_s):
     """P SIGSTOPped (alive, its sockets open, nothing answered) after accepting two registrations:
-    each STATUS round waits out its 5 s call, and the next comes STATUS_AFTER_S after it, not at once
-    for the round's other receive (b9a98af^: 5 s apart), nor for a second round queued behind it when
-    the receives stalled a poll apart (`two_rounds`; stop 41's CI: 0.1 s after). Polls stay instant,
-    both receives wait for their push, and once P runs again it answers."""
+    each STATUS round waits out its call (1 s here, 5 s by default), and the next comes STATUS_AFTER_S
+    after it, not at once for the round's other receive (b9a98af^: one call apart), nor for a second
+    round queued behind it when the receives stalled a poll apart (`two_rounds`; stop 41's CI: 0.1 s
+    after). Polls stay instant, both receives wait for their push, and once P runs again it answers."""
     proc, address = start_sender_process(INFO, "tok", SHAPE, TIMEOUT_S, timeout_s=5.0)
     receiver = PushReceiver(_transport(), _transport(), INFO, "tok", [torch.zeros(SHAPE) for _ in range(NUM_LAYERS)],
                             (DisaggKVConnectorStats(), threading.Lock()))
+    receiver.call_timeout_s = CALL_S
     unanswered, logger = _Unanswered(), logging.getLogger("vllm_disagg.kv.push_status")
     logger.addHandler(unanswered)
     level = logger.level
@@ -123,13 +128,13 @@ def test_a_frozen_prefill_instance_is_asked_again_every_few_seconds_not_on_every
             _until(lambda i=i: receiver._recvs[f"d-t{i}"].state is RecvState.REGISTERED)
             time.sleep(stagger_s)
         os.kill(proc.pid, signal.SIGSTOP)
-        slowest = _poll_for(25.0, receiver, until=lambda: len(unanswered.times) >= 2)
-        assert len(unanswered.times) == 2, "P frozen for 25 s and fewer than two STATUS calls timed out"
+        slowest = _poll_for(12.0, receiver, until=lambda: len(unanswered.times) >= 2)
+        assert len(unanswered.times) == 2, "P frozen for 12 s and fewer than two STATUS calls timed out"
         gap = unanswered.times[1] - unanswered.times[0]
-        assert gap >= STATUS_AFTER_S + 4.5, f"the next STATUS call went out {gap - 5:.1f}s after one timed out"
+        assert gap >= STATUS_AFTER_S + 0.9 * CALL_S, f"the next STATUS call went out {gap - CALL_S:.1f}s after one timed out"
         assert slowest < 0.5, f"a poll took {slowest:.2f}s while P was frozen"
         os.kill(proc.pid, signal.SIGCONT)  # before the next round (due STATUS_AFTER_S after the last timeout)
-        _poll_for(STATUS_AFTER_S + 6.0, receiver)  # that round, which P answers ("waiting")
+        _poll_for(STATUS_AFTER_S + CALL_S + 2.0, receiver)  # that round, which P answers ("waiting")
         assert len(unanswered.times) == 2, "P runs again and still does not answer STATUS"
     finally:
         logger.removeHandler(unanswered)
