@@ -193,16 +193,20 @@ def kv_check(run: Running, d: dict[str, dict]) -> dict | None:
         nbytes = sum(x.get("vllm:nixl_bytes_transferred_sum", 0.0) for x in (pre, dec))
         failures = sum(x.get(k, 0.0) for x in (pre, dec) for k in ("vllm:nixl_num_failed_transfers_total",
                                                                     "vllm:nixl_num_kv_expired_reqs_total"))
-    # a request may compute its last prompt token locally (connector-dependent): allow one per request
-    recomputed = max(0.0, d_local - num)
-    estimate = 0 if recomputed == 0 else max(1, round(recomputed / max(1.0, p_tokens / max(num, 1.0))))
     # the router's Splitwise overflow sends a whole request to one instance when a queue is long: on D
     # that prompt is computed by design, no recompute; on P (the mixed pool) it is no push either
     whole_on = {pool: round(_counter(d.get("router", {}), "vllm:disagg_router_whole_requests_total", f"pool={pool}"))
                 for pool in ("decode", "prefill")}
-    recomputes = max(0, estimate - whole_on["decode"])
-    # every prompt P computed reached D, unless P served some whole (then P's count holds theirs too)
-    tokens_arrived = whole_on["prefill"] > 0 or d_external >= p_tokens - (num - whole_on["decode"])
+    num_pushed = max(0.0, num - whole_on["decode"])
+    # every prompt P computed reached D (a request may compute its last prompt token on D, connector-
+    # dependent), unless P served some whole (then P's count holds theirs too)
+    not_arrived = 0.0 if whole_on["prefill"] else p_tokens - num_pushed - d_external
+    # prompt tokens D computed beyond one per request; with whole routes to D those hold their whole
+    # prompts, of sizes unknown here, and the tokens that did not arrive are the evidence instead (an
+    # estimate from D's tokens and the mean prompt counted 7 recomputes for 7 long whole prompts)
+    extra = d_local - num if not whole_on["decode"] else not_arrived
+    recomputes = 0 if extra <= 0 else max(1, round(extra / max(1.0, p_tokens / max(num_pushed, 1.0))))
+    tokens_arrived = not_arrived <= 0
     return {"kv_bytes": nbytes, "decode_requests": num, "prefill_prompt_tokens": p_tokens,
             "decode_transferred_tokens": d_external, "decode_local_prompt_tokens": d_local,
             "routed_whole": sum(whole_on.values()), "routed_whole_by_pool": whole_on, "recomputes": recomputes,

@@ -72,7 +72,18 @@ def test_whole_requests_on_prefill_do_not_excuse_a_recompute_on_decode():
 
 def test_pushed_tokens_that_never_reached_decode_fail_the_check_even_with_whole_routes_to_decode():
     kv = kv_check(_run(), _deltas(d_local=20 - 1 + 800, routed_whole=1, external_short=400))
-    assert not kv["verified"] and kv["recomputes"] == 0
+    assert not kv["verified"] and kv["recomputes"] == 1
+
+
+def test_whole_routes_to_decode_longer_than_the_mean_prompt_are_no_recompute():
+    """stop 48's 4 req/s probe: 7 of 20 requests went whole to D, with longer prompts than the 13 P
+    computed (7265 tokens on D against 10320 on P); every pushed token arrived. The estimate from D's
+    local tokens over the mean prompt counted 14 requests' worth, 7 of them 'recomputes'."""
+    d = _deltas(d_local=0, routed_whole=7)
+    d["prefill"][LOCAL] = 10320
+    d["decode"].update({LOCAL: 7265, EXTERNAL: 10320})
+    kv = kv_check(_run(), d)
+    assert kv["verified"] and kv["recomputes"] == 0 and kv["routed_whole_by_pool"]["decode"] == 7
 
 
 def test_every_counter_the_check_reads_is_scraped():
