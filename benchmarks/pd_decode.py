@@ -123,8 +123,11 @@ async def join_point(session, url: str, batch: int, context: int, new_tokens: in
     started = [loop.create_future() for _ in range(batch)]
 
     async def running(first: asyncio.Future) -> list[float]:
-        out = await stream(session, url, {"prompt": prompt(context, rng), "max_tokens": max_tokens},
-                           on_token=lambda: first.done() or first.set_result(None))
+        try:
+            out = await stream(session, url, {"prompt": prompt(context, rng), "max_tokens": max_tokens},
+                               on_token=lambda: first.done() or first.set_result(None))
+        finally:  # a request that failed before its first token must not hold the wait below
+            first.done() or first.set_result(None)
         return [out["t0"] + t for t in out["times"]]
 
     tasks = [asyncio.create_task(running(f)) for f in started]
