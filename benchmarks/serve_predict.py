@@ -6,7 +6,7 @@ right after warm-up): single prompts at several lengths and queued batches (the 
 from its own histogram), decode iterations at several batch sizes and contexts (token gaps of B
 concurrent requests), and for P/D what D's step costs more when a pushed request joins its running
 batch (`pd_decode.join_cost`: the decode points' requests all join before their steady window; 2.7-4.4
-ms in stop 48's runs, which moved the planner's error by < 0.001 there). Decode gaps are taken through
+ms in stop 48's runs, which moved the planner's error by at most 0.0013 there). Decode gaps are taken through
 the front (the router for P/D), the path the trace's tokens take: under vLLM's own binding only the Worker's threads are pinned, and the router,
 the API servers and the client share D's core (pd_calibrate_quick_nopin.json: TBT through the router
 1.13x straight to D), which left the planner's TBT P99 7-12 % low when D was calibrated directly. Plain vLLM gets the same points on its two cores. The planner's simulator (the
