@@ -80,26 +80,31 @@ PLAN = {
 
 # ------------------------------------------------------------- (a) prefill
 async def prefill_points(session, router_url: str, p_url: str, sizes: list[int], reps: int) -> list[dict]:
-    """One request at a time, P's metrics read around each (medians: single outliers on a shared box
-    do not move the curve): P's engine prefill, push time and its exposed part, TTFT."""
-    rows = []
-    for n in sizes:
-        rng = random.Random(n)
-        reqs = []
-        for _ in range(reps):
+    """One request at a time, P's metrics read around each, the sizes in interleaved rounds (a slow
+    stretch of a shared box lands on one rep of several sizes, not on every rep of one: stop 48's
+    third bisection had plain's 1024-token point 25 % high after three back-to-back reps), medians
+    per size: P's engine prefill, push time and its exposed part, TTFT."""
+    rngs = {n: random.Random(n) for n in sizes}
+    reqs: dict[int, list[dict]] = {n: [] for n in sizes}
+    for _ in range(reps):
+        for n in sizes:
             before = await metrics(session, p_url)
-            out = await stream(session, router_url, {"prompt": prompt(n, rng), "max_tokens": 2})
+            out = await stream(session, router_url, {"prompt": prompt(n, rngs[n]), "max_tokens": 2})
             await asyncio.sleep(1.2)  # stats reach P's frontend with the next engine step / log interval
             after = await metrics(session, p_url)
             delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in _PROBE}
-            reqs.append({"ttft_ms": 1e3 * out["times"][0], **{k: 1e3 * v for k, v in delta.items()}})
-        pushed = [r for r in reqs if r[_PROBE[3]] > 0] or [None]  # push stats may lag a slow box
-        med = {k: statistics.median(r[k] for r in reqs) for k in ("ttft_ms", _PROBE[0])}
-        med |= {k: statistics.median(r[k] for r in pushed) if pushed[0] else None for k in _PROBE[1:3]}
-        rows.append({"num_tokens": n, "prefill_ms": med[_PROBE[0]], "transfer_ms": med[_PROBE[1]],
-                     "exposed_ms": med[_PROBE[2]], "ttft_ms": med["ttft_ms"], "reps": reqs})
-        log(f"prefill { {k: v for k, v in rows[-1].items() if k != 'reps'} }")
-    return rows
+            reqs[n].append({"ttft_ms": 1e3 * out["times"][0], **{k: 1e3 * v for k, v in delta.items()}})
+    return [_prefill_row(n, reqs[n]) for n in sizes]
+
+
+def _prefill_row(n: int, reqs: list[dict]) -> dict:
+    pushed = [r for r in reqs if r[_PROBE[3]] > 0] or [None]  # push stats may lag a slow box
+    med = {k: statistics.median(r[k] for r in reqs) for k in ("ttft_ms", _PROBE[0])}
+    med |= {k: statistics.median(r[k] for r in pushed) if pushed[0] else None for k in _PROBE[1:3]}
+    row = {"num_tokens": n, "prefill_ms": med[_PROBE[0]], "transfer_ms": med[_PROBE[1]],
+           "exposed_ms": med[_PROBE[2]], "ttft_ms": med["ttft_ms"], "reps": reqs}
+    log(f"prefill { {k: v for k, v in row.items() if k != 'reps'} }")
+    return row
 
 
 async def batched_prefill_points(session, router_url: str, p_url: str, n: int, counts: list[int], reps: int,

@@ -156,3 +156,77 @@ async def join_cost(session, url: str, batch: int, context: int, prompt_sizes: l
         return {}
     return {"ms": max(0.0, statistics.median(t["ms"] for t in tries)), "batch_size": batch,
             "context_tokens": context, "tries": tries}
+
+
+def interference_ratio(background: list[list[float]], windows: list[tuple[str, float, float]],
+                       joins: list[float], settle_s: float = 0.2) -> dict | None:
+    """D's step time while P prefills over its step time while P idles, from the running requests'
+    absolute token times: each busy window's median gap over the mean of its two idle neighbours'
+    (context grows through the run, so neighbours and not the whole run), the median over busy
+    windows. A gap holding a probe's first token is its join step (`decode_join` costs it) and does
+    not count; nor does a window with fewer than 3 gaps per running request."""
+    joined = {(i, _nearest_gap(ts, t)) for t in joins for i, ts in enumerate(background) if len(ts) > 1}
+
+    def window_gaps(t0: float, t1: float) -> list[float]:
+        return [b - a for i, ts in enumerate(background) for k, (a, b) in enumerate(zip(ts, ts[1:]))
+                if t0 + settle_s <= a and b <= t1 and (i, k) not in joined]
+
+    gaps = [window_gaps(t0, t1) for _, t0, t1 in windows]
+    medians = [statistics.median(g) if len(g) >= 3 * len(background) else None for g in gaps]
+    ratios = []
+    for k in range(1, len(windows) - 1):
+        before, busy, after = medians[k - 1], medians[k], medians[k + 1]
+        if windows[k][0] == "busy" and None not in (before, busy, after):
+            ratios.append(busy / (0.5 * (before + after)))
+    if not ratios:
+        return None
+    return {"ratio": round(statistics.median(ratios), 4), "ratios": [round(r, 4) for r in ratios],
+            "window_ms": [None if m is None else round(1e3 * m, 2) for m in medians],
+            "num_gaps": [len(g) for g in gaps]}
+
+
+def _nearest_gap(ts: list[float], t: float) -> int | None:
+    """The gap of one running request that a first token at `t` came out of (as `join_extra_ms`)."""
+    k = min(range(len(ts) - 1), key=lambda j: abs(ts[j + 1] - t))
+    a, b = ts[k], ts[k + 1]
+    return k if a < t < b + 0.5 * (b - a) else None
+
+
+async def prefill_interference(session, url: str, batch: int, context: int, prompt_tokens: int, pairs: int,
+                               window_s: float, max_model_len: int, seed: int = 4321) -> dict | None:
+    """B requests decoding through `url` (the router of a 1P+1D on one host) while P idles and while it
+    prefills `prompt_tokens`-token requests sent back to back through the same front, in alternating
+    windows (idle, busy, idle, ..., idle): `interference_ratio`. Stop 49 measured 1.07-1.13 on the
+    2-core box at B=2-5 (P on one core, D on the other: they share caches and memory)."""
+    rng = random.Random(seed)
+    loop = asyncio.get_running_loop()
+    started = [loop.create_future() for _ in range(batch)]
+    times: list[list[float]] = [[] for _ in range(batch)]
+
+    async def running(i: int) -> None:
+        def on_token() -> None:
+            times[i].append(time.perf_counter())
+            started[i].done() or started[i].set_result(None)
+        try:
+            await stream(session, url, {"prompt": prompt(context, rng), "max_tokens": max_model_len - context - 1},
+                         on_token=on_token)
+        finally:  # a request that failed before its first token must not hold the wait below
+            started[i].done() or started[i].set_result(None)
+
+    tasks = [asyncio.create_task(running(i)) for i in range(batch)]
+    windows, joins = [], []
+    try:
+        await asyncio.wait_for(asyncio.gather(*started), timeout=600)
+        await asyncio.sleep(0.5)
+        for k in range(2 * pairs + 1):
+            t0 = time.perf_counter()
+            while k % 2 and time.perf_counter() < t0 + window_s:
+                out = await stream(session, url, {"prompt": prompt(prompt_tokens, rng), "max_tokens": 1})
+                joins += [out["t0"] + t for t in out["times"][:1]]
+            await asyncio.sleep(0 if k % 2 else window_s)
+            windows.append(("busy" if k % 2 else "idle", t0, time.perf_counter()))
+    finally:  # the running requests outlast the windows: end them (the router cancels them on D)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    return interference_ratio(times, windows, joins)

@@ -33,7 +33,7 @@ from pathlib import Path
 import aiohttp
 from pd_calibrate import batched_prefill_points, prefill_points
 from pd_common import DTYPE
-from pd_decode import decode_points, join_cost, step_jitter
+from pd_decode import decode_points, join_cost, prefill_interference, step_jitter
 
 from vllm_disagg.planner.calibrate import measured_machine, sim_options
 from vllm_disagg.planner.catalog import ModelSpec
@@ -43,10 +43,12 @@ from vllm_disagg.planner.splitwise_sim import MachineGroup, simulate
 from vllm_disagg.planner.traces import TraceRequest, rescale_rate
 from vllm_disagg.router.policy import Pool
 
-CALIBRATION = {"prefill_sizes": [128, 512, 1024, 2048], "prefill_reps": 3, "batched_prompts": [2, 4],
+CALIBRATION = {"prefill_sizes": [128, 512, 1024, 2048], "prefill_reps": 5, "batched_prompts": [2, 4],
                "batched_reps": 2, "decode_batches": [1, 4, 8, 16], "decode_contexts": [512, 1024],
-               "decode_tokens": 24, "decode_reps": 1, "join_batch": 8, "join_context": 512,
-               "join_prompts": [512, 1024], "join_reps": 2}
+               "decode_tokens": 24, "decode_reps": 3, "join_batch": 8, "join_context": 512,
+               "join_prompts": [512, 1024], "join_reps": 2, "interference_batch": 4,
+               "interference_context": 1024, "interference_prompt": 1024, "interference_pairs": 3,
+               "interference_window_s": 5.0}
 COMPARED = ("ttft_p50_ms", "ttft_p90_ms", "tbt_p50_ms", "tbt_p99_ms", "goodput")
 KEPT_UP = 0.9
 """A run counts as below saturation when its output tok/s is at least this share of what it would be
@@ -69,7 +71,9 @@ def capped_plan(plan: dict, max_model_len: int) -> dict:
     contexts = sorted({min(n, max_model_len - 256) for n in plan["decode_contexts"]})
     joins = sorted({min(n, max_model_len - 128) for n in plan["join_prompts"]})
     return plan | {"prefill_sizes": sizes, "decode_contexts": contexts, "join_prompts": joins,
-                   "join_context": min(plan["join_context"], max_model_len - 256), "max_model_len": max_model_len}
+                   "join_context": min(plan["join_context"], max_model_len - 256), "max_model_len": max_model_len,
+                   "interference_context": min(plan["interference_context"], max_model_len - 256),
+                   "interference_prompt": min(plan["interference_prompt"], max_model_len - 128)}
 
 
 async def _calibrate(running, plan: dict) -> dict:
@@ -84,12 +88,17 @@ async def _calibrate(running, plan: dict) -> dict:
                                   plan["decode_tokens"], plan["decode_reps"], plan.get("max_model_len"))
         join = (await join_cost(session, front, plan["join_batch"], plan["join_context"], plan["join_prompts"],
                                 plan["join_reps"]) if running.deployment.is_pd else {})
+        interference = (await prefill_interference(
+            session, front, plan["interference_batch"], plan["interference_context"], plan["interference_prompt"],
+            plan["interference_pairs"], plan["interference_window_s"], plan["max_model_len"])
+            if running.deployment.is_pd else None)
     facts = _engine_facts(running)
     exposed = [r["exposed_ms"] for r in pre if r.get("exposed_ms") is not None]
     machine = {"kv_capacity_tokens": facts.get("kv_capacity_tokens", 40_000),
                "max_num_batched_tokens": facts.get("max_num_batched_tokens", 2048), "chunked_prefill": True,
                "layerwise_min_tokens": 0, "first_token_on": "decode",
-               "kv_layerwise_overhead_ms": statistics.median(exposed) if exposed else 0.0}
+               "kv_layerwise_overhead_ms": statistics.median(exposed) if exposed else 0.0,
+               "shared_host": running.deployment.is_pd}
     profile = {"schema": "vllm-disagg-profile/1", "device": f"cpu, {running.deployment.name}",
                "model": f"smollm2-135m {DTYPE}", "prefill_fit": "piecewise",
                "prefill": [{"num_tokens": r["num_tokens"], "ms": r["prefill_ms"]} for r in pre],
@@ -100,6 +109,8 @@ async def _calibrate(running, plan: dict) -> dict:
         profile["step_jitter"] = jitter
     if join:
         profile["decode_join"] = join
+    if interference:
+        profile["decode_while_prefilling"] = interference
     transfer = [{"num_tokens": r["num_tokens"], "ms": r["transfer_ms"]} for r in pre if r.get("transfer_ms")]
     if running.deployment.is_pd and transfer:
         profile["kv_transfer"] = transfer

@@ -54,3 +54,40 @@ def test_the_join_cost_is_the_step_ending_at_the_new_requests_first_token_over_t
     assert abs(join_extra_ms(times, t_send=2.0, t_first=t_first) - 12.0) < 1e-6
     assert join_extra_ms(times, t_send=0.1, t_first=t_first) is None  # no steady window before the send
     assert join_extra_ms(times, t_send=2.0, t_first=9.0) is None  # the batch ended before it joined
+
+
+def _windows(kinds: str, width: float = 2.0) -> list[tuple[str, float, float]]:
+    return [("busy" if k == "b" else "idle", i * width, (i + 1) * width) for i, k in enumerate(kinds)]
+
+
+def _steps(windows, step_s: dict[str, float], num: int = 4) -> list[list[float]]:
+    """`num` requests in lockstep; a step takes `step_s[kind]` of the window it starts in."""
+    t, ts = 0.0, []
+    while t < windows[-1][2]:
+        ts.append(t)
+        t += next(step_s[kind] for kind, t0, t1 in windows if t0 <= t < t1) if t < windows[-1][2] else 0
+    return [[x + 0.001 * i for x in ts] for i in range(num)]
+
+
+def test_decode_beside_a_prefill_is_each_busy_window_over_its_idle_neighbours():
+    from pd_decode import interference_ratio
+
+    windows = _windows("ibibi")
+    times = _steps(windows, {"idle": 0.05, "busy": 0.055})
+    out = interference_ratio(times, windows, joins=[])
+    assert abs(out["ratio"] - 1.1) < 0.02 and len(out["ratios"]) == 2
+
+
+def test_a_join_step_inside_a_busy_window_does_not_count_and_empty_windows_give_none():
+    from pd_decode import interference_ratio
+
+    windows = _windows("ibi")
+    times = _steps(windows, {"idle": 0.05, "busy": 0.05})
+    step = next(k for k, t in enumerate(times[0]) if t > 3.0)  # one long join step in the busy window
+    times = [[t + (0.5 if k > step else 0.0) for k, t in enumerate(ts)] for ts in times]
+    first_token = times[0][step + 1] + 0.002
+    joined, counted = interference_ratio(times, windows, [first_token]), interference_ratio(times, windows, [])
+    assert joined["ratio"] == counted["ratio"] == 1.0  # a median shrugs off one long gap ...
+    assert counted["num_gaps"][1] - joined["num_gaps"][1] == 4  # ... and that step's 4 gaps are not counted
+    assert joined["num_gaps"][0] == counted["num_gaps"][0]  # nor is any gap of an idle window
+    assert interference_ratio([[0.0, 0.05]], windows, joins=[]) is None

@@ -55,6 +55,7 @@ def sim_options(machine: dict) -> SimOptions:
                       layerwise_min_tokens=int(machine.get("layerwise_min_tokens", 0)),
                       prompt_token_cap=int(machine.get("max_num_batched_tokens", PROMPT_TOKEN_CAP)),
                       chunked_prefill=bool(machine.get("chunked_prefill", True)),
+                      shared_host=bool(machine.get("shared_host", False)),
                       first_token_on_decode=machine.get("first_token_on", "decode") == "decode")
 
 

@@ -74,6 +74,8 @@ class SimMachine:
     running: list = field(default_factory=list)
     num_kv_tokens: int = 0
     busy_until_s: float | None = None
+    computing_prompt: bool = False
+    """Its current iteration computes prompt tokens (a host-mate's decode steps slow down meanwhile)."""
     busy_time_s: float = 0.0
     num_iterations: int = 0
     num_mixed_iterations: int = 0

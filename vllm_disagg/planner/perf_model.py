@@ -47,6 +47,8 @@ class PerfModel:
     batch tokens."""
     decode_join_ms: float = 0.0
     """Extra ms per pushed request joining a decode batch (Profile.decode_join_ms)."""
+    decode_prefill_ratio: float = 1.0
+    """Decode step time factor while another machine of the host prefills (Profile.decode_prefill_ratio)."""
 
     def prefill_ms(self, num_tokens: int) -> float:
         return self.prefill_curve(max(1, num_tokens))
@@ -117,7 +119,8 @@ def build_perf_model(model: ModelSpec, machine: HardwareSpec,
     slope = prof.decode_context_ms_per_token if source == "profile" else kv_slope
     return PerfModel(machine, model, prof.curve("prefill"), prof.curve("decode"), ref, slope,
                      prof.curve("kv_transfer"), source, prof.prefill_quadratic,
-                     prof.decode_join_ms if source == "profile" else 0.0)
+                     prof.decode_join_ms if source == "profile" else 0.0,
+                     prof.decode_prefill_ratio if source == "profile" else 1.0)
 
 
 def _roofline_kv_ms(model: ModelSpec, machine: HardwareSpec) -> float:

@@ -83,6 +83,10 @@ class Profile:
     decode_join_ms: float = 0.0
     """Extra ms of a decode step for each pushed request that joins the batch in it (vLLM computes its
     prompt's last token there, over the whole context); measured as `decode_join`, 0 when absent."""
+    decode_prefill_ratio: float = 1.0
+    """A decode step's time over its curve's while another instance on the same host computes a prompt
+    step (they share caches and memory bandwidth); measured as `decode_while_prefilling`, 1 when absent.
+    Applied only where the simulated machines share a host (`SimOptions.shared_host`)."""
 
     def curve(self, name: str) -> Curve | None:
         return self.curves.get(name)
@@ -121,7 +125,20 @@ def parse_profile(data: dict) -> Profile:
         prof.step_jitter = _jitter(data["step_jitter"])
     if data.get("decode_join"):
         prof.decode_join_ms = _join_ms(data["decode_join"])
+    if data.get("decode_while_prefilling"):
+        prof.decode_prefill_ratio = _prefill_ratio(data["decode_while_prefilling"])
     return prof
+
+
+def _prefill_ratio(section: dict) -> float:
+    try:
+        ratio = float(section["ratio"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"profile section 'decode_while_prefilling': {exc!r}") from exc
+    if not 0.5 <= ratio <= 4.0:
+        raise ValueError(f"profile section 'decode_while_prefilling': ratio {ratio} is not a step-time ratio "
+                         "(0.5 to 4)")
+    return ratio
 
 
 def _join_ms(section: dict) -> float:

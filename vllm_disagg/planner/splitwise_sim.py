@@ -50,6 +50,9 @@ class SimOptions:
     """Stop (and report unfinished requests) after this simulated time."""
     seed: int = 0
     """Of the step-time draws (`Profile.step_jitter`); the same seed replays the same run."""
+    shared_host: bool = False
+    """The machines share one host's caches and memory (serve_predict's 1P+1D on one box): a decode step
+    that starts while another machine computes a prompt step takes `decode_prefill_ratio` times its time."""
     first_token_on_decode: bool = False
     """Where a disaggregated request's first token comes from. Splitwise (§IV-C): the
     prompt machine samples it, so TTFT ends with the prompt phase. vLLM's P/D flow
@@ -140,8 +143,10 @@ class ClusterSim:
         batch = machine.next_batch()
         if batch is None:
             return
-        duration = batch.duration_s * (self._step_factor() if batch.num_prompt_tokens == 0 else 1.0)
+        duration = batch.duration_s * (self._step_factor() * self._host_factor(machine)
+                                       if batch.num_prompt_tokens == 0 else 1.0)
         machine.busy_until_s = self.now + duration
+        machine.computing_prompt = batch.num_prompt_tokens > 0
         machine.busy_time_s += duration
         self._push(machine.busy_until_s, self._on_iteration_done, (machine, batch))
 
@@ -153,9 +158,16 @@ class ClusterSim:
         qs, ratios = self._jitter
         return float(np.interp(self._rng.random(), qs, ratios))
 
+    def _host_factor(self, machine: SimMachine) -> float:
+        """A decode step beside a host-mate's prompt step (`SimOptions.shared_host`)."""
+        if self.options.shared_host and any(m.computing_prompt for m in self.machines.values() if m is not machine):
+            return machine.perf.decode_prefill_ratio
+        return 1.0
+
     def _on_iteration_done(self, arg: tuple[SimMachine, Batch]) -> None:
         machine, batch = arg
         machine.busy_until_s = None
+        machine.computing_prompt = False
         for req in batch.prompts:
             self._prefill_done(machine, req)
         for req in batch.decodes:

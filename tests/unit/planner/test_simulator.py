@@ -205,3 +205,38 @@ def test_a_decode_join_section_without_a_non_negative_ms_is_refused(bad):
 
     with pytest.raises(ValueError, match="decode_join"):
         parse_profile({**SIMPLE_PROFILE, "decode_join": bad})
+
+
+def _beside_prefill(ratio):
+    from planner_fixtures import SIMPLE_PROFILE
+
+    from vllm_disagg.planner.profile import parse_profile
+
+    return parse_profile({**SIMPLE_PROFILE, "decode_while_prefilling": {"ratio": ratio}})
+
+
+def test_a_decode_step_beside_a_host_mates_prompt_step_takes_the_measured_ratio_longer(simple_profile):
+    """P and D on one host share caches and memory: D's steps that start while P computes r1's prompt
+    (0.2 to 0.31 s: 10 + 0.1 ms a token) are `decode_while_prefilling` times longer, no other step is;
+    machines that do not share a host (the option off) ignore the ratio."""
+    trace = [_req(0, 0.0, 100, 40), _req(1, 0.2, 1000, 2)]
+    def gaps(profile, shared):
+        result = simulate(TINY, _pd(), trace, SimOptions(shared_host=shared), profile)
+        times = _by_id(result)["r0"].token_times_s
+        return [(a, b - a) for a, b in zip(times, times[1:])]
+
+    host, base = gaps(_beside_prefill(1.5), True), gaps(simple_profile, True)
+    beside = [g for a, g in host if 0.2 <= a < 0.31]
+    assert len(beside) >= 4 and all(abs(g - 0.030) < 1e-9 for g in beside)
+    assert [g for a, g in host if a < 0.2] == [g for a, g in base if a < 0.2]
+    assert gaps(_beside_prefill(1.5), False) == base
+
+
+@pytest.mark.parametrize("bad", [{"ratio": 0.0}, {"ratio": "x"}, {"ratio": 9.0}, {"ratios": [1.1]}])
+def test_a_decode_while_prefilling_section_without_a_step_time_ratio_is_refused(bad):
+    from planner_fixtures import SIMPLE_PROFILE
+
+    from vllm_disagg.planner.profile import parse_profile
+
+    with pytest.raises(ValueError, match="decode_while_prefilling"):
+        parse_profile({**SIMPLE_PROFILE, "decode_while_prefilling": bad})
