@@ -91,3 +91,16 @@ def test_a_join_step_inside_a_busy_window_does_not_count_and_empty_windows_give_
     assert counted["num_gaps"][1] - joined["num_gaps"][1] == 4  # ... and that step's 4 gaps are not counted
     assert joined["num_gaps"][0] == counted["num_gaps"][0]  # nor is any gap of an idle window
     assert interference_ratio([[0.0, 0.05]], windows, joins=[]) is None
+
+
+def test_the_step_jitter_is_each_quantiles_median_over_rounds_so_one_rounds_stall_does_not_set_the_tail():
+    from pd_decode import step_jitter
+
+    steady = [1.0 + 0.001 * (k % 100) for k in range(100)]  # ratios 1.000 ... 1.099
+    stalled = steady[:85] + [4.0] * 15  # one round: 15 gaps at 4x its median
+    rows = [{"batch_size": 4, "gap_ratios": [steady, stalled, steady]}]
+    jitter = step_jitter(rows)
+    assert "gap_ratios" not in rows[0] and jitter["num_rounds"] == 3 and jitter["num_gaps"] == 300
+    assert max(jitter["ratios"]) < 1.1  # pooled, the P99 would be 4.0
+    assert step_jitter([{"gap_ratios": stalled}])["ratios"][-1] == 4.0  # a single list is one round
+    assert step_jitter([{"gap_ratios": [steady[:20]] * 3}]) == {}  # under 50 gaps a round
