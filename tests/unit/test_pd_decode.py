@@ -93,14 +93,15 @@ def test_a_join_step_inside_a_busy_window_does_not_count_and_empty_windows_give_
     assert interference_ratio([[0.0, 0.05]], windows, joins=[]) is None
 
 
-def test_the_step_jitter_is_each_quantiles_median_over_rounds_so_one_rounds_stall_does_not_set_the_tail():
+def test_the_step_jitter_pools_every_rounds_gaps_so_a_stall_weighs_by_its_share_of_all_of_them():
     from pd_decode import step_jitter
 
-    steady = [1.0 + 0.001 * (k % 100) for k in range(100)]  # ratios 1.000 ... 1.099
-    stalled = steady[:85] + [4.0] * 15  # one round: 15 gaps at 4x its median
+    steady = [1.0 + 0.0001 * (k % 1000) for k in range(1000)]  # ratios 1.0000 ... 1.0999
+    stalled = steady[:985] + [4.0] * 15  # one round: 15 gaps at 4x its median
     rows = [{"batch_size": 4, "gap_ratios": [steady, stalled, steady]}]
     jitter = step_jitter(rows)
-    assert "gap_ratios" not in rows[0] and jitter["num_rounds"] == 3 and jitter["num_gaps"] == 300
-    assert max(jitter["ratios"]) < 1.1  # pooled, the P99 would be 4.0
-    assert step_jitter([{"gap_ratios": stalled}])["ratios"][-1] == 4.0  # a single list is one round
-    assert step_jitter([{"gap_ratios": [steady[:20]] * 3}]) == {}  # under 50 gaps a round
+    assert "gap_ratios" not in rows[0] and jitter["num_gaps"] == 3000
+    assert jitter["ratios"][jitter["quantiles"].index(0.99)] < 1.1  # 0.5 % of all gaps: past the P99
+    assert jitter["ratios"][-1] == 4.0  # still in the tail, at its share
+    assert step_jitter([{"gap_ratios": stalled}])["ratios"][jitter["quantiles"].index(0.99)] == 4.0  # one round alone
+    assert step_jitter([{"gap_ratios": [steady[:10]] * 3}]) == {}  # under 50 gaps in all
