@@ -205,8 +205,9 @@ async def prefill_interference(session, url: str, batch: int, context: int, prom
                                window_s: float, max_model_len: int, seed: int = 4321) -> dict | None:
     """B requests decoding through `url` (the router of a 1P+1D on one host) while P idles and while it
     prefills `prompt_tokens`-token requests sent back to back through the same front, in alternating
-    windows (idle, busy, idle, ..., idle): `interference_ratio`. Stop 49 measured 1.07-1.13 on the
-    2-core box at B=2-5 (P on one core, D on the other: they share caches and memory)."""
+    windows (idle, busy, idle, ..., idle): `interference_ratio`. Stop 49, 2-core box (P on one core, D on
+    the other: they share caches and memory): 1.02-1.07 in five runs of this; ad-hoc probes that also
+    counted the join steps gave 1.07-1.13 at B=2-5."""
     rng = random.Random(seed)
     loop = asyncio.get_running_loop()
     started = [loop.create_future() for _ in range(batch)]
