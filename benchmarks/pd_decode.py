@@ -238,5 +238,10 @@ async def prefill_interference(session, url: str, batch: int, context: int, prom
     finally:  # the running requests outlast the windows: end them (the router cancels them on D)
         for task in tasks:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-    return interference_ratio(times, windows, joins)
+        ended = await asyncio.gather(*tasks, return_exceptions=True)
+        for err in (e for e in ended if isinstance(e, Exception)):  # cancelled ones are not Exceptions
+            log(f"decode beside prefill: a running request failed ({err!r})")
+    out = interference_ratio(times, windows, joins)
+    if out is None:
+        log("decode beside prefill: no busy window between two idle ones had enough gaps; no profile section")
+    return out
