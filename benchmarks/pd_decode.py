@@ -70,19 +70,20 @@ async def decode_points(session, url: str, batches: list[int], contexts: list[in
                         reps: int, max_model_len: int | None = None) -> list[dict]:
     """Every (batch, context) point `reps` times in interleaved rounds; the median round counts (a
     burst of other tenants' load spoils one round, not the point)."""
-    runs: dict[tuple[int, int], list[dict]] = {}
+    runs: dict[tuple[int, int], dict[int, dict]] = {}  # point -> round -> row
     for r in range(reps):
         for c in contexts:
             for b in batches:
                 room = max_model_len - c - 1 if max_model_len else None
                 row = await decode_point(session, url, b, c, tokens, seed=b * 10_000 + c + r, max_tokens=room)
                 if row:
-                    runs.setdefault((b, c), []).append({**row, "round": r})
+                    runs.setdefault((b, c), {})[r] = row
     rows = []
-    for rounds in runs.values():
-        mid = {k: v for k, v in sorted(rounds, key=lambda x: x["ms"])[len(rounds) // 2].items() if k != "round"}
-        by_round = [next((x["gap_ratios"] for x in rounds if x["round"] == r), []) for r in range(reps)]
-        rows.append({**mid, "rounds_ms": [x["ms"] for x in rounds], "gap_ratios": by_round})  # a list per round
+    for by_round in runs.values():
+        rounds = list(by_round.values())
+        mid = sorted(rounds, key=lambda x: x["ms"])[len(rounds) // 2]
+        rows.append({**mid, "rounds_ms": [x["ms"] for x in rounds],
+                     "gap_ratios": [x["gap_ratios"] for x in rounds]})  # a list per round
         log(f"decode { {k: v for k, v in rows[-1].items() if k != 'gap_ratios'} }")
     return rows
 
@@ -90,22 +91,27 @@ async def decode_points(session, url: str, batches: list[int], contexts: list[in
 def step_jitter(decode_rows: list[dict]) -> dict:
     """A profile's `step_jitter`: quantiles of every steady token gap over its point's median (the raw
     ratios are taken out of the rows). The planner's curves are medians; this is the spread, and it is
-    the long-run spread, so every round's gaps are pooled (rows from `decode_points` hold one list per
+    the long-run spread, so every round's gaps are pooled (`decode_points` rows hold one list per
     round). Stop 49 tried both narrower estimates: the median round's gaps alone let one stall of
     ~15 gaps set plain's P99 ratio to 4.0 (TBT P99 predicted 3.4x the measured), and each quantile's
     median over rounds dropped the stalls that a served trace does meet (ours' P99 ratio 1.13, its
     TBT P99 at 0.15 req/s predicted 29 % short)."""
     import numpy as np
 
-    ratios = []
-    for row in decode_rows:
-        raw = row.pop("gap_ratios", [])
-        ratios += [r for rr in raw for r in rr] if raw and isinstance(raw[0], list) else raw
+    ratios = [r for row in decode_rows for round_ratios in row.pop("gap_ratios", []) for r in round_ratios]
     if len(ratios) < 50:
         return {}
     return {"quantiles": list(JITTER_QUANTILES),
             "ratios": [round(float(x), 4) for x in np.quantile(ratios, JITTER_QUANTILES)],
             "num_gaps": len(ratios)}
+
+
+def _nearest_gap(ts: list[float], t: float) -> int | None:
+    """The gap of one running request that a first token at `t` came out of: the one ending nearest `t`,
+    if `t` is inside it or within half a gap after its end (the token may reach the client a little later)."""
+    k = min(range(len(ts) - 1), key=lambda j: abs(ts[j + 1] - t))
+    a, b = ts[k], ts[k + 1]
+    return k if a < t < b + 0.5 * (b - a) else None
 
 
 def join_extra_ms(background: list[list[float]], t_send: float, t_first: float) -> float | None:
@@ -115,11 +121,24 @@ def join_extra_ms(background: list[list[float]], t_send: float, t_first: float) 
     gaps after every first token and before the new request was sent are the steady ones."""
     lo = max(ts[0] for ts in background)
     steady = [b - a for ts in background for a, b in zip(ts, ts[1:]) if lo <= a and b <= t_send]
-    joined = [min(zip(ts, ts[1:]), key=lambda g: abs(g[1] - t_first)) for ts in background if len(ts) > 1]
-    joined = [b - a for a, b in joined if a < t_first < b + 0.5 * (b - a)]
+    nearest = [(ts, _nearest_gap(ts, t_first)) for ts in background if len(ts) > 1]
+    joined = [ts[k + 1] - ts[k] for ts, k in nearest if k is not None]
     if len(steady) < 3 * len(background) or not joined:
         return None
     return 1e3 * (statistics.median(joined) - statistics.median(steady))
+
+
+async def _decoding(session, url: str, body: dict, first: asyncio.Future, times: list[float]) -> None:
+    """One running request through `url`: each token's absolute time appended to `times` (kept when the
+    task is cancelled), `first` resolved at its first token, or when it ends without one (a request
+    that failed before its first token must not hold a wait on `first`)."""
+    def on_token() -> None:
+        times.append(time.perf_counter())
+        first.done() or first.set_result(None)
+    try:
+        await stream(session, url, body, on_token=on_token)
+    finally:
+        first.done() or first.set_result(None)
 
 
 async def join_point(session, url: str, batch: int, context: int, new_tokens: int, seed: int,
@@ -130,21 +149,14 @@ async def join_point(session, url: str, batch: int, context: int, new_tokens: in
     rng = random.Random(seed)
     loop = asyncio.get_running_loop()
     started = [loop.create_future() for _ in range(batch)]
-
-    async def running(first: asyncio.Future) -> list[float]:
-        try:
-            out = await stream(session, url, {"prompt": prompt(context, rng), "max_tokens": max_tokens},
-                               on_token=lambda: first.done() or first.set_result(None))
-        finally:  # a request that failed before its first token must not hold the wait below
-            first.done() or first.set_result(None)
-        return [out["t0"] + t for t in out["times"]]
-
-    tasks = [asyncio.create_task(running(f)) for f in started]
+    background: list[list[float]] = [[] for _ in range(batch)]
+    tasks = [asyncio.create_task(_decoding(session, url, {"prompt": prompt(context, rng), "max_tokens": max_tokens},
+                                           first, times)) for first, times in zip(started, background)]
     await asyncio.wait_for(asyncio.gather(*started), timeout=600)
     await asyncio.sleep(0.5)  # steady gaps before the new request
     t_send = time.perf_counter()
     new = await stream(session, url, {"prompt": prompt(new_tokens, rng), "max_tokens": 2})
-    background = await asyncio.gather(*tasks)
+    await asyncio.gather(*tasks)
     return join_extra_ms(background, t_send, new["t0"] + new["times"][0])
 
 
@@ -194,13 +206,6 @@ def interference_ratio(background: list[list[float]], windows: list[tuple[str, f
             "num_gaps": [len(g) for g in gaps]}
 
 
-def _nearest_gap(ts: list[float], t: float) -> int | None:
-    """The gap of one running request that a first token at `t` came out of (as `join_extra_ms`)."""
-    k = min(range(len(ts) - 1), key=lambda j: abs(ts[j + 1] - t))
-    a, b = ts[k], ts[k + 1]
-    return k if a < t < b + 0.5 * (b - a) else None
-
-
 async def prefill_interference(session, url: str, batch: int, context: int, prompt_tokens: int, pairs: int,
                                window_s: float, max_model_len: int, seed: int = 4321) -> dict | None:
     """B requests decoding through `url` (the router of a 1P+1D on one host) while P idles and while it
@@ -212,18 +217,9 @@ async def prefill_interference(session, url: str, batch: int, context: int, prom
     loop = asyncio.get_running_loop()
     started = [loop.create_future() for _ in range(batch)]
     times: list[list[float]] = [[] for _ in range(batch)]
-
-    async def running(i: int) -> None:
-        def on_token() -> None:
-            times[i].append(time.perf_counter())
-            started[i].done() or started[i].set_result(None)
-        try:
-            await stream(session, url, {"prompt": prompt(context, rng), "max_tokens": max_model_len - context - 1},
-                         on_token=on_token)
-        finally:  # a request that failed before its first token must not hold the wait below
-            started[i].done() or started[i].set_result(None)
-
-    tasks = [asyncio.create_task(running(i)) for i in range(batch)]
+    tasks = [asyncio.create_task(_decoding(session, url, {"prompt": prompt(context, rng),
+                                                          "max_tokens": max_model_len - context - 1}, first, ts))
+             for first, ts in zip(started, times)]
     windows, joins = [], []
     try:
         await asyncio.wait_for(asyncio.gather(*started), timeout=600)

@@ -65,7 +65,7 @@ def _steps(windows, step_s: dict[str, float], num: int = 4) -> list[list[float]]
     t, ts = 0.0, []
     while t < windows[-1][2]:
         ts.append(t)
-        t += next(step_s[kind] for kind, t0, t1 in windows if t0 <= t < t1) if t < windows[-1][2] else 0
+        t += next(step_s[kind] for kind, t0, t1 in windows if t0 <= t < t1)
     return [[x + 0.001 * i for x in ts] for i in range(num)]
 
 
@@ -103,5 +103,5 @@ def test_the_step_jitter_pools_every_rounds_gaps_so_a_stall_weighs_by_its_share_
     assert "gap_ratios" not in rows[0] and jitter["num_gaps"] == 3000
     assert jitter["ratios"][jitter["quantiles"].index(0.99)] < 1.1  # 0.5 % of all gaps: past the P99
     assert jitter["ratios"][-1] == 4.0  # still in the tail, at its share
-    assert step_jitter([{"gap_ratios": stalled}])["ratios"][jitter["quantiles"].index(0.99)] == 4.0  # one round alone
+    assert step_jitter([{"gap_ratios": [stalled]}])["ratios"][jitter["quantiles"].index(0.99)] == 4.0  # one round alone
     assert step_jitter([{"gap_ratios": [steady[:10]] * 3}]) == {}  # under 50 gaps in all
