@@ -70,6 +70,8 @@ class _Recv:
     """When the slow-link rule next asks the prefill side about it (kv/push_status.py)."""
     probing: bool = False
     num_unknown: int = 0
+    last_heard: str = "nothing yet (registering)"
+    """What the prefill side last said of the push (registration, STATUS), named when it times out."""
 
 
 class PushReceiver(StatusRounds):
@@ -267,8 +269,9 @@ class PushReceiver(StatusRounds):
             for recv in expired:
                 recv.state = RecvState.CANCELLING
         for recv in expired:
-            logger.warning("KV push %s (request %s): nothing complete after %.1fs; cancelling",
-                           recv.spec.transfer_id, recv.spec.req_id, recv.spec.push_timeout_s)
+            logger.warning("KV push %s (request %s): nothing complete after %.1fs (%d of %d bytes landed; "
+                           "the prefill side last said: %s); cancelling", recv.spec.transfer_id, recv.spec.req_id,
+                           recv.spec.push_timeout_s, recv.landed_bytes, recv.expected_bytes, recv.last_heard)
             self._submit(recv.spec.remote, self._cancel, recv)
         for transfer_id, t in list(self._late.items()):
             if now - t > 600:
@@ -350,6 +353,7 @@ class PushReceiver(StatusRounds):
             raise HandshakeMismatch("reply type", "ACCEPT", reply.type.name, recv.spec.remote)
         check_compatible(self.handshake, reply.body, self.token, recv.spec.transfer_id, recv.spec.remote)
         with self._lock:
+            recv.last_heard = "ACCEPT (registered)"
             if recv.state is RecvState.REGISTERING:
                 recv.state = RecvState.REGISTERED
         if recv.span is not None:

@@ -150,6 +150,8 @@ class StatusRounds:
                 logger.info("KV push: prefill instance %s did not answer STATUS (%s)", remote, err)
                 with self._lock:  # a frozen P: ask again in STATUS_AFTER_S, not on every poll
                     self._unanswered[remote] = time.monotonic()
+                    for waiting in recvs:
+                        waiting.last_heard = f"no answer to STATUS ({err})"
                     self._defer(recvs)
                 return
             with self._lock:
@@ -172,6 +174,7 @@ class StatusRounds:
         if recv.state is not RecvState.REGISTERED or reply.transfer_id != recv.spec.transfer_id:
             return None
         state = reply.body.get("state") if reply.type is MsgType.STATE else None
+        recv.last_heard = f"STATUS {state or reply.type.name}"
         recv.num_unknown = recv.num_unknown + 1 if state == "unknown" else 0
         if state == "failed":
             self._set_failed(recv, f"the prefill instance abandoned the push: {reply.body.get('message', '')}")

@@ -133,9 +133,11 @@ def test_a_frozen_prefill_instance_is_asked_again_every_few_seconds_not_on_every
         gap = unanswered.times[1] - unanswered.times[0]
         assert gap >= STATUS_AFTER_S + 0.9 * CALL_S, f"the next STATUS call went out {gap - CALL_S:.1f}s after one timed out"
         assert slowest < 0.5, f"a poll took {slowest:.2f}s while P was frozen"
+        assert receiver._recvs["d-t1"].last_heard.startswith("no answer to STATUS"), "a timeout would not say why"
         os.kill(proc.pid, signal.SIGCONT)  # before the next round (due STATUS_AFTER_S after the last timeout)
         _poll_for(STATUS_AFTER_S + CALL_S + 2.0, receiver)  # that round, which P answers ("waiting")
         assert len(unanswered.times) == 2, "P runs again and still does not answer STATUS"
+        assert receiver._recvs["d-t1"].last_heard == "STATUS waiting"
     finally:
         logger.removeHandler(unanswered)
         logger.setLevel(level)
