@@ -61,7 +61,7 @@ from pd_common import (  # noqa: E402
     start_router,
     stream,
 )
-from pd_decode import decode_points, step_jitter  # noqa: E402
+from pd_decode import decode_points, running_stream, step_jitter  # noqa: E402
 
 from vllm_disagg.planner.calibrate import validate  # noqa: E402
 from vllm_disagg.planner.catalog import ModelSpec  # noqa: E402
@@ -209,15 +209,17 @@ async def cross_interference(session, router_url: str, p_url: str, n: int, reps:
     for _ in range(reps):
         rows["prefill_ms_d_idle"].append(await _probe_prefill_ms(session, router_url, p_url, prompt(n, rng)))
         first: list[asyncio.Future] = [asyncio.get_running_loop().create_future() for _ in range(batch)]
-        bg = [asyncio.create_task(_stream_signal(session, router_url, prompt(32, rng), 160, f)) for f in first]
+        bg_times: list[list[float]] = [[] for _ in range(batch)]
+        bg = [asyncio.create_task(running_stream(session, router_url, {"prompt": prompt(32, rng), "max_tokens": 160},
+                                                 f, ts)) for f, ts in zip(first, bg_times)]
         await asyncio.wait_for(asyncio.gather(*first), timeout=120)
         await asyncio.sleep(0.8)  # the batch's own prefill stats reach P's frontend first
         t0 = time.perf_counter()
         busy_ms = await _probe_prefill_ms(session, router_url, p_url, prompt(n, rng), settle_s=0.0)
         rows["prefill_ms_d_decoding"].append(busy_ms)
         busy_end = t0 + (busy_ms or 0.0) / 1e3
-        for out in await asyncio.gather(*bg):
-            ts = [out["t0"] + t for t in out["times"]]
+        await asyncio.gather(*bg)
+        for ts in bg_times:
             for a, b in zip(ts, ts[1:]):
                 if t0 + 0.05 <= a and b <= busy_end:
                     rows["d_gap_ms_p_prefilling"].append(1e3 * (b - a))
@@ -244,22 +246,6 @@ async def _probe_prefill_ms(session, router_url: str, p_url: str, body_prompt: l
         log(f"prefill probe: {count} requests counted in its window, dropped")
         return None
     return 1e3 * (after.get(_PROBE[0], 0.0) - before.get(_PROBE[0], 0.0))
-
-
-async def _stream_signal(session, url: str, body_prompt: list[int], max_tokens: int, first: asyncio.Future) -> dict:
-    """A streamed request that resolves `first` at its first token."""
-    t0 = time.perf_counter()
-    times: list[float] = []
-    body = {"prompt": body_prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
-    async with session.post(f"{url}/v1/completions", json=body) as resp:
-        async for line in resp.content:
-            if line.startswith(b"data: {") and b'"text"' in line:
-                times.append(time.perf_counter() - t0)
-                if not first.done():
-                    first.set_result(None)
-    if not first.done():
-        first.set_result(None)
-    return {"t0": t0, "times": times}
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:

@@ -128,7 +128,7 @@ def join_extra_ms(background: list[list[float]], t_send: float, t_first: float) 
     return 1e3 * (statistics.median(joined) - statistics.median(steady))
 
 
-async def _decoding(session, url: str, body: dict, first: asyncio.Future, times: list[float]) -> None:
+async def running_stream(session, url: str, body: dict, first: asyncio.Future, times: list[float]) -> None:
     """One running request through `url`: each token's absolute time appended to `times` (kept when the
     task is cancelled), `first` resolved at its first token, or when it ends without one (a request
     that failed before its first token must not hold a wait on `first`)."""
@@ -150,7 +150,7 @@ async def join_point(session, url: str, batch: int, context: int, new_tokens: in
     loop = asyncio.get_running_loop()
     started = [loop.create_future() for _ in range(batch)]
     background: list[list[float]] = [[] for _ in range(batch)]
-    tasks = [asyncio.create_task(_decoding(session, url, {"prompt": prompt(context, rng), "max_tokens": max_tokens},
+    tasks = [asyncio.create_task(running_stream(session, url, {"prompt": prompt(context, rng), "max_tokens": max_tokens},
                                            first, times)) for first, times in zip(started, background)]
     await asyncio.wait_for(asyncio.gather(*started), timeout=600)
     await asyncio.sleep(0.5)  # steady gaps before the new request
@@ -217,7 +217,7 @@ async def prefill_interference(session, url: str, batch: int, context: int, prom
     loop = asyncio.get_running_loop()
     started = [loop.create_future() for _ in range(batch)]
     times: list[list[float]] = [[] for _ in range(batch)]
-    tasks = [asyncio.create_task(_decoding(session, url, {"prompt": prompt(context, rng),
+    tasks = [asyncio.create_task(running_stream(session, url, {"prompt": prompt(context, rng),
                                                           "max_tokens": max_model_len - context - 1}, first, ts))
              for first, ts in zip(started, times)]
     windows, joins = [], []
