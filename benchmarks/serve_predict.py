@@ -44,11 +44,14 @@ from vllm_disagg.planner.traces import TraceRequest, rescale_rate
 from vllm_disagg.router.policy import Pool
 
 CALIBRATION = {"prefill_sizes": [128, 512, 1024, 2048], "prefill_reps": 5, "batched_prompts": [2, 4],
-               "batched_reps": 2, "decode_batches": [1, 4, 8, 16], "decode_contexts": [512, 1024],
+               "batched_reps": 2, "decode_batches": [1, 2, 4, 8, 16], "decode_contexts": [512, 1024],
                "decode_tokens": 24, "decode_reps": 3, "join_batch": 8, "join_context": 512,
                "join_prompts": [512, 1024], "join_reps": 2, "interference_batch": 4,
                "interference_context": 1024, "interference_prompt": 1024, "interference_pairs": 3,
                "interference_window_s": 5.0}
+"""`decode_batches` has 2: a step is not linear in the batch between 1 and 4. Stop 51, ours_tcp, live: B=2
+42.1-43.3 ms at context 1000, B=3 39.8-40.7 at 900; r7's calibration had B=1 37.3 and B=4 46.2 (context
+1036-1095), whose line gives B=2 40.3, and a replay's B=2 steps with P idle were served at 46.2 (median)."""
 COMPARED = ("ttft_p50_ms", "ttft_p90_ms", "tbt_p50_ms", "tbt_p99_ms", "goodput")
 KEPT_UP = 0.9
 """A run counts as below saturation when its output tok/s is at least this share of what it would be
