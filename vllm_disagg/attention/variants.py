@@ -234,12 +234,23 @@ def pool_bytes_per_block(vllm_config, specs: dict) -> int:
     return max(sum(specs[n].page_size_bytes for n in g.layer_names) for g in kv_groups(vllm_config, specs))
 
 
+def allocate_windows_in_full(specs: dict) -> dict:
+    """Request-wise placement keys a request on the first block of its row, which vLLM recycles in
+    a sliding-window group while the request runs. So windowed layers get full allocation, as vLLM
+    itself gives a hybrid model with its hybrid manager off: `FullAttentionSpec` keeps the window,
+    the kernel still computes it, only the out-of-window blocks stay held (memory, not math)."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec, replace_as
+
+    return {name: replace_as(spec, FullAttentionSpec, drop=("extra_retained_tokens",))
+            if type(spec) is SlidingWindowSpec else spec for name, spec in specs.items()}
+
+
 def check_request_wise_groups(vllm_config, specs: dict) -> None:
     """Request-wise placement keys a request on the first block of its row. vLLM frees a
     sliding-window group's out-of-window blocks while the request runs (another request may get
-    them as its first block), so such a group cannot be placed request-wise. Hybrid models get full
-    allocation instead when the hybrid KV cache manager is off (`vllm-disagg` turns it off for
-    request-wise partitioning); a model whose every layer is windowed (Mistral) keeps window groups."""
+    them as its first block), so such a group cannot be placed request-wise. The remote-attention
+    runner allocates windows in full (`allocate_windows_in_full`) before this runs: it is the guard
+    that a window group never reaches request-wise placement some other way."""
     from vllm.v1.kv_cache_interface import SlidingWindowSpec
 
     for group in kv_groups(vllm_config, specs):
@@ -247,4 +258,5 @@ def check_request_wise_groups(vllm_config, specs: dict) -> None:
             raise UnsupportedAttention(
                 f"request-wise remote attention cannot place sliding-window KV groups ({group.layer_names[0]}, "
                 f"window {group.kv_cache_spec.sliding_window}): vLLM recycles a running request's "
-                "out-of-window blocks, and placement keys on a request's first block; use partition='head'")
+                "out-of-window blocks, and placement keys on a request's first block (the remote-attention runner "
+                "allocates windows in full: this spec did not come through it); use partition='head'")

@@ -22,6 +22,7 @@ from vllm_disagg.attention import backend, recovery, register
 from vllm_disagg.attention.client import DisaggAttentionClient
 from vllm_disagg.attention.partition import resolved_section
 from vllm_disagg.attention.variants import (
+    allocate_windows_in_full,
     check_request_wise_groups,
     collect_layer_attrs,
     pool_bytes_per_block,
@@ -134,6 +135,20 @@ class DisaggAttentionRunner(CPUModelRunner):
             return super().initialize_kv_cache_tensors(kv_cache_config, kernel_block_sizes, None)
         finally:
             self.device = device
+
+    def get_kv_cache_spec(self):
+        """Request-wise: sliding-window layers allocated in full (variants.allocate_windows_in_full)."""
+        specs = super().get_kv_cache_spec()
+        client = backend.current_client()
+        if client is None or client.partition != "request":
+            return specs
+        full = allocate_windows_in_full(specs)
+        if full != specs and not getattr(self, "_told_full_windows", False):
+            self._told_full_windows = True
+            logger.info("request-wise remote attention: %d sliding-window layers allocated in full (placement "
+                        "keys on a request's first block; the window is still computed)",
+                        sum(full[n] is not specs[n] for n in specs))
+        return full
 
     def _zero_block_ids(self, block_ids: list[int]) -> None:
         pass  # the servers own the blocks; attention never reads past seq_len

@@ -17,7 +17,9 @@ from vllm_disagg.attention.variants import (
     KNOWN_LAYER_ATTRIBUTES,
     LayerAttrs,
     UnsupportedAttention,
+    allocate_windows_in_full,
     check_impl_args,
+    check_request_wise_groups,
     layer_attrs,
 )
 from vllm_disagg.attention.wire import Geometry, StepMeta
@@ -219,6 +221,25 @@ def test_the_push_ships_kv_groups_and_refuses_specs_and_fields_it_does_not_know(
     with pytest.raises(DisaggConfigError, match="non_causal=True"):
         check_push_specs(config(FullAttentionSpec(block_size=BS, num_kv_heads=HKV, head_size=D,
                                                   dtype=torch.float32, non_causal=True)))
+
+
+def test_request_wise_placement_gets_windows_allocated_in_full_and_refuses_a_window_group():
+    """Mistral (every layer windowed) keeps a sliding-window group even with vLLM's hybrid manager
+    off; request-wise placement needs its first block held, so the runner promotes it as vLLM
+    promotes a hybrid model's windows. The guard still refuses a window group that got past that."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    window = SlidingWindowSpec(block_size=BS, num_kv_heads=HKV, head_size=D, dtype=torch.float32, sliding_window=48)
+    full = FullAttentionSpec(block_size=BS, num_kv_heads=HKV, head_size=D, dtype=torch.float32)
+    config = types.SimpleNamespace(scheduler_config=types.SimpleNamespace(disable_hybrid_kv_cache_manager=True))
+    specs = {"model.layers.0.attn": window, "model.layers.1.attn": window}
+    with pytest.raises(UnsupportedAttention, match=r"sliding-window KV groups \(model.layers.0.attn, window 48\)"):
+        check_request_wise_groups(config, specs)
+    promoted = allocate_windows_in_full(specs)
+    assert all(type(s) is FullAttentionSpec and s.sliding_window == 48 for s in promoted.values())
+    assert promoted["model.layers.0.attn"].page_size_bytes == window.page_size_bytes
+    check_request_wise_groups(config, promoted)
+    assert allocate_windows_in_full({"model.layers.0.attn": full})["model.layers.0.attn"] is full
 
 
 def test_sinks_math_matches_the_reference_definition():
