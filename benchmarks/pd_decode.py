@@ -194,16 +194,30 @@ def interference_ratio(background: list[list[float]], windows: list[tuple[str, f
 
     gaps = [window_gaps(t0, t1) for _, t0, t1 in windows]
     medians = [statistics.median(g) if len(g) >= 3 * len(background) else None for g in gaps]
-    ratios = []
+    ratios, gap_ratios = [], []
     for k in range(1, len(windows) - 1):
         before, busy, after = medians[k - 1], medians[k], medians[k + 1]
         if windows[k][0] == "busy" and None not in (before, busy, after):
             ratios.append(busy / (0.5 * (before + after)))
+            gap_ratios += [g / (0.5 * (before + after)) for g in gaps[k]]
     if not ratios:
         return None
     return {"ratio": round(statistics.median(ratios), 4), "ratios": [round(r, 4) for r in ratios],
             "window_ms": [None if m is None else round(1e3 * m, 2) for m in medians],
-            "num_gaps": [len(g) for g in gaps]}
+            "num_gaps": [len(g) for g in gaps], **_busy_jitter(gap_ratios)}
+
+
+def _busy_jitter(gap_ratios: list[float]) -> dict:
+    """The spread of D's steps beside P's prompt steps, as `step_jitter` is of idle ones: every busy
+    gap over its idle neighbours' median. The ratio alone moves the median; the tail moves more (the
+    push landing on D's core, P's chunk boundaries), and that tail is the served TBT P99."""
+    if len(gap_ratios) < 50:
+        return {}
+    import numpy as np
+
+    return {"step_jitter": {"quantiles": list(JITTER_QUANTILES),
+                            "ratios": [round(float(x), 4) for x in np.quantile(gap_ratios, JITTER_QUANTILES)],
+                            "num_gaps": len(gap_ratios)}}
 
 
 async def prefill_interference(session, url: str, batch: int, context: int, prompt_tokens: int, pairs: int,

@@ -60,12 +60,15 @@ def _windows(kinds: str, width: float = 2.0) -> list[tuple[str, float, float]]:
     return [("busy" if k == "b" else "idle", i * width, (i + 1) * width) for i, k in enumerate(kinds)]
 
 
-def _steps(windows, step_s: dict[str, float], num: int = 4) -> list[list[float]]:
-    """`num` requests in lockstep; a step takes `step_s[kind]` of the window it starts in."""
+def _steps(windows, step_s: dict[str, float], num: int = 4, every_tenth_busy: float | None = None) -> list[list[float]]:
+    """`num` requests in lockstep; a step takes `step_s[kind]` of the window it starts in (every tenth
+    busy step `every_tenth_busy` instead, when given)."""
     t, ts = 0.0, []
     while t < windows[-1][2]:
         ts.append(t)
-        t += next(step_s[kind] for kind, t0, t1 in windows if t0 <= t < t1)
+        kind = next(kind for kind, t0, t1 in windows if t0 <= t < t1)
+        slow = kind == "busy" and every_tenth_busy is not None and len(ts) % 10 == 0
+        t += every_tenth_busy if slow else step_s[kind]
     return [[x + 0.001 * i for x in ts] for i in range(num)]
 
 
@@ -76,6 +79,21 @@ def test_decode_beside_a_prefill_is_each_busy_window_over_its_idle_neighbours():
     times = _steps(windows, {"idle": 0.05, "busy": 0.055})
     out = interference_ratio(times, windows, joins=[])
     assert abs(out["ratio"] - 1.1) < 0.02 and len(out["ratios"]) == 2
+
+
+def test_the_spread_beside_a_prefill_is_every_busy_gap_over_its_idle_neighbours_median():
+    """The ratio is the busy windows' median; their tail (here one step in ten at 2x) is kept apart as
+    the section's `step_jitter`, which the simulator draws from beside a host-mate's prompt step."""
+    from pd_decode import JITTER_QUANTILES, interference_ratio
+
+    windows = _windows("ibibi")
+    out = interference_ratio(_steps(windows, {"idle": 0.05, "busy": 0.05}, every_tenth_busy=0.1), windows, [])
+    jitter = dict(zip(JITTER_QUANTILES, out["step_jitter"]["ratios"]))
+    assert out["ratio"] == 1.0 and jitter[0.5] == 1.0 and jitter[0.95] == jitter[1.0] == 2.0
+    assert out["step_jitter"]["num_gaps"] == sum(out["num_gaps"][k] for k in (1, 3))
+    few = _windows("ibi", width=1.0)  # ~16 busy steps of 2 requests: a ratio, but no spread from ~30 gaps
+    out = interference_ratio(_steps(few, {"idle": 0.05, "busy": 0.05}, num=2), few, [])
+    assert out["ratio"] == 1.0 and "step_jitter" not in out
 
 
 def test_a_join_step_inside_a_busy_window_does_not_count_and_empty_windows_give_none():

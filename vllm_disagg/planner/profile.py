@@ -87,6 +87,10 @@ class Profile:
     """A decode step's time over its curve's while another instance on the same host computes a prompt
     step (they share caches and memory bandwidth); measured as `decode_while_prefilling`, 1 when absent.
     Applied only where the simulated machines share a host (`SimOptions.shared_host`)."""
+    prefill_step_jitter: tuple[tuple[float, ...], tuple[float, ...]] | None = None
+    """(quantiles, ratios) of those steps, over the idle curve's time (`decode_while_prefilling`'s
+    `step_jitter`): where measured, a step beside a prompt step draws its factor from this instead of
+    `step_jitter` times `decode_prefill_ratio` (the tail beside a prefill is heavier than a shift)."""
 
     def curve(self, name: str) -> Curve | None:
         return self.curves.get(name)
@@ -127,6 +131,9 @@ def parse_profile(data: dict) -> Profile:
         prof.decode_join_ms = _join_ms(data["decode_join"])
     if data.get("decode_while_prefilling"):
         prof.decode_prefill_ratio = _prefill_ratio(data["decode_while_prefilling"])
+        if data["decode_while_prefilling"].get("step_jitter"):
+            prof.prefill_step_jitter = _jitter(data["decode_while_prefilling"]["step_jitter"],
+                                               "decode_while_prefilling.step_jitter")
     return prof
 
 
@@ -151,14 +158,14 @@ def _join_ms(section: dict) -> float:
     return ms
 
 
-def _jitter(section: dict) -> tuple[tuple[float, ...], tuple[float, ...]]:
+def _jitter(section: dict, name: str = "step_jitter") -> tuple[tuple[float, ...], tuple[float, ...]]:
     try:
         qs, ratios = tuple(float(q) for q in section["quantiles"]), tuple(float(r) for r in section["ratios"])
     except (KeyError, TypeError, ValueError) as exc:
-        raise ValueError(f"profile section 'step_jitter': {exc!r}") from exc
+        raise ValueError(f"profile section {name!r}: {exc!r}") from exc
     if (len(qs) != len(ratios) or len(qs) < 2 or not all(0.0 <= q <= 1.0 for q in qs)
             or list(qs) != sorted(qs) or list(ratios) != sorted(ratios) or ratios[0] <= 0):
-        raise ValueError("profile section 'step_jitter': quantiles in [0, 1] and positive ratios, both "
+        raise ValueError(f"profile section {name!r}: quantiles in [0, 1] and positive ratios, both "
                          "ascending and of one length >= 2")
     return qs, ratios
 

@@ -103,6 +103,7 @@ class ClusterSim:
         self._events: list = []
         self._seq = itertools.count()
         self._jitter = profile.step_jitter if profile is not None else None
+        self._prefill_jitter = profile.prefill_step_jitter if profile is not None else None
         self._rng = random.Random(self.options.seed)
         self.now = 0.0
         self.num_mixed_routes = 0
@@ -143,26 +144,27 @@ class ClusterSim:
         batch = machine.next_batch()
         if batch is None:
             return
-        duration = batch.duration_s * (self._step_factor() * self._host_factor(machine)
-                                       if batch.num_prompt_tokens == 0 else 1.0)
+        duration = batch.duration_s * (self._step_factor(machine) if batch.num_prompt_tokens == 0 else 1.0)
         machine.busy_until_s = self.now + duration
         machine.computing_prompt = batch.num_prompt_tokens > 0
         machine.busy_time_s += duration
         self._push(machine.busy_until_s, self._on_iteration_done, (machine, batch))
 
-    def _step_factor(self) -> float:
+    def _step_factor(self, machine: SimMachine) -> float:
         """One decode step's time over its curve's (a median): drawn from the spread measured on decode
-        gaps. Prompt steps keep their curve's time: a gap's spread is not a long compute step's."""
-        if self._jitter is None:
-            return 1.0
-        qs, ratios = self._jitter
-        return float(np.interp(self._rng.random(), qs, ratios))
+        gaps. Prompt steps keep their curve's time: a gap's spread is not a long compute step's. Beside
+        a host-mate's prompt step (`SimOptions.shared_host`), from the spread measured there where the
+        profile has it, else the idle spread times `decode_prefill_ratio`."""
+        beside = self.options.shared_host and any(
+            m.computing_prompt for m in self.machines.values() if m is not machine)
+        if beside and self._prefill_jitter is not None:
+            return self._draw(self._prefill_jitter)
+        ratio = machine.perf.decode_prefill_ratio if beside else 1.0
+        return ratio * (self._draw(self._jitter) if self._jitter is not None else 1.0)
 
-    def _host_factor(self, machine: SimMachine) -> float:
-        """A decode step beside a host-mate's prompt step (`SimOptions.shared_host`)."""
-        if self.options.shared_host and any(m.computing_prompt for m in self.machines.values() if m is not machine):
-            return machine.perf.decode_prefill_ratio
-        return 1.0
+    def _draw(self, jitter: tuple[tuple[float, ...], tuple[float, ...]]) -> float:
+        qs, ratios = jitter
+        return float(np.interp(self._rng.random(), qs, ratios))
 
     def _on_iteration_done(self, arg: tuple[SimMachine, Batch]) -> None:
         machine, batch = arg

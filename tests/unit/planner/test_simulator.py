@@ -232,6 +232,27 @@ def test_a_decode_step_beside_a_host_mates_prompt_step_takes_the_measured_ratio_
     assert gaps(_beside_prefill(1.5), False) == base
 
 
+def test_a_decode_step_beside_a_prompt_step_draws_from_the_spread_measured_there(simple_profile):
+    """Where the profile measured the spread beside a prefill (`decode_while_prefilling.step_jitter`),
+    those steps draw from it (here: always 2x) in place of the idle spread times the ratio (1.5);
+    steps with no prompt step beside them keep the idle draw."""
+    from planner_fixtures import SIMPLE_PROFILE
+
+    from vllm_disagg.planner.profile import parse_profile
+
+    trace = [_req(0, 0.0, 100, 40), _req(1, 0.2, 1000, 2)]
+    section = {"ratio": 1.5, "step_jitter": {"quantiles": [0.0, 1.0], "ratios": [2.0, 2.0]}}
+    profile = parse_profile({**SIMPLE_PROFILE, "decode_while_prefilling": section})
+    assert profile.prefill_step_jitter == ((0.0, 1.0), (2.0, 2.0))
+    times = _by_id(simulate(TINY, _pd(), trace, SimOptions(shared_host=True), profile))["r0"].token_times_s
+    base = _by_id(simulate(TINY, _pd(), trace, SimOptions(shared_host=True), simple_profile))["r0"].token_times_s
+    gaps = [(a, b - a) for a, b in zip(times, times[1:])]
+    assert all(abs(g - 0.040) < 1e-9 for a, g in gaps if 0.2 <= a < 0.31)
+    assert [g for a, g in gaps if a < 0.2] == [b - a for a, b in zip(base, base[1:]) if a < 0.2]
+    with pytest.raises(ValueError, match="decode_while_prefilling.step_jitter"):
+        parse_profile({**SIMPLE_PROFILE, "decode_while_prefilling": {"ratio": 1.5, "step_jitter": {"ratios": [1]}}})
+
+
 @pytest.mark.parametrize("bad", [{"ratio": 0.0}, {"ratio": "x"}, {"ratio": 9.0}, {"ratios": [1.1]}])
 def test_a_decode_while_prefilling_section_without_a_step_time_ratio_is_refused(bad):
     from planner_fixtures import SIMPLE_PROFILE
