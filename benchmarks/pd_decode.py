@@ -96,9 +96,14 @@ def step_jitter(decode_rows: list[dict]) -> dict:
     ~15 gaps set plain's P99 ratio to 4.0 (TBT P99 predicted 3.4x the measured), and each quantile's
     median over rounds dropped the stalls that a served trace does meet (ours' P99 ratio 1.13, its
     TBT P99 at 0.15 req/s predicted 29 % short)."""
+    return spread([r for row in decode_rows for round_ratios in row.pop("gap_ratios", []) for r in round_ratios])
+
+
+def spread(ratios: list[float]) -> dict:
+    """A profile's spread section (`step_jitter`, and `decode_while_prefilling`'s): the ratios'
+    quantiles, or nothing from fewer than 50."""
     import numpy as np
 
-    ratios = [r for row in decode_rows for round_ratios in row.pop("gap_ratios", []) for r in round_ratios]
     if len(ratios) < 50:
         return {}
     return {"quantiles": list(JITTER_QUANTILES),
@@ -204,21 +209,16 @@ def interference_ratio(background: list[list[float]], windows: list[tuple[str, f
         return None
     return {"ratio": round(statistics.median(ratios), 4), "ratios": [round(r, 4) for r in ratios],
             "window_ms": [None if m is None else round(1e3 * m, 2) for m in medians],
-            "num_gaps": [len(g) for g in gaps], **_busy_jitter(gap_ratios)}
+            "num_gaps": [len(g) for g in gaps], **_busy_spread(gap_ratios)}
 
 
-def _busy_jitter(gap_ratios: list[float]) -> dict:
+def _busy_spread(gap_ratios: list[float]) -> dict:
     """The spread of D's steps beside P's prompt steps, as `step_jitter` is of idle ones: every busy
     gap over its idle neighbours' median. The ratio alone moves the median; the tail moves more (stop 52:
     P99 1.44-1.77 beside a prefill, 1.36-1.37 idle; the cause is not measured), and the served TBT P99 is
     that tail."""
-    if len(gap_ratios) < 50:
-        return {}
-    import numpy as np
-
-    return {"step_jitter": {"quantiles": list(JITTER_QUANTILES),
-                            "ratios": [round(float(x), 4) for x in np.quantile(gap_ratios, JITTER_QUANTILES)],
-                            "num_gaps": len(gap_ratios)}}
+    out = spread(gap_ratios)
+    return {"step_jitter": out} if out else {}
 
 
 async def prefill_interference(session, url: str, batch: int, context: int, prompt_tokens: int, pairs: int,
