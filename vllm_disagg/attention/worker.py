@@ -143,11 +143,11 @@ class DisaggAttentionRunner(CPUModelRunner):
         if client is None or client.partition != "request":
             return specs
         full = allocate_windows_in_full(specs)
-        if full != specs and not getattr(self, "_told_full_windows", False):
+        num_promoted = sum(full[n] is not specs[n] for n in specs)
+        if num_promoted and not getattr(self, "_told_full_windows", False):
             self._told_full_windows = True
             logger.info("request-wise remote attention: %d sliding-window layers allocated in full (placement "
-                        "keys on a request's first block; the window is still computed)",
-                        sum(full[n] is not specs[n] for n in specs))
+                        "keys on a request's first block; the window is still computed)", num_promoted)
         return full
 
     def _zero_block_ids(self, block_ids: list[int]) -> None:
