@@ -8,9 +8,11 @@ from pathlib import Path
 
 from vllm_disagg.planner.goodput import HEADLINE_SLO
 
-_STAGES = (("plain_queue_ms", "queue"), ("plain_prefill_ms", "prefill (+1st token)"),
-           ("prefill_queue_ms", "P queue"), ("prefill_prefill_ms", "P prefill"),
-           ("handoff_ms", "handoff (KV, hops, D wait)"), ("decode_prefill_ms", "D first step"))
+_STAGES = (("plain_wait_for_step_ms", "wait for the step in flight"), ("plain_queue_ms", "queue"),
+           ("plain_prefill_ms", "prefill (+1st token)"),
+           ("prefill_wait_for_step_ms", "P: wait for the step in flight"), ("prefill_queue_ms", "P queue"),
+           ("prefill_prefill_ms", "P prefill"), ("handoff_ms", "handoff (KV, hops)"),
+           ("decode_prefill_ms", "D first step"))
 
 
 def plot(result: dict, path: Path) -> None:

@@ -149,7 +149,10 @@ def _mean(d: dict, name: str) -> float | None:
 def ttft_breakdown(d: dict[str, dict], summary: dict) -> dict:
     """Mean ms per request of each stage, from vLLM's own histograms (queue: waiting to be scheduled;
     prefill: scheduled to first token). For P/D: P's stages, the router's P round trip, D's stages
-    (D's queue includes waiting for the KV), and the push (ours: part not hidden behind prefill)."""
+    (D's queue includes waiting for the KV), and the push (ours: part not hidden behind prefill).
+    `*_wait_for_step_ms` is the rest of the engine's TTFT: vLLM's engine core takes new requests only
+    between steps and starts its queue clock then, so a request that arrives during another's prefill
+    step waits that step out uncounted (plus the frontend's tokenizing and IPC)."""
     out = {"client_ttft_mean_ms": summary.get("ttft_mean_ms"), "client_ttft_p50_ms": summary.get("ttft_p50_ms")}
     for role in ("plain", "prefill", "decode"):
         if role in d:
@@ -157,6 +160,8 @@ def ttft_breakdown(d: dict[str, dict], summary: dict) -> dict:
                                   ("prefill", "vllm:request_prefill_time_seconds"),
                                   ("engine_ttft", "vllm:time_to_first_token_seconds")):
                 out[f"{role}_{stage}_ms"] = _mean(d[role], metric)
+            if role != "decode":  # D's arrival precedes P's prefill: its queue already holds that wait
+                out[f"{role}_wait_for_step_ms"] = _rest(out, role)
     router = d.get("router", {})
     out["router_prefill_roundtrip_ms"] = _mean(router, "vllm:disagg_router_prefill_latency_seconds")
     pre = d.get("prefill", {})
@@ -166,12 +171,18 @@ def ttft_breakdown(d: dict[str, dict], summary: dict) -> dict:
     nixl = {**pre, **dec}
     out["nixl_xfer_ms"] = _mean(nixl, "vllm:nixl_xfer_time_seconds")
     out["nixl_post_ms"] = _mean(nixl, "vllm:nixl_post_time_seconds")
-    stages = [out.get(k) for k in ("prefill_queue_ms", "prefill_prefill_ms", "decode_prefill_ms")]
-    if out["client_ttft_mean_ms"] is not None and None not in stages:  # P/D, in order: P queue, P prefill,
-        out["handoff_ms"] = out["client_ttft_mean_ms"] - sum(stages)  # <- KV handoff + hops + D's wait, D's step
+    stages = [out.get(k) for k in ("prefill_wait_for_step_ms", "prefill_queue_ms", "prefill_prefill_ms",
+                                   "decode_prefill_ms")]
+    if out["client_ttft_mean_ms"] is not None and None not in stages:  # P/D, in order: P's wait, queue and
+        out["handoff_ms"] = out["client_ttft_mean_ms"] - sum(stages)  # prefill, <- KV handoff + hops, D's step
     if out["push_exposed_ms"] is not None and out.get("prefill_prefill_ms"):
         out["exposed_fraction_of_prefill"] = out["push_exposed_ms"] / out["prefill_prefill_ms"]
     return out
+
+
+def _rest(out: dict, role: str) -> float | None:
+    parts = [out.get(f"{role}_{k}_ms") for k in ("engine_ttft", "queue", "prefill")]
+    return None if None in parts else parts[0] - parts[1] - parts[2]
 
 
 def kv_check(run: Running, d: dict[str, dict]) -> dict | None:
