@@ -83,6 +83,9 @@ class Plan:
     probe_cap_s: float = 150.0
     """A bisection probe replays about this many seconds of arrivals (serve_bisect.py)."""
     probe_min_requests: int = 8
+    probe_replays: int = 1
+    """Replays of each bisection probe (its goodput: their median; the planner compares its prediction
+    with their median): one replay of a 20-request window repeats within 0.21-0.31 (serve_fold.py)."""
     bisect_hi: float | None = None
     """Top of the rate search (default: `saturation_rate`)."""
     once: list[str] = field(default_factory=list)
@@ -118,13 +121,18 @@ def load_trace(name: str, num: int, max_model_len: int, max_output: int | None, 
 
 KINDS = ("headline", "saturation", "bisect")
 IDS_PER_RUN = 10**5
+MAX_PROBE_REPLAYS = 5
+"""A probe's replays split its run's ids: 20,000 each, 320k prompt tokens (16 per id)."""
 
 
-def first_id(round_idx: int, kind: str, rate: float) -> int:
-    """Where a run's prompt ids start: every (round, kind, rate) gets prompts of its own, so that no server
-    sees a prompt twice (vLLM's prefix cache would serve it: a replayed window's TTFT fell from 12.5 s to
-    0.4 s), while the deployments of one round replay the very same prompts (paired runs)."""
-    return (((round_idx + 2) * len(KINDS) + KINDS.index(kind)) * 10**5 + round(rate * 10**4)) * IDS_PER_RUN
+def first_id(round_idx: int, kind: str, rate: float, replay: int = 0) -> int:
+    """Where a run's prompt ids start: every (round, kind, rate, replay) gets prompts of its own, so that no
+    server sees a prompt twice (vLLM's prefix cache would serve it: a replayed window's TTFT fell from 12.5 s
+    to 0.4 s), while the deployments of one round replay the very same prompts (paired runs)."""
+    if not 0 <= replay < MAX_PROBE_REPLAYS:
+        raise ValueError(f"replay {replay} outside 0..{MAX_PROBE_REPLAYS - 1}")
+    base = (((round_idx + 2) * len(KINDS) + KINDS.index(kind)) * 10**5 + round(rate * 10**4)) * IDS_PER_RUN
+    return base + replay * (IDS_PER_RUN // MAX_PROBE_REPLAYS)
 
 
 def write_trace(window: list[TraceRequest], rate: float, out_dir: Path, start_id: int = 0) -> Path:
@@ -146,14 +154,16 @@ class Bench:
         self.starts: dict[str, list] = {}
         self.max_rates: dict[str, dict] = {}  # the rate search's brackets so far (serve_bisect.py)
 
-    def run_once(self, running, rate: float, round_idx: int, kind: str, window: list | None = None) -> dict:
+    def run_once(self, running, rate: float, round_idx: int, kind: str, window: list | None = None,
+                 replay: int = 0) -> dict:
         window = window or self.trace["requests"]
-        path = write_trace(window, rate, self.work, first_id(round_idx, kind, rate))
-        name = f"{running.deployment.name}_r{round_idx}_{kind}_{rate:g}"
+        path = write_trace(window, rate, self.work, first_id(round_idx, kind, rate, replay))
+        name = f"{running.deployment.name}_r{round_idx}_{kind}_{rate:g}" + (f"_x{replay}" if replay else "")
         timeout = len(window) / rate + 900
         log(f"{name}: replaying {len(window)} requests at {rate:g} req/s")
         row = measure(running, self.args.model_dir, path, len(window), self.work, name, timeout)
-        row.update(deployment=running.deployment.name, rate=rate, round=round_idx, kind=kind, window_size=len(window))
+        row.update(deployment=running.deployment.name, rate=rate, round=round_idx, kind=kind, window_size=len(window),
+                   replay=replay)
         if row["kv"] is not None and not row["kv"]["verified"]:
             log(f"{name}: KV NOT VERIFIED: {row['kv']}")
         log(f"{name}: goodput {row['goodput'][HEADLINE_SLO.key]} ttft p50 {row['ttft_p50_ms']} "
@@ -260,6 +270,8 @@ def main() -> int:
     parser.add_argument("--bisect-hi", type=float, default=None,
                         help=f"top of the rate search, req/s (default the saturation rate, {SATURATION_RATE})")
     parser.add_argument("--no-saturation", action="store_true")
+    parser.add_argument("--probe-replays", type=int, default=1,
+                        help="replays of each bisection probe, on fresh prompts (median goodput; default 1)")
     parser.add_argument("--no-predict", action="store_true", help="skip the planner's calibration and prediction")
     parser.add_argument("--model", default="smollm2-135m", help="embedded model name or a local directory")
     parser.add_argument("--max-model-len", type=int, default=2048)
@@ -296,6 +308,9 @@ def main() -> int:
     if args.no_saturation:
         plan.saturation = []
     plan.bisect_hi = args.bisect_hi
+    if not 1 <= args.probe_replays <= MAX_PROBE_REPLAYS:
+        parser.error(f"--probe-replays: 1 to {MAX_PROBE_REPLAYS}, got {args.probe_replays}")
+    plan.probe_replays = args.probe_replays
     if args.no_predict:
         plan.predict = False
     from vllm_disagg.models import launch_model

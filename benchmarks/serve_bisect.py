@@ -55,7 +55,9 @@ def search(bench, alias: str, name: str, running) -> None:
 
     def probe(rate: float) -> float:
         window = probe_window(bench.trace["requests"], rate, plan.probe_cap_s, plan.probe_min_requests)
-        return bench.run_once(running, round(rate, 4), -1, "bisect", window)["goodput"][HEADLINE_SLO.key]
+        rows = [bench.run_once(running, round(rate, 4), -1, "bisect", window, replay=i)
+                for i in range(plan.probe_replays)]
+        return statistics.median(row["goodput"][HEADLINE_SLO.key] for row in rows)
 
     known = known_goodputs(bench.runs, name, len(bench.trace["requests"]))
     bench.max_rates[alias] = search_rates(plan, known, probe) | {"deployment": name}

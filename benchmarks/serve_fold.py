@@ -9,7 +9,9 @@ error definition (relative for TTFT/TBT percentiles, absolute for goodput); the 
 pair of runs, then the median over pairs. A 20-request window's P90 TTFT is its 18th request, and a
 TBT P99 rests on a few requests' tails, so replays of one window on one box differ by that much before
 the planner is asked anything. `planner_max_error_median_per_probe` compares the median prediction with
-the median measurement per probe over the runs.
+the median measurement per probe over the runs. A run of `serve_bench.py --probe-replays K` replays each
+probe K times and predicts their median; `planner_replay_repeatability_runs` gives the same floor
+between the replays of one run.
 
     python benchmarks/serve_fold.py results/serve_bench_bisect_r11.json _r12.json _r13.json   # print
     python benchmarks/serve_fold.py r11.json r12.json r13.json --into results/serve_bench_bisect.json
@@ -26,7 +28,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from serve_predict import COMPARED, _error
+from serve_predict import COMPARED, _error, _get
 
 Probe = tuple[str, float, int]  # deployment, rate, window size
 
@@ -64,6 +66,28 @@ def repeatability(runs: list[dict]) -> dict | None:
     return {"median": statistics.median(abs(p["worst"]["error"]) for p in pairs), "pairs": pairs}
 
 
+def replay_repeatability(run: dict) -> dict | None:
+    """The same floor within one run of `--probe-replays K`: replay i's measurement as the prediction of
+    replay j's, per ordered pair, over the probes kept up at (a probe's replays follow one another on one
+    engine, so this leaves out what differs between engine starts and calibrations)."""
+    kept = {probe for probe, row in _rows(run).items() if row["kept_up"]}
+    replays: dict[Probe, dict[int, dict]] = {}
+    for row in run.get("runs", []):
+        probe = (row["deployment"], round(row["rate"], 4), row.get("window_size"))
+        if row.get("kind") == "bisect" and probe in kept:
+            replays.setdefault(probe, {})[row.get("replay", 0)] = row
+    indices = sorted({i for by in replays.values() for i in by})
+    pairs = []
+    for i, j in itertools.permutations(indices, 2):
+        errors = [(e, probe, k) for probe, by in replays.items() if i in by and j in by for k in COMPARED
+                  if (e := _error(k, _get(by[i], k), _get(by[j], k))) is not None]
+        if errors:
+            pairs.append({"as_prediction": i, "measured": j, "worst": _worst(errors)})
+    if not pairs:
+        return None
+    return {"median": statistics.median(abs(p["worst"]["error"]) for p in pairs), "pairs": pairs}
+
+
 def per_probe(runs: list[dict]) -> dict | None:
     """The median prediction against the median measurement per probe, over probes every run replayed
     and most runs kept up at; the worst row."""
@@ -88,6 +112,7 @@ def fold(runs: dict[str, dict]) -> dict:
     results = list(runs.values())
     errors = {name: r["planner_max_error"] for name, r in runs.items()}
     floor, probe = repeatability(results), per_probe(results)
+    within = {name: replay_repeatability(r) for name, r in runs.items()}
     return {
         "planner_max_error": statistics.median(errors.values()),
         "planner_max_error_runs": [{"file": name, "planner_max_error": errors[name], "worst": run_worst(r),
@@ -99,6 +124,7 @@ def fold(runs: dict[str, dict]) -> dict:
         "planner_measurement_repeatability_pairs": [
             {"as_prediction": Path(list(runs)[p["as_prediction"]]).name, "measured": Path(list(runs)[p["measured"]]).name,
              "worst": p["worst"]} for p in floor["pairs"]] if floor else [],
+        "planner_replay_repeatability_runs": {Path(name).name: w["median"] for name, w in within.items() if w},
     }
 
 
@@ -107,8 +133,6 @@ def main() -> int:
     parser.add_argument("runs", nargs="+", type=Path, help="result JSONs of the same bisection")
     parser.add_argument("--into", type=Path, default=None, help="headline JSON whose secondary keys get the fold")
     args = parser.parse_args()
-    if len(args.runs) < 2:
-        raise SystemExit("serve_fold: give at least two runs of the same bisection")
     runs = {str(p): json.loads(p.read_text()) for p in args.runs}
     if len({(r["trace"]["start"], r["plan"]["num_requests"]) for r in runs.values()}) != 1:
         raise SystemExit("serve_fold: the runs replayed different trace windows")

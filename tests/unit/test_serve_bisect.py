@@ -114,3 +114,33 @@ def test_a_flag_naming_an_unknown_deployment_fails_with_one_line_instead_of_drop
         listed(parser, "--bisect", "plain,ours_tpc", bisect_names(["plain_bind01", "ours_tcp"]))
     assert "--bisect: unknown ours_tpc (known here: plain, plain_bind01, ours_tcp)" in capsys.readouterr().err
     assert bisect_names(["ours_tcp"]) == ["ours_tcp"]
+
+
+def test_each_replay_of_a_probe_gets_prompt_ids_of_its_own_and_replay_0_keeps_the_old_ones():
+    from serve_bench import IDS_PER_RUN, MAX_PROBE_REPLAYS, first_id
+
+    starts = [first_id(-1, "bisect", 0.5138, replay=i) for i in range(MAX_PROBE_REPLAYS)]
+    assert starts[0] == first_id(-1, "bisect", 0.5138)
+    assert all(b - a == IDS_PER_RUN // MAX_PROBE_REPLAYS for a, b in zip(starts, starts[1:]))
+    assert starts[-1] + IDS_PER_RUN // MAX_PROBE_REPLAYS <= first_id(-1, "bisect", 0.5139)  # the next rate's ids
+    with pytest.raises(ValueError, match="replay"):
+        first_id(-1, "bisect", 0.5, replay=MAX_PROBE_REPLAYS)
+
+
+def test_a_probe_with_replays_runs_each_on_its_own_prompts_and_scores_their_median():
+    from types import SimpleNamespace
+
+    from serve_bisect import search
+
+    goodputs = iter([0.5, 1.0, 0.9] * 10)
+    seen = []
+
+    def run_once(running, rate, round_idx, kind, window, replay=0):
+        seen.append((rate, replay))
+        return {"goodput": {HEADLINE_SLO.key: next(goodputs)}}
+
+    bench = SimpleNamespace(plan=Plan(rate=0.2, saturation_rate=1.0, bisect_steps=1, probe_replays=3),
+                            trace={"requests": WINDOW}, runs=[], max_rates={}, run_once=run_once)
+    search(bench, "ours", "ours_tcp", running=None)
+    assert seen[:3] == [(0.2, 0), (0.2, 1), (0.2, 2)]
+    assert bench.max_rates["ours"]["seeded"] == [{"rate": 0.2, "goodput": 0.9}]  # median of 0.5, 1.0, 0.9

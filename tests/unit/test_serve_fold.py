@@ -10,7 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-from serve_fold import fold, per_probe, repeatability  # noqa: E402
+from serve_fold import fold, per_probe, repeatability, replay_repeatability  # noqa: E402
 
 KEYS = ("ttft_p50_ms", "ttft_p90_ms", "tbt_p50_ms", "tbt_p99_ms")
 
@@ -59,3 +59,24 @@ def test_fold_takes_the_median_of_the_runs_worst_errors():
     assert [r["worst"]["error"] for r in out["planner_max_error_runs"]] == pytest.approx([-0.1, 0.2, 0.3])
     assert out["planner_measurement_repeatability"] == 0.0  # the three measured the same
     assert out["planner_measurement_repeatability_pairs"][0]["as_prediction"] == "r1.json"
+
+
+def _replayed_run(ttfts_by_probe: dict[tuple[str, float], list[float]], kept: set) -> dict:
+    rows = [_row(dep, rate, 100.0, 100.0, kept_up=(dep, rate) in kept) for dep, rate in ttfts_by_probe]
+    replays = [{"deployment": dep, "rate": rate, "window_size": 20, "kind": "bisect", "replay": i,
+                "goodput": {"ttft5s_gap200ms": 0.9}} | {k: 100.0 for k in KEYS} | {"ttft_p50_ms": ttft}
+               for (dep, rate), ttfts in ttfts_by_probe.items() for i, ttft in enumerate(ttfts)]
+    return {"prediction": {"rows": rows}, "runs": replays}
+
+
+def test_replay_repeatability_compares_the_replays_of_one_run_over_kept_probes():
+    run = _replayed_run({("ours_tcp", 0.15): [100.0, 120.0], ("ours_tcp", 0.77): [100.0, 300.0]},
+                        kept={("ours_tcp", 0.15)})
+    within = replay_repeatability(run)
+    # 100 as the prediction of 120: -0.1667; 120 of 100: +0.2; the saturated probe's 3x is left out
+    assert [p["worst"]["error"] for p in within["pairs"]] == pytest.approx([-0.1667, 0.2], abs=1e-4)
+    assert within["median"] == pytest.approx((0.1667 + 0.2) / 2, abs=1e-4)
+
+
+def test_a_run_of_single_replays_has_no_replay_floor():
+    assert replay_repeatability(_replayed_run({("ours_tcp", 0.15): [100.0]}, kept={("ours_tcp", 0.15)})) is None
