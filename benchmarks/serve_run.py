@@ -171,10 +171,12 @@ def ttft_breakdown(d: dict[str, dict], summary: dict) -> dict:
     nixl = {**pre, **dec}
     out["nixl_xfer_ms"] = _mean(nixl, "vllm:nixl_xfer_time_seconds")
     out["nixl_post_ms"] = _mean(nixl, "vllm:nixl_post_time_seconds")
+    # P/D: what the client waited beyond P's wait, queue and prefill and D's first step is the handoff
+    # (the KV not hidden behind the prefill, and the hops)
     stages = [out.get(k) for k in ("prefill_wait_for_step_ms", "prefill_queue_ms", "prefill_prefill_ms",
                                    "decode_prefill_ms")]
-    if out["client_ttft_mean_ms"] is not None and None not in stages:  # P/D, in order: P's wait, queue and
-        out["handoff_ms"] = out["client_ttft_mean_ms"] - sum(stages)  # prefill, <- KV handoff + hops, D's step
+    if out["client_ttft_mean_ms"] is not None and None not in stages:
+        out["handoff_ms"] = out["client_ttft_mean_ms"] - sum(stages)
     if out["push_exposed_ms"] is not None and out.get("prefill_prefill_ms"):
         out["exposed_fraction_of_prefill"] = out["push_exposed_ms"] / out["prefill_prefill_ms"]
     return out
