@@ -183,3 +183,21 @@ def _install(staging: Path, target: Path, meta: dict) -> None:
         shutil.rmtree(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     shutil.copytree(staging, target)
+
+
+def hf_text_config(path: str | os.PathLike) -> dict:
+    """A model's config.json (a directory or the file), its text part, under transformers' standard
+    names: a family's own names (BLOOM's `n_head` and `n_layer`, GPT-2's `n_embd`) are mapped through its
+    config class's `attribute_map`, so every reader of the model's shape sees one vocabulary."""
+    path = Path(path)
+    config = json.loads((path / "config.json" if path.is_dir() else path).read_text())
+    config = config.get("text_config", config)
+    model_type = config.get("model_type")
+    if model_type:
+        from transformers import CONFIG_MAPPING
+
+        if model_type in CONFIG_MAPPING:
+            for name, own in CONFIG_MAPPING[model_type].attribute_map.items():
+                if own in config and name not in config:
+                    config[name] = config[own]
+    return config

@@ -60,3 +60,18 @@ def test_serve_resolves_embedded_names_in_either_position(cache):
     assert resolve_model_args(["--model", "smollm2-135m"]) == ["--model", target]
     assert resolve_model_args(["--model=smollm2-135m"]) == [f"--model={target}"]
     assert resolve_model_args(["/x", "--dtype", "float32"]) == ["/x", "--dtype", "float32"]
+
+
+def test_hf_text_config_maps_a_familys_own_names_to_transformers_standard_ones(tmp_path):
+    import json
+
+    from vllm_disagg.models import hf_text_config
+
+    gpt2 = {"model_type": "gpt2", "n_embd": 64, "n_head": 4, "n_layer": 2, "n_positions": 1024}
+    (tmp_path / "config.json").write_text(json.dumps(gpt2))
+    cfg = hf_text_config(tmp_path)
+    assert (cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_hidden_layers"],
+            cfg["max_position_embeddings"]) == (64, 4, 2, 1024)
+    nested = {"model_type": "x", "text_config": {"model_type": "bloom", "n_head": 8, "n_layer": 3}}
+    (tmp_path / "config.json").write_text(json.dumps(nested))
+    assert (hf_text_config(tmp_path / "config.json")["num_attention_heads"], hf_text_config(tmp_path)["num_hidden_layers"]) == (8, 3)

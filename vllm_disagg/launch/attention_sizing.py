@@ -13,13 +13,13 @@ budget request-wise, 1/K of it head-wise), never less than that floor, within th
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from vllm_disagg.config import resolve_partition
+from vllm_disagg.models import hf_text_config
 
 CPU_BLOCK_SIZE = 128
 """vLLM's default KV block size on CPU."""
@@ -66,10 +66,18 @@ def _max_len(text: str | None, config: dict) -> int:
     return int(float(text[:-1] if scale != 1 else text) * scale)
 
 
+def _text_config(model_dir: str) -> dict:
+    config = hf_text_config(model_dir)
+    missing = [k for k in ("num_attention_heads", "num_hidden_layers") if k not in config]
+    if missing:
+        raise SizingError(f"cannot size the attention servers: {model_dir}/config.json has no "
+                          f"{', '.join(missing)} (model_type {config.get('model_type')!r})")
+    return config
+
+
 def model_kv(model_dir: str, vllm_args: list[str]) -> ModelKV:
     """The KV geometry of `model_dir` as vLLM will serve it with `vllm_args`."""
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    config = config.get("text_config", config)
+    config = _text_config(model_dir)
     flags = _vllm_flags(vllm_args)
     heads = int(config["num_attention_heads"])
     head_size = int(config.get("head_dim") or int(config["hidden_size"]) // heads)

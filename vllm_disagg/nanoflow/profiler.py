@@ -11,7 +11,6 @@ here: they are modelled from `NetModel` (latency + bytes / bandwidth), and say s
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -20,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from vllm_disagg.models import hf_text_config
 from vllm_disagg.nanoflow.units import CpuCoreGroup, allowed_cores
 
 ATTN_CACHE_BUDGET_BYTES = 256 << 20
@@ -49,9 +49,7 @@ class ModelShape:
 
     @classmethod
     def from_hf_config(cls, path: str | Path) -> ModelShape:
-        path = Path(path)
-        cfg = json.loads((path / "config.json" if path.is_dir() else path).read_text())
-        cfg = cfg.get("text_config", cfg)
+        cfg = hf_text_config(path)
         heads = cfg["num_attention_heads"]
         return cls(
             hidden=cfg["hidden_size"],

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_disagg import envs
+from vllm_disagg.models import hf_text_config
 
 CATALOG_ENV = envs.VLLM_DISAGG_PLANNER_CATALOG
 _DATA = Path(__file__).parent / "data"
@@ -105,8 +106,7 @@ class ModelSpec:
     @classmethod
     def from_hf_config(cls, path: str | Path, name: str | None = None) -> ModelSpec:
         """Build a spec from a HF `config.json` (LLaMA/Mistral/Qwen2/Mixtral keys)."""
-        cfg = json.loads(Path(path).read_text())
-        cfg = cfg.get("text_config", cfg)
+        cfg = hf_text_config(path)
         heads = cfg["num_attention_heads"]
         dtype = str(cfg.get("torch_dtype", "bfloat16"))
         return cls(

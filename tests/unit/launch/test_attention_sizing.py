@@ -73,3 +73,17 @@ def test_too_little_free_memory_fails_in_one_line_naming_both_flags():
 def test_an_explicit_head_partition_that_cannot_split_the_heads_says_what_to_use(smollm2_dir):
     with pytest.raises(SizingError, match="--attention-partition request"):
         plan_from_args(_args("--attention", "2", "--attention-partition", "head"), smollm2_dir)
+
+
+def test_a_family_with_its_own_config_names_is_read_through_transformers_attribute_map(tmp_path):
+    # BLOOM names its heads and layers n_head and n_layer (up --attention crashed on KeyError before)
+    bloom = {"model_type": "bloom", "n_layer": 2, "n_head": 4, "hidden_size": 256, "dtype": "float32"}
+    (tmp_path / "config.json").write_text(json.dumps(bloom))
+    kv = model_kv(str(tmp_path), ["--max-model-len", "2048"])
+    assert (kv.num_layers, kv.num_kv_heads, kv.head_size, kv.max_model_len, kv.dtype_bytes) == (2, 4, 64, 2048, 4)
+
+
+def test_a_config_without_heads_or_layers_is_refused_in_one_line(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "made_up", "hidden_size": 64}))
+    with pytest.raises(SizingError, match="has no num_attention_heads, num_hidden_layers"):
+        model_kv(str(tmp_path), [])
