@@ -8,7 +8,9 @@ layer-wise pushes without recompute), "refused" (the mechanism refused to start,
 mattered (the same weights with full attention give other tokens). The result,
 `benchmarks/results/model_matrix.json`, makes the README's compatibility table
 (`make compat-table`). Extra cells beyond the table: `remote_nano2` (remote attention head-wise
-with 2 nano-batches in flight: turn taking on families off the Llama op path, MoE included).
+with 2 nano-batches in flight: turn taking on families off the Llama op path, MoE included) and
+`pd_remote_request` (`vllm-disagg up --prefill 1 --decode 1 --attention 2 --attention-partition request`:
+P pushes onto request-wise attention servers, every push verified; a copy of the model with a tokenizer).
 
     python benchmarks/model_matrix.py                       # everything (~15-20 min on this box)
     python benchmarks/model_matrix.py --families gemma2,bloom --mechanisms plain,remote_head
@@ -31,8 +33,10 @@ from vllm_disagg.testing import apply_test_env  # noqa: E402
 from vllm_disagg.testing.families import FAMILIES, make_tiny_model  # noqa: E402
 from vllm_disagg.testing.matrix import (  # noqa: E402
     MECHANISMS,
+    PROMPTS,
     CellRefused,
     generate,
+    pd_remote,
     refusal_line,
     remote_nano2,
     run_in_process,
@@ -40,7 +44,7 @@ from vllm_disagg.testing.matrix import (  # noqa: E402
 )
 
 RESULT = Path(__file__).resolve().parent / "results" / "model_matrix.json"
-EXTRAS = ("remote_nano2",)
+EXTRAS = ("remote_nano2", "pd_remote_request")
 
 
 def run_cell(mech: str, model_dir, servers, log_dir: Path, want) -> dict:
@@ -52,6 +56,10 @@ def run_cell(mech: str, model_dir, servers, log_dir: Path, want) -> dict:
             got, evidence = run_pd(model_dir, log_dir, free_ports(1)[0])
         elif mech == "remote_nano2":
             got, evidence = remote_nano2(model_dir, servers)
+        elif mech == "pd_remote_request":  # the tokenizer's vocabulary makes other weights: plain's tokens again
+            tok_dir = make_tiny_model(model_dir.name, log_dir / f"{model_dir.name}-tok", with_tokenizer=True)
+            want = generate(tok_dir)
+            got, evidence = pd_remote(tok_dir, log_dir / f"{model_dir.name}-pd-remote")
         else:
             got, evidence = run_in_process(mech, model_dir, servers)
     except CellRefused as err:
@@ -73,6 +81,9 @@ def _mechanism_ran(mech: str, ev: dict) -> bool:
         return ev.get("stats", {}).get("nano_steps", 0) > 0
     if mech == "pd_tcp":
         return ev.get("layerwise", 0) > 0 and not ev.get("recomputed")
+    if mech == "pd_remote_request":  # every prompt pushed onto a server and verified there, no KV error
+        return (all(ev.get("ingest_bytes") or [0]) and sum(ev.get("checksum_queries") or [0]) >= len(PROMPTS)
+                and not ev.get("kv_errors"))
     return True
 
 

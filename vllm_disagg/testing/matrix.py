@@ -18,6 +18,7 @@ import queue
 import subprocess
 import sys
 import threading
+import urllib.request
 import uuid
 from pathlib import Path
 
@@ -116,6 +117,47 @@ def remote_nano2(model_dir, servers: list[str]) -> tuple[list[list[int]], dict]:
         return generate(model_dir, probe=probe, **kw), evidence
     except Exception as err:  # noqa: BLE001
         raise CellRefused(refusal_line(err)) from err
+
+
+def pd_remote(model_dir, log_dir: Path, partition: str = "request") -> tuple[list[list[int]], dict]:
+    """`vllm-disagg up --prefill 1 --decode 1 --attention 2`: P pushes each prompt's KV onto the attention
+    servers (every push verified end to end), D decodes on them; `model_dir` needs a tokenizer (the HTTP
+    API). (tokens, evidence: bytes each server took in, checksum queries answered, KV errors)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from vllm_disagg.testing.up import running_up
+
+    args = ["--prefill", "1", "--decode", "1", "--attention", "2", "--attention-partition", partition,
+            "--layerwise-threshold", "16", "--model", str(model_dir), "--disagg-kv-verify", "on", "--dtype", "float32",
+            "--enforce-eager", "--max-model-len", "2048", "--block-size", "32", "--no-enable-prefix-caching",
+            "--seed", "0"]
+    with running_up(log_dir, *args) as up:
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            got = list(pool.map(lambda p: _complete(up.state, p), PROMPTS))
+        servers = [i["url"] for i in up.state["instances"] if i["role"] == "attention"]
+        evidence = {"ingest_bytes": [_metric(u, "vllm:disagg_attention_kv_ingest_bytes_total") for u in servers],
+                    "checksum_queries": [_metric(u, "vllm:disagg_attention_kv_checksum_queries_total")
+                                         for u in servers],
+                    "kv_errors": [params["disagg_kv_error"] for _, params in got if params.get("disagg_kv_error")]}
+    return [ids for ids, _ in got], evidence
+
+
+def _complete(state: dict, prompt: list[int]) -> tuple[list[int], dict]:
+    body = {"model": state["model"], "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True}
+    req = urllib.request.Request(f"{state['endpoint']}/v1/completions", method="POST",
+                                 headers={"Content-Type": "application/json"}, data=json.dumps(body).encode())
+    with urllib.request.urlopen(req, timeout=300) as resp:
+        event = json.load(resp)
+    return event["choices"][0]["token_ids"], event.get("kv_transfer_params") or {}
+
+
+def _metric(url: str, name: str) -> float | None:
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
+        for line in resp.read().decode().splitlines():
+            if line.startswith((name + " ", name + "{")):
+                return float(line.split()[-1])
+    return None
 
 
 def refusal_line(err: BaseException) -> str:
