@@ -105,7 +105,7 @@ class ModelSpec:
 
     @classmethod
     def from_hf_config(cls, path: str | Path, name: str | None = None) -> ModelSpec:
-        """Build a spec from a HF `config.json` (LLaMA/Mistral/Qwen2/Mixtral keys)."""
+        """Build a spec from a HF `config.json` (any family: `models.hf_text_config` maps its own names)."""
         cfg = hf_text_config(path)
         heads = cfg["num_attention_heads"]
         dtype = str(cfg.get("torch_dtype", "bfloat16"))
