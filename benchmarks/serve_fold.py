@@ -50,20 +50,24 @@ def run_worst(run: dict) -> dict | None:
                    for k, e in row["error"].items() if e is not None])
 
 
-def repeatability(runs: list[dict]) -> dict | None:
-    """The worst error of one run's measurement against another's, per ordered pair, over the probes
-    both runs kept up at; the median over pairs is the floor a planner meets at best."""
+def _floor(measures: list[dict[Probe, dict]]) -> dict | None:
+    """Each measurement (probe -> figures) as the prediction of each other one, per ordered pair, over
+    the probes both have: the worst row per pair and the median over pairs (None: no pair shares one)."""
     pairs = []
-    for (i, a), (j, b) in itertools.permutations(enumerate(runs), 2):
-        rows_a, rows_b = _rows(a), _rows(b)
-        common = [p for p in rows_a.keys() & rows_b.keys() if rows_a[p]["kept_up"] and rows_b[p]["kept_up"]]
-        errors = [(e, p, k) for p in common for k in COMPARED
-                  if (e := _error(k, rows_a[p]["measured"][k], rows_b[p]["measured"][k])) is not None]
+    for (i, a), (j, b) in itertools.permutations(enumerate(measures), 2):
+        errors = [(e, p, k) for p in a.keys() & b.keys() for k in COMPARED
+                  if (e := _error(k, a[p].get(k), b[p].get(k))) is not None]
         if errors:
             pairs.append({"as_prediction": i, "measured": j, "worst": _worst(errors)})
     if not pairs:
         return None
     return {"median": statistics.median(abs(p["worst"]["error"]) for p in pairs), "pairs": pairs}
+
+
+def repeatability(runs: list[dict]) -> dict | None:
+    """The worst error of one run's measurement against another's, per ordered pair, over the probes
+    both runs kept up at; the median over pairs is the floor a planner meets at best."""
+    return _floor([{p: row["measured"] for p, row in _rows(run).items() if row["kept_up"]} for run in runs])
 
 
 def replay_repeatability(run: dict) -> dict | None:
@@ -71,21 +75,12 @@ def replay_repeatability(run: dict) -> dict | None:
     replay j's, per ordered pair, over the probes kept up at (a probe's replays follow one another on one
     engine, so this leaves out what differs between engine starts and calibrations)."""
     kept = {probe for probe, row in _rows(run).items() if row["kept_up"]}
-    replays: dict[Probe, dict[int, dict]] = {}
+    by_replay: dict[int, dict[Probe, dict]] = {}
     for row in run.get("runs", []):
         probe = (row["deployment"], round(row["rate"], 4), row.get("window_size"))
         if row.get("kind") == "bisect" and probe in kept:
-            replays.setdefault(probe, {})[row.get("replay", 0)] = row
-    indices = sorted({i for by in replays.values() for i in by})
-    pairs = []
-    for i, j in itertools.permutations(indices, 2):
-        errors = [(e, probe, k) for probe, by in replays.items() if i in by and j in by for k in COMPARED
-                  if (e := _error(k, _get(by[i], k), _get(by[j], k))) is not None]
-        if errors:
-            pairs.append({"as_prediction": i, "measured": j, "worst": _worst(errors)})
-    if not pairs:
-        return None
-    return {"median": statistics.median(abs(p["worst"]["error"]) for p in pairs), "pairs": pairs}
+            by_replay.setdefault(row.get("replay", 0), {})[probe] = {k: _get(row, k) for k in COMPARED}
+    return _floor([by_replay[i] for i in sorted(by_replay)])
 
 
 def per_probe(runs: list[dict]) -> dict | None:
@@ -109,7 +104,7 @@ def per_probe(runs: list[dict]) -> dict | None:
 
 def fold(runs: dict[str, dict]) -> dict:
     """The planner keys of several runs of one bisection (`runs`: file name -> result)."""
-    results = list(runs.values())
+    results, names = list(runs.values()), [Path(name).name for name in runs]
     errors = {name: r["planner_max_error"] for name, r in runs.items()}
     floor, probe = repeatability(results), per_probe(results)
     within = {name: replay_repeatability(r) for name, r in runs.items()}
@@ -122,8 +117,8 @@ def fold(runs: dict[str, dict]) -> dict:
         "planner_max_error_median_per_probe_worst": probe,
         "planner_measurement_repeatability": floor["median"] if floor else None,
         "planner_measurement_repeatability_pairs": [
-            {"as_prediction": Path(list(runs)[p["as_prediction"]]).name, "measured": Path(list(runs)[p["measured"]]).name,
-             "worst": p["worst"]} for p in floor["pairs"]] if floor else [],
+            {"as_prediction": names[p["as_prediction"]], "measured": names[p["measured"]], "worst": p["worst"]}
+            for p in floor["pairs"]] if floor else [],
         "planner_replay_repeatability_runs": {Path(name).name: w["median"] for name, w in within.items() if w},
     }
 

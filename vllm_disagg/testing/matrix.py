@@ -125,6 +125,7 @@ def pd_remote(model_dir, log_dir: Path, partition: str = "request") -> tuple[lis
     API). (tokens, evidence: bytes each server took in, checksum queries answered, KV errors)."""
     from concurrent.futures import ThreadPoolExecutor
 
+    from vllm_disagg.testing.chaos.leaks import metrics
     from vllm_disagg.testing.up import running_up
 
     args = ["--prefill", "1", "--decode", "1", "--attention", "2", "--attention-partition", partition,
@@ -134,10 +135,9 @@ def pd_remote(model_dir, log_dir: Path, partition: str = "request") -> tuple[lis
     with running_up(log_dir, *args) as up:
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
             got = list(pool.map(lambda p: _complete(up.state, p), PROMPTS))
-        servers = [i["url"] for i in up.state["instances"] if i["role"] == "attention"]
-        evidence = {"ingest_bytes": [_metric(u, "vllm:disagg_attention_kv_ingest_bytes_total") for u in servers],
-                    "checksum_queries": [_metric(u, "vllm:disagg_attention_kv_checksum_queries_total")
-                                         for u in servers],
+        names = ("vllm:disagg_attention_kv_ingest_bytes_total", "vllm:disagg_attention_kv_checksum_queries_total")
+        scraped = [metrics(i["url"], names) for i in up.state["instances"] if i["role"] == "attention"]
+        evidence = {"ingest_bytes": [m[names[0]] for m in scraped], "checksum_queries": [m[names[1]] for m in scraped],
                     "kv_errors": [params["disagg_kv_error"] for _, params in got if params.get("disagg_kv_error")]}
     return [ids for ids, _ in got], evidence
 
@@ -150,14 +150,6 @@ def _complete(state: dict, prompt: list[int]) -> tuple[list[int], dict]:
     with urllib.request.urlopen(req, timeout=300) as resp:
         event = json.load(resp)
     return event["choices"][0]["token_ids"], event.get("kv_transfer_params") or {}
-
-
-def _metric(url: str, name: str) -> float | None:
-    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
-        for line in resp.read().decode().splitlines():
-            if line.startswith((name + " ", name + "{")):
-                return float(line.split()[-1])
-    return None
 
 
 def refusal_line(err: BaseException) -> str:
