@@ -62,8 +62,8 @@ COUPLINGS = [
              "override; binds meta-device placeholders, calls super without the allocation context",
              ("self", "kv_cache_config", "kernel_block_sizes", "kv_cache_allocation_context"), "0.32.0"),
     Coupling(f"{_RUNNER}.get_kv_cache_spec", ("attention.worker.DisaggAttentionRunner",),
-             "override; request-wise, sliding-window specs become FullAttentionSpec (vLLM's own promotion "
-             "for hybrid models with the hybrid manager off), calls super", ("self",), "0.32.0"),
+             "override; sliding-window specs become FullAttentionSpec (vLLM's own promotion for hybrid "
+             "models with the hybrid manager off), calls super", ("self",), "0.32.0"),
     Coupling("vllm.v1.kv_cache_interface:replace_as", ("attention.variants.allocate_windows_in_full",),
              "called: SlidingWindowSpec -> FullAttentionSpec, dropping extra_retained_tokens",
              ("spec", "target_cls", "drop", "changes"), "0.32.0"),

@@ -100,11 +100,10 @@ def wire_engine_args(engine_args: Any) -> DisaggConfig | None:
     if worker is not None and engine_args.worker_cls == "auto":
         engine_args.worker_cls = worker
     remote_attention = cfg.remote_attention
-    if (remote_attention is not None and engine_args.disable_hybrid_kv_cache_manager is None
-            and (remote_attention.partition == "request" or engine_args.kv_transfer_config is not None)):
-        # request-wise placement cannot follow sliding-window groups' recycled blocks
-        # (attention/variants.check_request_wise_groups), and the model worker's connector half (restart
-        # reuse, P/D pushes onto the servers) keeps one block table: allocate hybrid models' windows in full
+    if remote_attention is not None and engine_args.disable_hybrid_kv_cache_manager is None:
+        # one KV cache group on a model worker: its runner allocates windows in full (attention/worker.py:
+        # a recovery recomputes whole sequences, request-wise placement keys on a request's first block),
+        # and the connector half (restart reuse, P/D pushes onto the servers) keeps one block table
         engine_args.disable_hybrid_kv_cache_manager = True
     apply_discrete_batching(engine_args, cfg)
     return cfg

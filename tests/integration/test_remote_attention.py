@@ -200,3 +200,68 @@ def test_request_wise_with_prefix_caching_places_cached_prefixes_on_their_server
     assert tokens == plain_tokens
     assert cached[2:] == plain_cached[2:] and all(c >= 64 for c in cached[2:])  # the second wave hit the cache
     assert affinity >= 3  # (two running requests on one cached chain count again at later steps)
+
+
+def _window_schedule(model_dir, remote=None, kill=None) -> tuple[dict, list[int], list[int], int]:
+    """X (short), A (long: vLLM frees its out-of-window blocks after the prefill), then B, which gets
+    some of them; X finishes, so B moves ahead of A in the batch, and `kill()` runs at the next step.
+    Returns the tokens by request, A's first-step blocks and B's in the first KV cache group, and the
+    number of recoveries."""
+    from vllm import LLM, SamplingParams
+
+    extra = {} if remote is None else dict(worker_cls=WORKER, additional_config={"disagg": {"remote_attention": remote}})
+    llm = LLM(**tiny_llm_kwargs(model_dir, num_gpu_blocks_override=24, max_model_len=320, **extra))
+    engine = llm.llm_engine
+    manager = engine.engine_core.engine_core.scheduler.kv_cache_manager.coordinator.single_type_managers[0]
+    prompts = dict(zip("XAB", (p["prompt_token_ids"] for p in
+                               token_prompts(1, 20, seed=1) + token_prompts(1, 230, seed=2) + token_prompts(1, 130, seed=3))))
+    blocks: dict[str, list[int]] = {}
+    try:
+        for name, max_tokens in (("X", 6), ("A", 30)):
+            engine.add_request(name, {"prompt_token_ids": prompts[name]}, SamplingParams(
+                max_tokens=max_tokens, temperature=0, ignore_eos=True))
+        done, steps, killed = {}, 0, False
+        while engine.has_unfinished_requests():
+            if steps == 2:
+                engine.add_request("B", {"prompt_token_ids": prompts["B"]}, SamplingParams(
+                    max_tokens=30, temperature=0, ignore_eos=True))
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = list(out.outputs[0].token_ids)
+            steps += 1
+            for rid, held in manager.req_to_blocks.items():
+                blocks.setdefault(rid.split("-")[0], [b.block_id for b in held])
+            if kill is not None and "X" in done and not killed:
+                kill()
+                killed = True
+        from vllm_disagg.attention import backend  # the worker runs in this process here
+
+        return done, blocks["A"], blocks["B"], 0 if remote is None else backend.get_client().num_recoveries
+    finally:
+        engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+
+
+@pytest.mark.parametrize("family", ["gemma2", "mistral"])
+def test_a_recovery_on_a_windowed_model_never_writes_into_another_requests_blocks(tmp_path, family):
+    """The recovery recomputes every running request's whole sequence through the worker's block table.
+    vLLM frees a running request's out-of-window blocks (its scheduler's table gets the null block, the
+    worker's keeps the ids) and gives them to later requests: A's rebuild wrote into B's window blocks,
+    and B's tokens changed after an attention server died (Gemma 2 with vLLM's hybrid allocator,
+    head-wise; Mistral with any). The runner allocates windows in full (attention/worker.py)."""
+    from vllm_disagg.testing import make_tiny_model
+    from vllm_disagg.testing.attention import start_local_servers
+
+    model_dir = str(make_tiny_model(family, tmp_path / family))
+    plain, plain_a, plain_b, _ = _window_schedule(model_dir)
+    assert set(plain_b) & set(plain_a[:4]), (plain_a, plain_b)  # plain vLLM gave B blocks A had held
+    own = start_local_servers(2, transport="shm", kv_cache_gib=0.0625)
+    try:
+        remote = {"servers": [s.http for s in own], "partition": "head", "timeout_s": 10.0}
+        got, remote_a, remote_b, num_recoveries = _window_schedule(model_dir, remote, kill=own[1].kill)
+    finally:
+        for s in own:
+            s.stop()
+    assert num_recoveries == 1 and got == plain
+    assert not set(remote_b) & set(remote_a), (remote_a, remote_b)  # windows held in full: nothing reused

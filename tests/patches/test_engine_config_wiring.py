@@ -60,6 +60,8 @@ def test_the_disagg_config_selects_the_worker_class(tiny_model_dir, disagg, work
     args = EngineArgs(model=tiny_model_dir, additional_config={"disagg": disagg})
     wire_engine_args(args)
     assert args.worker_cls == worker
+    # a model worker keeps one KV cache group (windows in full: attention/worker.py), any partition
+    assert args.disable_hybrid_kv_cache_manager is ("remote_attention" in disagg or None)
 
 
 def test_a_prefill_role_gets_the_producer_connector_and_keeps_explicit_choices(tiny_model_dir):

@@ -235,8 +235,9 @@ def pool_bytes_per_block(vllm_config, specs: dict) -> int:
 
 
 def allocate_windows_in_full(specs: dict) -> dict:
-    """Request-wise placement keys a request on the first block of its row, which vLLM recycles in
-    a sliding-window group while the request runs. So windowed layers get full allocation, as vLLM
+    """vLLM recycles a running request's out-of-window blocks, which the recovery's whole-sequence
+    rebuild and request-wise placement (keyed on a request's first block) cannot follow. So
+    windowed layers get full allocation on a remote-attention worker, as vLLM
     itself gives a hybrid model with its hybrid manager off: `FullAttentionSpec` keeps the window,
     the kernel still computes it, only the out-of-window blocks stay held (memory, not math)."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec, replace_as

@@ -137,17 +137,19 @@ class DisaggAttentionRunner(CPUModelRunner):
             self.device = device
 
     def get_kv_cache_spec(self):
-        """Request-wise: sliding-window layers allocated in full (variants.allocate_windows_in_full)."""
+        """Sliding-window layers allocated in full (variants.allocate_windows_in_full), every partition:
+        vLLM frees a running request's out-of-window blocks and gives them to other requests, but this
+        worker's block table keeps their ids, and a recovery (recovery.rebuild_kv) recomputes the whole
+        sequence through that table; request-wise placement also keys on a request's first block."""
         specs = super().get_kv_cache_spec()
-        client = backend.current_client()
-        if client is None or client.partition != "request":
+        if backend.current_client() is None:
             return specs
         full = allocate_windows_in_full(specs)
         num_promoted = sum(full[n] is not specs[n] for n in specs)
         if num_promoted and not getattr(self, "_told_full_windows", False):
             self._told_full_windows = True
-            logger.info("request-wise remote attention: %d sliding-window layers allocated in full (placement "
-                        "keys on a request's first block; the window is still computed)", num_promoted)
+            logger.info("remote attention: %d sliding-window layers allocated in full (a recovery rebuilds whole "
+                        "sequences; the window is still computed)", num_promoted)
         return full
 
     def _zero_block_ids(self, block_ids: list[int]) -> None:
