@@ -37,7 +37,7 @@ def __getattr__(name: str):
         from vllm.platforms import current_platform
 
         if remote_attention_enabled(get_current_vllm_config_or_none()):
-            return _cuda_or_cpu_remote()
+            return remote_backend_cls()
         if not current_platform.is_cpu():
             raise ValueError("the CUSTOM attention backend is vllm-disagg's remote attention: set "
                              'additional_config["disagg"]["remote_attention"]["servers"]')
@@ -52,7 +52,8 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-def _cuda_or_cpu_remote():
+def remote_backend_cls():
+    """The remote attention backend class of this platform (CPU or CUDA)."""
     from vllm.platforms import current_platform
 
     from vllm_disagg.attention import remote_impl

@@ -111,6 +111,17 @@ class UnsupportedAttention(NotImplementedError):
     """A layer remote attention cannot compute exactly; the message names the layer and attribute."""
 
 
+def check_block_size(backend_cls, block_size: int) -> None:
+    """The engine's block is also the servers' kernel block, and a remote-attention worker runs without
+    vLLM's hybrid manager, which can split a block for a local kernel (wiring.py): so the block size must
+    be one the kernel takes (vLLM's CPU kernel: multiples of 32). Refused in one line, naming the flag."""
+    sizes = backend_cls.get_supported_kernel_block_sizes()
+    if any(block_size % s.base == 0 if hasattr(s, "base") else block_size == s for s in sizes):
+        return
+    raise UnsupportedAttention(f"remote attention cannot use --block-size {block_size}: the attention kernel takes "
+                               f"{', '.join(map(str, sizes))}")
+
+
 def check_impl_args(attn_type, kv_sharing_target_layer_name, kv_cache_dtype, extra: dict) -> None:
     """At model build: refuse what no server computes (the layer name is not known yet)."""
     unknown = sorted(set(extra) - KNOWN_IMPL_EXTRAS)

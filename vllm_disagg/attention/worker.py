@@ -23,6 +23,7 @@ from vllm_disagg.attention.client import DisaggAttentionClient
 from vllm_disagg.attention.partition import resolved_section
 from vllm_disagg.attention.variants import (
     allocate_windows_in_full,
+    check_block_size,
     check_request_wise_groups,
     collect_layer_attrs,
     pool_bytes_per_block,
@@ -55,6 +56,7 @@ def connect_client(client: DisaggAttentionClient, vllm_config, runner) -> int:
     """INIT the servers once the model is loaded: each layer's variant (window, soft-cap, ALiBi,
     sinks, fp8 scales) is read off the loaded layers, and anything unknown refuses to start."""
     mc, parallel_config = vllm_config.model_config, vllm_config.parallel_config
+    check_block_size(backend.remote_backend_cls(), vllm_config.cache_config.block_size)
     specs = runner.get_kv_cache_spec()
     layers = collect_layer_attrs(vllm_config, specs)
     if client.partition == "request":

@@ -258,3 +258,18 @@ def test_the_torch_kernel_refuses_what_it_does_not_compute(over):
 
     with pytest.raises(NotImplementedError, match="plain attention only"):
         TorchPagedKernel(_geometry(**over), num_blocks=8, device="cpu")
+
+
+def test_a_block_size_the_kernel_does_not_take_is_refused_in_one_line_naming_the_flag():
+    """Gemma 2 at --block-size 16 (vLLM's CPU kernel takes multiples of 32) got past vLLM's own check on a
+    remote-attention worker and failed in the KV grouping with a line that named neither."""
+    from vllm.v1.attention.backend import AttentionBackend
+
+    from vllm_disagg.attention.remote_impl import RemoteAttentionBackend
+    from vllm_disagg.attention.variants import check_block_size
+
+    for ok in (32, 64, 128):
+        check_block_size(RemoteAttentionBackend, ok)
+    with pytest.raises(UnsupportedAttention, match=r"--block-size 16: the attention kernel takes MultipleOf\(32\)"):
+        check_block_size(RemoteAttentionBackend, 16)
+    check_block_size(AttentionBackend, 16)  # a kernel that takes any block (vLLM's default: MultipleOf(1))
