@@ -115,9 +115,9 @@ def check_block_size(backend_cls, block_size: int) -> None:
     """The engine's block is also the servers' kernel block, and a remote-attention worker runs without
     vLLM's hybrid manager, which can split a block for a local kernel (wiring.py): so the block size must
     be one the kernel takes (vLLM's CPU kernel: multiples of 32). Refused in one line, naming the flag."""
-    sizes = backend_cls.get_supported_kernel_block_sizes()
-    if any(block_size % s.base == 0 if hasattr(s, "base") else block_size == s for s in sizes):
+    if backend_cls.supports_block_size(block_size):
         return
+    sizes = backend_cls.get_supported_kernel_block_sizes()
     raise UnsupportedAttention(f"remote attention cannot use --block-size {block_size}: the attention kernel takes "
                                f"{', '.join(map(str, sizes))}")
 

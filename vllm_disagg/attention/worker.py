@@ -43,6 +43,7 @@ def client_from_config(vllm_config) -> DisaggAttentionClient | None:
     remote_attention = cfg.remote_attention if cfg else None
     if remote_attention is None or not remote_attention.servers:
         return None
+    check_block_size(backend.remote_backend_cls(), vllm_config.cache_config.block_size)  # before the model loads
     remote_attention = resolved_section(remote_attention, vllm_config)
     client = DisaggAttentionClient(remote_attention.servers, transport=remote_attention.transport,
                                    partition=remote_attention.partition, send_q_early=remote_attention.send_q_early,
@@ -56,7 +57,6 @@ def connect_client(client: DisaggAttentionClient, vllm_config, runner) -> int:
     """INIT the servers once the model is loaded: each layer's variant (window, soft-cap, ALiBi,
     sinks, fp8 scales) is read off the loaded layers, and anything unknown refuses to start."""
     mc, parallel_config = vllm_config.model_config, vllm_config.parallel_config
-    check_block_size(backend.remote_backend_cls(), vllm_config.cache_config.block_size)
     specs = runner.get_kv_cache_spec()
     layers = collect_layer_attrs(vllm_config, specs)
     if client.partition == "request":
