@@ -76,12 +76,16 @@ DEPLOYMENTS = {d.name: d for d in (
     Deployment("ours_shm", "ours", transport="shm"),
     Deployment("ours_nano", "ours", transport="tcp", nano=True),
     Deployment("ours_traced", "ours", transport="tcp", traced=True),
+    # The router's default mixed pool (P's prompt queue in seconds) off: every request P then D
+    Deployment("ours_pd_only", "ours", transport="tcp", up_args=("--prefill-queue-s", "0", "--colocate-queue-s", "0")),
     # Splitwise's mixed pool sooner: once D has 2048 output tokens pending, P also decodes whole requests
-    Deployment("ours_mixed", "ours", transport="tcp", up_args=("--decode-queue-threshold", "2048")),
+    Deployment("ours_mixed", "ours", transport="tcp", up_args=("--decode-queue-threshold", "2048", "--prefill-queue-s", "0",
+                                                               "--colocate-queue-s", "0")),
     # ... and D also prefills whole requests once P has 4096 prompt tokens pending (the planner's what-if
     # of the Azure window at 1 req/s: 95.6 output tok/s against 75.7 without the mixed pool)
     Deployment("ours_mixed_both", "ours", transport="tcp",
-               up_args=("--prefill-queue-threshold", "4096", "--decode-queue-threshold", "2048")),
+               up_args=("--prefill-queue-threshold", "4096", "--decode-queue-threshold", "2048",
+                        "--prefill-queue-s", "0", "--colocate-queue-s", "0")),
 )}
 
 
@@ -172,7 +176,9 @@ def _start_nixl(run: Running, model: str, max_model_len: int) -> None:
         run.procs.append(_spawn(cmd, env, run.log_dir / f"{role}.log"))
     p_url, d_url = f"http://{HOST}:{http_p}", f"http://{HOST}:{http_d}"
     cmd = ["taskset", "-c", "0,1", sys.executable, "-m", "vllm_disagg.cli.main", "router", "--pd-protocol", "vllm",
-           "--prefill", p_url, "--decode", d_url, "--port", str(router), "--read-timeout-s", "900"]
+           "--prefill", p_url, "--decode", d_url, "--port", str(router), "--read-timeout-s", "900",
+           # every request P then D, as vLLM's own proxy routes them: no mixed pool for vLLM's P/D
+           "--prefill-queue-s", "0", "--colocate-queue-s", "0"]
     run.procs.append(_spawn(cmd, _env(), run.log_dir / "router.log"))
     run.url = f"http://{HOST}:{router}"
     run.instances = {"prefill": p_url, "decode": d_url, "router": run.url}

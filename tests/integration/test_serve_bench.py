@@ -41,7 +41,7 @@ def test_serve_bench_runs_on_a_small_trace_both_pd_deployments_move_their_kv_and
     assert headline.keys() == set(DEPLOYMENTS)
     for run in headline.values():
         assert run["num_requests"] == 6 and run["num_failed"] == 0 and run["num_gaps"] == run["output_tokens"] - 6
-        assert run["kv"]["kv_bytes"] > 0 and run["kv"]["recomputes"] == 0 and run["kv"]["decode_requests"] == 6
+        assert run["kv"]["kv_bytes"] > 0 and run["kv"]["recomputes"] == 0 and run["kv"]["decode_requests"] + run["kv"]["routed_whole_by_pool"]["prefill"] == 6
     assert {name: len(starts) for name, starts in result["starts"].items()} == dict.fromkeys(DEPLOYMENTS, 1)
     assert result["max_rates"].keys() == {"ours_tcp"}  # --bisect: the search reused ours_tcp's round start
     found = result["max_rates"]["ours_tcp"]

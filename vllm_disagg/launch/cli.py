@@ -26,7 +26,14 @@ from pathlib import Path
 
 from vllm_disagg.launch.attention_sizing import size_for_args
 from vllm_disagg.models import launch_model
-from vllm_disagg.router.cli import add_api_key_arg, add_failover_args, add_tracing_args, api_keys
+from vllm_disagg.router.cli import (
+    add_api_key_arg,
+    add_failover_args,
+    add_mixed_pool_args,
+    add_tracing_args,
+    api_keys,
+    scheduler_config_from_args,
+)
 
 logger = logging.getLogger("vllm_disagg.launch")
 
@@ -52,10 +59,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         help="prompts with at least this many tokens are pushed layer by layer (P side)")
     parser.add_argument("--push-timeout-s", type=float, default=None,
                         help="D recomputes the prompt when a push stalls this long")
-    parser.add_argument("--prefill-queue-threshold", type=int, default=8192,
-                        help="router: pending prefill tokens above which prompts overflow to the mixed pool")
-    parser.add_argument("--decode-queue-threshold", type=int, default=65536,
-                        help="router: pending decode tokens above which requests overflow to the mixed pool")
+    add_mixed_pool_args(parser.add_argument_group("router mixed pool"))
     add_failover_args(parser.add_argument_group("router failover"))
     parser.add_argument("--restart-limit", type=int, default=5,
                         help="local backend: restarts of each instance that dies after it was healthy, over the "
@@ -184,7 +188,6 @@ def run(args: argparse.Namespace) -> int:
 async def _up(args: argparse.Namespace) -> int:
     from vllm_disagg.launch.instances import LaunchError
     from vllm_disagg.launch.local import LocalCluster
-    from vllm_disagg.router.policy import SchedulerConfig
     from vllm_disagg.router.server import Router, RouterServer
 
     model_dir = launch_model(args.model)
@@ -230,7 +233,7 @@ async def _up(args: argparse.Namespace) -> int:
                                               stall_factor=args.stall_factor, stall_min_s=args.stall_min_s,
                                               stall_release_s=args.stall_release_s,
                                               api_keys=api_keys(args)),
-                        SchedulerConfig(args.prefill_queue_threshold, args.decode_queue_threshold))
+                        scheduler_config_from_args(args))
         server = RouterServer(router, "127.0.0.1", args.port)
         await server.start()
         _announce(cluster, server.url, args.state_file)

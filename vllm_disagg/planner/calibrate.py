@@ -50,8 +50,8 @@ def measured_trace(meas: dict, seed: int = 0) -> list[TraceRequest]:
 
 
 def sim_options(machine: dict) -> SimOptions:
-    """Router without mixed pool (1P+1D), the measured chunk budget and first-token rule."""
-    return SimOptions(SchedulerConfig(None, None),
+    """The router's defaults (1P+1D), the measured chunk budget and first-token rule."""
+    return SimOptions(SchedulerConfig(),
                       layerwise_min_tokens=int(machine.get("layerwise_min_tokens", 0)),
                       prompt_token_cap=int(machine.get("max_num_batched_tokens", PROMPT_TOKEN_CAP)),
                       chunked_prefill=bool(machine.get("chunked_prefill", True)),

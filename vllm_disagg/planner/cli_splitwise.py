@@ -56,15 +56,20 @@ def add_splitwise_parser(sub, common, guard) -> None:
     p.add_argument("--validate", action="store_true",
                    help="simulate 1P+1D with --profile and compare to its 'measured' block")
     p.add_argument("--layerwise-min-tokens", type=int, default=512)
-    p.add_argument("--prefill-threshold", type=int, default=8192,
-                   help="pending prefill tokens before the mixed pool is used (0 = off)")
-    p.add_argument("--decode-threshold", type=int, default=65536,
-                   help="pending decode tokens before the mixed pool is used (0 = off)")
+    p.add_argument("--prefill-threshold", type=int, default=0,
+                   help="pending prefill tokens before the mixed pool is used (0 = off, the router's default)")
+    p.add_argument("--decode-threshold", type=int, default=0,
+                   help="pending decode tokens before the mixed pool is used (0 = off, the router's default)")
+    p.add_argument("--prefill-queue-s", type=float, default=8.0,
+                   help="P's prompt queue in seconds before D prefills (0 = off; the router's flag)")
+    p.add_argument("--colocate-queue-s", type=float, default=4.0,
+                   help="P's prompt queue in seconds before P also decodes (0 = off; the router's flag)")
     p.set_defaults(func=guard(run_splitwise))
 
 
 def _options(args) -> SimOptions:
-    sched = SchedulerConfig(args.prefill_threshold or None, args.decode_threshold or None)
+    sched = SchedulerConfig(args.prefill_threshold or None, args.decode_threshold or None,
+                            args.prefill_queue_s or None, args.colocate_queue_s or None)
     return SimOptions(sched, layerwise_min_tokens=args.layerwise_min_tokens)
 
 

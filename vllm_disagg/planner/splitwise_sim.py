@@ -89,7 +89,7 @@ class ClusterSim:
     def __init__(self, model: ModelSpec, groups: list[MachineGroup],
                  options: SimOptions | None = None, profile: Profile | None = None):
         self.options = options or SimOptions()
-        self.scheduler = ClusterScheduler(self.options.scheduler)
+        self.scheduler = ClusterScheduler(self.options.scheduler, clock=lambda: self.now)
         self.machines: dict[str, SimMachine] = {}
         for g_idx, group in enumerate(groups):
             perf = build_perf_model(model, group.hardware, profile)

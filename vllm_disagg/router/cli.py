@@ -38,10 +38,7 @@ def add_router_args(parser: argparse.ArgumentParser, vllm_serve_flags: bool = Fa
                    help="longest silence from an instance before the request fails cleanly")
     g.add_argument("--health-interval-s", type=float, default=2.0, help="period of /health polls")
     add_failover_args(g)
-    g.add_argument("--prefill-queue-threshold", type=int, default=8192,
-                   help="pending prefill tokens above which prompts overflow to the mixed pool")
-    g.add_argument("--decode-queue-threshold", type=int, default=65536,
-                   help="pending decode tokens above which requests overflow to the mixed pool")
+    add_mixed_pool_args(g)
     if not vllm_serve_flags:
         add_api_key_arg(g)
     add_tracing_args(g, with_endpoint=not vllm_serve_flags)
@@ -117,11 +114,26 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     )
 
 
+def add_mixed_pool_args(g) -> None:
+    """When Splitwise's mixed pool opens (router README, "policy.py"): `router`, `up` and Ray's `up` alike."""
+    g.add_argument("--prefill-queue-s", type=float, default=8.0,
+                   help="P's prompt queue, in seconds of its measured prompt rate, above which D prefills "
+                        "the prompt (mixed pool; 0 = off)")
+    g.add_argument("--colocate-queue-s", type=float, default=4.0,
+                   help="P's prompt queue in seconds above which P also decodes the request (0 = off)")
+    g.add_argument("--prefill-queue-threshold", type=int, default=None,
+                   help="also: pending prefill tokens above which prompts overflow to the mixed pool (default: off)")
+    g.add_argument("--decode-queue-threshold", type=int, default=None,
+                   help="pending decode tokens above which requests overflow to the mixed pool (default: off)")
+
+
 def scheduler_config_from_args(args: argparse.Namespace):
     from vllm_disagg.router.policy import SchedulerConfig
 
     return SchedulerConfig(prefill_queue_threshold=args.prefill_queue_threshold,
-                           decode_queue_threshold=args.decode_queue_threshold)
+                           decode_queue_threshold=args.decode_queue_threshold,
+                           prefill_queue_s=args.prefill_queue_s or None,
+                           colocate_queue_s=args.colocate_queue_s or None)
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:

@@ -280,7 +280,8 @@ def _remove(pools, instance_id: str) -> None:
     pools.set_healthy(instance_id, False)
     del pools.instances[instance_id]
     del pools.scheduler.instances[instance_id]
-    for gauge in (pools.metrics.instance_pending_tokens, pools.metrics.instance_healthy):
+    for gauge in (pools.metrics.instance_pending_tokens, pools.metrics.instance_prompt_queue_s,
+                  pools.metrics.instance_healthy):
         with contextlib.suppress(KeyError):
             gauge.remove(inst.pool.value, inst.url)
 

@@ -48,6 +48,10 @@ class RouterMetrics:
             "vllm:disagg_router_instance_pending_tokens", "Pending tokens per instance.",
             ["pool", "instance"], registry=r,
         )
+        self.instance_prompt_queue_s = Gauge(
+            "vllm:disagg_router_instance_prompt_queue_seconds", "Pending prompt tokens over the instance's measured "
+            "prompt rate (0 until measured): the mixed pool's trigger.", ["pool", "instance"], registry=r,
+        )
         self.instance_healthy = Gauge(
             "vllm:disagg_router_instance_healthy", "1 if the instance passes health checks.",
             ["pool", "instance"], registry=r,

@@ -4,10 +4,12 @@
 Splitwise §IV-A: every request gets a *pair* of instances (prefill, decode),
 chosen at the same time so the KV transfer can overlap the prompt phase.
 Routing is Join-the-Shortest-Queue where queue length = pending tokens.
-When the best instance of a pool has more pending tokens than a threshold,
-the request goes to the *mixed pool*; if the mixed pool is also full, an
-instance of the opposite pool is moved into it. A mixed instance keeps its
-identity and goes home once it has no work of the opposite kind left.
+When the best instance of a pool is too loaded, the request goes to the
+*mixed pool*; if the mixed pool is also full, an instance of the opposite
+pool is moved into it. A mixed instance keeps its identity and goes home
+once it has no work of the opposite kind left. "Too loaded" is, by default,
+P's prompt queue in seconds of its measured prompt rate (prompt_rate.py):
+past one limit P also decodes the request, past a higher one D prefills it.
 
 More: README.md, "policy.py".
 """
@@ -15,8 +17,11 @@ More: README.md, "policy.py".
 from __future__ import annotations
 
 import enum
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from vllm_disagg.router.prompt_rate import PromptRate
 
 
 class Pool(str, enum.Enum):
@@ -55,10 +60,17 @@ class InstanceState:
     suspect: bool = False
     """Owes progress past its soft stall limit (router/health.py) but is not cut: chosen only when no
     instance that shows progress can take the request (the simulator never sets it)."""
+    prompt_rate: PromptRate = field(default_factory=PromptRate)
+    """Its measured prefill speed: turns its prompt queue into seconds."""
 
     @property
     def num_pending_tokens(self) -> int:
         return self.num_pending_prefill_tokens + self.num_pending_decode_tokens
+
+    @property
+    def prompt_queue_s(self) -> float | None:
+        """Seconds its booked prompts take at its measured rate (None: not measured yet)."""
+        return self.prompt_rate.seconds_for(self.num_pending_prefill_tokens)
 
     def kv_fits(self, num_tokens: int) -> bool:
         cap = self.kv_capacity_tokens
@@ -94,12 +106,17 @@ class _Assignment:
 class SchedulerConfig:
     """Knobs of the CLS (Splitwise §IV-A)."""
 
-    prefill_queue_threshold: int | None = 8192
-    """Pending prefill tokens above which a prompt goes to the mixed pool.
-    None disables the mixed pool for prompts."""
-    decode_queue_threshold: int | None = 65536
-    """Pending decode tokens above which a request decodes in the mixed pool.
-    None disables the mixed pool for decode."""
+    prefill_queue_threshold: int | None = None
+    """Pending prefill tokens above which a prompt goes to the mixed pool (None: no token limit)."""
+    decode_queue_threshold: int | None = None
+    """Pending decode tokens above which a request decodes in the mixed pool (None: no token limit)."""
+    prefill_queue_s: float | None = 8.0
+    """P's prompt queue, in seconds of its measured prompt rate, above which a prompt goes to the
+    mixed pool (D prefills it). None: off."""
+    colocate_queue_s: float | None = 4.0
+    """P's prompt queue in seconds above which P keeps the request whole (decodes it too): its
+    prompt waits that long anyway, and P's prefill steps carry its decode at little cost, so P's
+    core decodes instead of idling once the burst's prompts are done. None: off."""
 
 
 @dataclass
@@ -109,6 +126,8 @@ class ClusterScheduler:
     config: SchedulerConfig = field(default_factory=SchedulerConfig)
     instances: dict[str, InstanceState] = field(default_factory=dict)
     _assignments: dict[str, _Assignment] = field(default_factory=dict)
+    clock: Callable[[], float] = time.monotonic
+    """Time for the prompt-rate measurement (the simulator passes its own)."""
     listeners: list[Callable[[str, bool, list[str]], None]] = field(default_factory=list)
     """Called as `(instance_id, healthy, lost_req_ids)` when an instance joins or comes back
     (healthy=True, no ids) or leaves routing (healthy=False, the requests booked on it)."""
@@ -169,6 +188,8 @@ class ClusterScheduler:
         decision = RoutingDecision(req_id, prefill.instance_id, decode.instance_id,
                                    p_mixed, d_mixed)
         num_kv = num_prompt_tokens + num_decode_tokens
+        if prefill.num_prefill_reqs == 0:
+            prefill.prompt_rate.on_busy(self.clock())
         prefill.num_pending_prefill_tokens += num_prompt_tokens
         prefill.num_prefill_reqs += 1
         decode.num_pending_decode_tokens += num_decode_tokens
@@ -185,8 +206,8 @@ class ClusterScheduler:
             return
         a.prefill_done = True
         inst = self.instances[a.decision.prefill]
-        inst.num_pending_prefill_tokens -= a.num_prompt_tokens
-        inst.num_prefill_reqs -= 1
+        inst.prompt_rate.on_prefill_done(a.num_prompt_tokens, self.clock())
+        self._release_prompt(inst, a.num_prompt_tokens)
         self._maybe_go_home(inst)
 
     def on_decode_progress(self, req_id: str, num_tokens: int = 1) -> None:
@@ -204,9 +225,7 @@ class ClusterScheduler:
         if a is None:
             return
         if not a.prefill_done:
-            pre = self.instances[a.decision.prefill]
-            pre.num_pending_prefill_tokens -= a.num_prompt_tokens
-            pre.num_prefill_reqs -= 1
+            self._release_prompt(self.instances[a.decision.prefill], a.num_prompt_tokens)
         dec = self.instances[a.decision.decode]
         dec.num_pending_decode_tokens -= a.num_decode_tokens
         dec.num_decode_reqs -= 1
@@ -223,6 +242,30 @@ class ClusterScheduler:
         return len(self._assignments)
 
     # -------------------------------------------------------------- internals
+    @staticmethod
+    def _release_prompt(inst: InstanceState, num_prompt_tokens: int) -> None:
+        inst.num_pending_prefill_tokens -= num_prompt_tokens
+        inst.num_prefill_reqs -= 1
+        if inst.num_prefill_reqs == 0:
+            inst.prompt_rate.on_idle()
+
+    def _prompts_full(self, inst: InstanceState) -> bool:
+        """The prompt queue is past the token limit or the seconds limit (an unmeasured rate: no)."""
+        tokens, seconds = self.config.prefill_queue_threshold, self.config.prefill_queue_s
+        queue_s = inst.prompt_queue_s
+        return ((tokens is not None and inst.num_pending_prefill_tokens >= tokens)
+                or (seconds is not None and queue_s is not None and queue_s > seconds))
+
+    def _decodes_full(self, inst: InstanceState) -> bool:
+        limit = self.config.decode_queue_threshold
+        return limit is not None and inst.num_pending_decode_tokens >= limit
+
+    def _keeps_whole(self, prefill: InstanceState, num_kv_tokens: int) -> bool:
+        """A P whose prompt queue is past `colocate_queue_s` also decodes the request."""
+        limit, queue_s = self.config.colocate_queue_s, prefill.prompt_queue_s
+        return (prefill.pool is Pool.PREFILL and limit is not None and queue_s is not None
+                and queue_s > limit and prefill.kv_fits(num_kv_tokens))
+
     def _healthy(self, pool: Pool) -> list[InstanceState]:
         return [i for i in self.instances.values() if i.healthy and i.pool is pool]
 
@@ -235,33 +278,31 @@ class ClusterScheduler:
         return min(cands, key=lambda i: (i.suspect, i.num_pending_tokens), default=None)
 
     def _choose_prefill(self, num_tokens: int) -> tuple[InstanceState, bool]:
-        limit = self.config.prefill_queue_threshold
         # Home instances serve their own phase even while lent to the mixed
         # pool; baseline (MIXED) machines take prompts directly.
         home = self._healthy(Pool.PREFILL) + self._healthy(Pool.MIXED)
         best = self._jsq(home)
         if best is not None and best.suspect and (steady := self._steady(Pool.DECODE, lambda i: True)):
             return steady
-        if best is not None and (limit is None or best.pool is Pool.MIXED
-                                 or best.num_pending_prefill_tokens < limit):
+        if best is not None and (best.pool is Pool.MIXED or not self._prompts_full(best)):
             return best, False
-        return self._overflow(best, Pool.DECODE, limit, lambda i: i.num_pending_prefill_tokens,
-                              lambda i: True)
+        return self._overflow(best, Pool.DECODE, self._prompts_full, lambda i: True)
 
     def _choose_decode(self, prefill: InstanceState,
                        num_kv_tokens: int) -> tuple[InstanceState, bool]:
         if prefill.pool is Pool.MIXED:
             return prefill, False  # baseline machines keep the whole request
-        limit = self.config.decode_queue_threshold
+        if self._keeps_whole(prefill, num_kv_tokens):
+            prefill.in_mixed_pool = True
+            return prefill, True
         fits = lambda i: i.kv_fits(num_kv_tokens)  # noqa: E731
         home = [i for i in self._healthy(Pool.DECODE) if fits(i)]
         best = self._jsq(home)
         if best is not None and best.suspect and (steady := self._steady(Pool.PREFILL, fits)):
             return steady
-        if best is not None and (limit is None or best.num_pending_decode_tokens < limit):
+        if best is not None and not self._decodes_full(best):
             return best, False
-        return self._overflow(best, Pool.PREFILL, limit, lambda i: i.num_pending_decode_tokens,
-                              fits)
+        return self._overflow(best, Pool.PREFILL, self._decodes_full, fits)
 
     def _steady(self, opposite: Pool, fits) -> tuple[InstanceState, bool] | None:
         """Every home instance is suspect (owes progress): borrow one of the opposite pool, or a
@@ -273,11 +314,12 @@ class ClusterScheduler:
             cand.in_mixed_pool = True
         return cand, cand.pool is opposite
 
-    def _overflow(self, best, opposite: Pool, limit, load, fits) -> tuple[InstanceState, bool]:
+    def _overflow(self, best, opposite: Pool, full, fits) -> tuple[InstanceState, bool]:
         """Splitwise §IV-A overflow: mixed pool first, then borrow from the
-        opposite pool; fall back to the (overloaded) home best if neither."""
-        if limit is not None:
-            mixed = [i for i in self._mixed_pool() if load(i) < limit and fits(i)]
+        opposite pool; fall back to the (overloaded) home best if neither.
+        `best` is None or full (`full(best)` is true)."""
+        if best is not None:
+            mixed = [i for i in self._mixed_pool() if not full(i) and fits(i)]
             cand = self._jsq(mixed)
             if cand is not None:
                 return cand, cand.pool is opposite
@@ -286,7 +328,6 @@ class ClusterScheduler:
             if borrow is not None:
                 borrow.in_mixed_pool = True
                 return borrow, True
-        if best is not None:
             return best, False
         cand = self._jsq([i for i in self._mixed_pool() if fits(i)])
         if cand is None:

@@ -194,6 +194,7 @@ class InstancePools:
             s = self.scheduler.instances[inst.instance_id]
             out.append({"url": inst.url, "pool": inst.pool.value, "healthy": s.healthy,
                         "in_mixed_pool": s.in_mixed_pool, "pending_tokens": s.num_pending_tokens,
+                        "prompt_tokens_per_s": s.prompt_rate.tokens_per_s, "prompt_queue_s": s.prompt_queue_s,
                         "kv": f"{inst.kv_host}:{inst.kv_port}" if inst.kv_host else None})
         return out
 
@@ -207,6 +208,7 @@ class InstancePools:
         for inst in self.instances.values():
             s = self.scheduler.instances[inst.instance_id]
             m.instance_pending_tokens.labels(inst.pool.value, inst.url).set(s.num_pending_tokens)
+            m.instance_prompt_queue_s.labels(inst.pool.value, inst.url).set(s.prompt_queue_s or 0.0)
             m.instance_healthy.labels(inst.pool.value, inst.url).set(1 if s.healthy else 0)
 
 

@@ -15,9 +15,9 @@ from pathlib import Path
 from vllm_disagg.launch.ray.cluster import RayCluster
 from vllm_disagg.launch.ray.specs import POOLS, plan_actor_specs
 from vllm_disagg.models import launch_model
+from vllm_disagg.router.cli import scheduler_config_from_args
 from vllm_disagg.router.config import RouterConfig
 from vllm_disagg.router.discovery import MembershipSync, RayActorSource
-from vllm_disagg.router.policy import SchedulerConfig
 from vllm_disagg.router.ray_registry import ROUTER_KEY
 from vllm_disagg.router.server import Router, RouterServer
 
@@ -83,7 +83,7 @@ async def _start_router(args: argparse.Namespace, endpoints: list[dict]):
                           decode_urls=[e["url"] for e in by_role["decode"]],
                           mixed_urls=[e["url"] for e in by_role["mixed"]],
                           push_timeout_s=args.push_timeout_s, health_interval_s=1.0)
-    router = Router(config, SchedulerConfig(args.prefill_queue_threshold, args.decode_queue_threshold))
+    router = Router(config, scheduler_config_from_args(args))
     server = RouterServer(router, args.router_host, args.port)
     await server.start()
     sync = MembershipSync(router, RayActorSource(args.ray_namespace), interval_s=2.0)
