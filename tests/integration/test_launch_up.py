@@ -113,3 +113,28 @@ def test_up_with_two_attention_servers_and_no_prefill_matches_plain_vllm_and_sta
                                  str(state_file)], capture_output=True, text=True, timeout=60)
         assert status.returncode == 0, status.stdout + status.stderr
         assert "attention (2/2 healthy)" in status.stdout and "sessions=1" in status.stdout
+
+
+# ------------------------------------------------------------------ the mixed pool: whole requests on P
+def _router_counter(url: str, name: str, *labels: str) -> float:
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
+        lines = resp.read().decode().splitlines()
+    return sum(float(line.split()[-1]) for line in lines
+               if line.startswith(name + "{") and all(label in line for label in labels))
+
+
+def test_up_1p1d_with_the_mixed_pool_open_serves_whole_requests_on_p_with_plain_vllms_tokens(
+        tiny_model_dir, plain_attn_tokens, tmp_path):
+    """`--colocate-queue-s` near 0: once P's prompt rate is measured, a request that finds any prompt
+    queued on P is served whole there (the router's default opens at 4 s of P's measured work)."""
+    with running_up(tmp_path, "--prefill", "1", "--decode", "1", "--colocate-queue-s", "1e-6",
+                    "--model", tiny_model_dir, *ENGINE_ARGS) as up:
+        state = up.state
+        url = state["endpoint"]
+        assert _complete(state, ATTN_PROMPTS[2], False) == plain_attn_tokens[2]  # P/D: measures P's rate
+        for _ in range(3):  # the prompts must overlap on P; on a busy box one round may not
+            assert _concurrent_then_streamed(state) == plain_attn_tokens + [plain_attn_tokens[1]]
+            if _router_counter(url, "vllm:disagg_router_whole_requests_total", 'pool="prefill"') >= 1:
+                break
+        assert _router_counter(url, "vllm:disagg_router_whole_requests_total", 'pool="prefill"') >= 1
+        assert _router_counter(url, "vllm:disagg_router_requests_total", 'route="pd"', 'outcome="ok"') >= 1
