@@ -75,8 +75,9 @@ class Plan:
     deployments: list[str] = field(default_factory=lambda: ["plain_default", "plain_bind01", "vllm_nixl", "ours_tcp",
                                                             "ours_shm", "ours_nano"])
     saturation: list[str] = field(default_factory=lambda: ["plain_default", "plain_bind01", "vllm_nixl", "ours_tcp",
-                                                           "ours_traced", "ours_pd_only", "ours_mixed", "ours_mixed_both"])
-    """Also run at the saturation rate when chosen (ours_traced, ours_pd_only, ours_mixed*: only when --deployments
+                                                           "ours_traced", "ours_pd_only", "ours_colocate_only", "ours_mixed",
+                                                           "ours_mixed_both"])
+    """Also run at the saturation rate when chosen (ours_traced, ours_pd_only, ours_colocate_only, ours_mixed*: only when --deployments
     names them)."""
     bisect: list[str] = field(default_factory=lambda: ["plain", "vllm_nixl", "ours_tcp"])
     """'plain' = the better plain binding."""

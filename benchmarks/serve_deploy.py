@@ -78,6 +78,8 @@ DEPLOYMENTS = {d.name: d for d in (
     Deployment("ours_traced", "ours", transport="tcp", traced=True),
     # The router's default mixed pool (P's prompt queue in seconds) off: every request P then D
     Deployment("ours_pd_only", "ours", transport="tcp", up_args=("--prefill-queue-s", "0", "--colocate-queue-s", "0")),
+    # The default's colocate rule alone: P keeps a request whole past 4 s of prompt queue, D never prefills
+    Deployment("ours_colocate_only", "ours", transport="tcp", up_args=("--prefill-queue-s", "0")),
     # Splitwise's mixed pool sooner: once D has 2048 output tokens pending, P also decodes whole requests
     Deployment("ours_mixed", "ours", transport="tcp", up_args=("--decode-queue-threshold", "2048", "--prefill-queue-s", "0",
                                                                "--colocate-queue-s", "0")),

@@ -99,7 +99,7 @@ def summary(bench, plain: str | None, max_rates: dict, prediction: dict | None, 
     }
     plain_goodput = med.get(plain, {}).get("headline", {}).get("goodput") if plain else None
     secondary = {f"{k}_{a}_vs_{b}": ratio(a, b, m, kind) for a, b in ((o, plain) for o in (
-        "ours_shm", "ours_nano", "ours_pd_only", "ours_mixed", "ours_mixed_both", "vllm_nixl")) for k, m, kind in (("goodput_ratio", "goodput", "headline"),
+        "ours_shm", "ours_nano", "ours_pd_only", "ours_colocate_only", "ours_mixed", "ours_mixed_both", "vllm_nixl")) for k, m, kind in (("goodput_ratio", "goodput", "headline"),
                                                                   ("ttft_p50_ratio", "ttft_p50_ms", "headline"),
                                                                   ("p99_tbt_ratio", "tbt_p99_ms", "headline"),
                                                                   ("throughput_ratio", "output_tok_s", "saturation"))}
