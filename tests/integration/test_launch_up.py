@@ -90,10 +90,11 @@ def plain_attn_tokens(tiny_model_dir):
         gc.collect()
 
 
-def _attention_metrics(url: str) -> dict[str, float]:
+def _metrics(url: str, prefix: str) -> dict[str, float]:
+    """Samples (name with labels -> value) of `url`'s /metrics whose name starts with `prefix`."""
     with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
         lines = resp.read().decode().splitlines()
-    return {line.split()[0]: float(line.split()[-1]) for line in lines if line.startswith("vllm:disagg_attention")}
+    return {line.split()[0]: float(line.split()[-1]) for line in lines if line.startswith(prefix)}
 
 
 def test_up_with_two_attention_servers_and_no_prefill_matches_plain_vllm_and_status_lists_them(
@@ -106,7 +107,7 @@ def test_up_with_two_attention_servers_and_no_prefill_matches_plain_vllm_and_sta
         got = _concurrent_then_streamed(state)
         assert got == plain_attn_tokens + [plain_attn_tokens[1]]
         for inst in state["instances"][:2]:  # both head shards did attention work for the model worker
-            metrics = _attention_metrics(inst["url"])
+            metrics = _metrics(inst["url"], "vllm:disagg_attention")
             assert metrics["vllm:disagg_attention_sessions"] == 1
             assert metrics["vllm:disagg_attention_bytes_in_total"] > 0
         status = subprocess.run([sys.executable, "-m", "vllm_disagg.cli.main", "status", "--state-file",
@@ -117,10 +118,7 @@ def test_up_with_two_attention_servers_and_no_prefill_matches_plain_vllm_and_sta
 
 # ------------------------------------------------------------------ the mixed pool: whole requests on P
 def _router_counter(url: str, name: str, *labels: str) -> float:
-    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
-        lines = resp.read().decode().splitlines()
-    return sum(float(line.split()[-1]) for line in lines
-               if line.startswith(name + "{") and all(label in line for label in labels))
+    return sum(v for k, v in _metrics(url, name + "{").items() if all(label in k for label in labels))
 
 
 def test_up_1p1d_with_the_mixed_pool_open_serves_whole_requests_on_p_with_plain_vllms_tokens(

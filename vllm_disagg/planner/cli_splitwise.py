@@ -28,6 +28,7 @@ from vllm_disagg.planner.traces import (
     rescale_rate,
     synthetic_trace,
 )
+from vllm_disagg.router.cli import add_queue_seconds_args, queue_seconds_from_args
 from vllm_disagg.router.policy import SchedulerConfig
 
 
@@ -60,16 +61,13 @@ def add_splitwise_parser(sub, common, guard) -> None:
                    help="pending prefill tokens before the mixed pool is used (0 = off, the router's default)")
     p.add_argument("--decode-threshold", type=int, default=0,
                    help="pending decode tokens before the mixed pool is used (0 = off, the router's default)")
-    p.add_argument("--prefill-queue-s", type=float, default=8.0,
-                   help="P's prompt queue in seconds before D prefills (0 = off; the router's flag)")
-    p.add_argument("--colocate-queue-s", type=float, default=4.0,
-                   help="P's prompt queue in seconds before P also decodes (0 = off; the router's flag)")
+    add_queue_seconds_args(p)
     p.set_defaults(func=guard(run_splitwise))
 
 
 def _options(args) -> SimOptions:
     sched = SchedulerConfig(args.prefill_threshold or None, args.decode_threshold or None,
-                            args.prefill_queue_s or None, args.colocate_queue_s or None)
+                            **queue_seconds_from_args(args))
     return SimOptions(sched, layerwise_min_tokens=args.layerwise_min_tokens)
 
 

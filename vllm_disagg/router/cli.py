@@ -114,13 +114,25 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     )
 
 
-def add_mixed_pool_args(g) -> None:
-    """When Splitwise's mixed pool opens (router README, "policy.py"): `router`, `up` and Ray's `up` alike."""
-    g.add_argument("--prefill-queue-s", type=float, default=8.0,
+def add_queue_seconds_args(g) -> None:
+    """The mixed pool's default trigger; the planner's `splitwise` simulator takes the same two flags."""
+    from vllm_disagg.router.policy import SchedulerConfig
+
+    g.add_argument("--prefill-queue-s", type=float, default=SchedulerConfig.prefill_queue_s,
                    help="P's prompt queue, in seconds of its measured prompt rate, above which D prefills "
                         "the prompt (mixed pool; 0 = off)")
-    g.add_argument("--colocate-queue-s", type=float, default=4.0,
+    g.add_argument("--colocate-queue-s", type=float, default=SchedulerConfig.colocate_queue_s,
                    help="P's prompt queue in seconds above which P also decodes the request (0 = off)")
+
+
+def queue_seconds_from_args(args: argparse.Namespace) -> dict[str, float | None]:
+    """`add_queue_seconds_args`' flags as SchedulerConfig fields (0 = off = None)."""
+    return {"prefill_queue_s": args.prefill_queue_s or None, "colocate_queue_s": args.colocate_queue_s or None}
+
+
+def add_mixed_pool_args(g) -> None:
+    """When Splitwise's mixed pool opens (router README, "policy.py"): `router`, `up` and Ray's `up` alike."""
+    add_queue_seconds_args(g)
     g.add_argument("--prefill-queue-threshold", type=int, default=None,
                    help="also: pending prefill tokens above which prompts overflow to the mixed pool (default: off)")
     g.add_argument("--decode-queue-threshold", type=int, default=None,
@@ -131,9 +143,7 @@ def scheduler_config_from_args(args: argparse.Namespace):
     from vllm_disagg.router.policy import SchedulerConfig
 
     return SchedulerConfig(prefill_queue_threshold=args.prefill_queue_threshold,
-                           decode_queue_threshold=args.decode_queue_threshold,
-                           prefill_queue_s=args.prefill_queue_s or None,
-                           colocate_queue_s=args.colocate_queue_s or None)
+                           decode_queue_threshold=args.decode_queue_threshold, **queue_seconds_from_args(args))
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
